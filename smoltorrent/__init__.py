@@ -1,0 +1,3 @@
+"""smoltorrent: shared errors and defaults."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,57 @@
+"""The error hierarchy: one root, a subclass per thing a user can meet.
+
+Messages are sentences that say what went wrong and what to do next; the
+CLI prints them as they are.
+"""
+
+
+class SmoltorrentError(Exception):
+    """Root of every error smoltorrent raises on purpose."""
+
+
+class CheckpointFormatError(SmoltorrentError):
+    """A file is not a valid .safetensors checkpoint."""
+
+
+class SourceChangedError(SmoltorrentError):
+    """The source file changed while it was being stored."""
+
+
+class NotEnoughNodesError(SmoltorrentError):
+    """Fewer live nodes than the replication factor needs."""
+
+
+class ProtocolError(SmoltorrentError):
+    """A peer sent bytes that do not follow the wire protocol."""
+
+
+class AuthenticationError(ProtocolError):
+    """The cluster-key handshake failed."""
+
+
+class NodeUnavailableError(SmoltorrentError):
+    """A node could not be reached or stopped answering."""
+
+
+class NodeError(SmoltorrentError):
+    """A node answered a request with a typed error frame."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DigestMismatchError(SmoltorrentError):
+    """Bytes did not hash to the SHA-256 they were promised to have."""
+
+
+class GatherError(SmoltorrentError):
+    """A checkpoint could not be rebuilt byte for byte."""
+
+
+class MetadataError(SmoltorrentError):
+    """The metadata store (Redis) is unreachable or holds something unexpected."""
+
+
+class NotFoundError(SmoltorrentError):
+    """A checkpoint, version, node or dead letter that does not exist."""
