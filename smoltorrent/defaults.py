@@ -16,11 +16,17 @@ SOCKET_TIMEOUT_S = 30.0  # seconds without progress before a peer counts as stal
 CONNECT_TIMEOUT_S = 3.0  # seconds; a LAN node that needs longer is down for our purposes
 VERIFY_TIMEOUT_S = 3600.0  # seconds; re-hashing a full node is slow on an SD card
 NONCE_BYTES = 32  # bytes; HMAC challenge size, as long as the SHA-256 output
+SENDFILE_MAX_BYTES = 1 << 30  # bytes per sendfile call; Linux moves at most ~2 GiB per call
+MAX_KEY_CHARS = 128  # characters in a manifest key; one file name on every file system we meet
 
 # --- shard server (worker_server/server.py) ---------------------------------
 
 MAX_CONNECTIONS = 256  # concurrent connections per node; each costs one thread and one buffer
 LISTEN_BACKLOG = 128  # pending accepts; bursts of parallel transfers at store time
+ACCEPT_POLL_S = 0.5  # seconds; how soon the accept loop notices SIGTERM/SIGINT
+SHUTDOWN_GRACE_S = 10.0  # seconds in-flight requests get to finish after a stop signal
+CLOSE_DRAIN_S = 1.0  # seconds spent reading a rejected peer's leftovers so it can read our error
+CLOSE_DRAIN_BYTES = 1024 * 1024  # bytes read and dropped at most before closing on a rejected peer
 
 # --- planning and placement (coordinator/) ----------------------------------
 

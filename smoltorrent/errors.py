@@ -55,3 +55,15 @@ class MetadataError(SmoltorrentError):
 
 class NotFoundError(SmoltorrentError):
     """A checkpoint, version, node or dead letter that does not exist."""
+
+
+class UnsupportedVersionError(ProtocolError):
+    """A peer speaks another version of the wire protocol."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame declares more bytes than the protocol allows for it."""
+
+
+class DiskFullError(SmoltorrentError):
+    """A node has no room left for a blob."""
