@@ -67,3 +67,11 @@ class FrameTooLargeError(ProtocolError):
 
 class DiskFullError(SmoltorrentError):
     """A node has no room left for a blob."""
+
+
+class InsufficientSpaceError(SmoltorrentError):
+    """The live nodes lack the free space to hold every replica of every shard."""
+
+
+class ManifestError(SmoltorrentError):
+    """A manifest is malformed or written in a schema this version does not know."""

@@ -1,0 +1,293 @@
+"""The .safetensors header: read it, validate it, never touch the data.
+
+A safetensors file is an 8-byte little-endian length N, N bytes of JSON
+naming every tensor's dtype, shape and byte range, then the data section.
+Everything the store path needs (planning, blob headers, the manifest) comes
+from that header, so tensor bytes never become Python objects here.
+
+Validation mirrors what the safetensors library itself accepts, so a file
+rejected here would also fail to load, and a file accepted here rebuilds into
+something `safetensors.safe_open` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from smoltorrent import defaults
+from smoltorrent.errors import CheckpointFormatError
+
+LENGTH_PREFIX_BYTES = 8  # the u64 header length every safetensors file starts with
+METADATA_KEY = "__metadata__"
+
+# Bits per element of every dtype safetensors 0.8 accepts; sub-byte types
+# (F4, F6_*) only make sense when a tensor's total bits fill whole bytes.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+
+# Magic numbers of the formats people most often mistake for safetensors.
+_LOOKALIKES = (
+    (b"PK\x03\x04", "a zip archive, as torch.save writes"),
+    (b"\x80", "a Python pickle, as older torch.save writes"),
+    (b"\x93NUMPY", "a NumPy .npy file"),
+    (b"GGUF", "a GGUF file"),
+)
+_SAVE_HINT = "save checkpoints with safetensors (e.g. safetensors.torch.save_file)"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # byte offset relative to the data section
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class CheckpointHeader:
+    header_bytes: bytes  # the N header bytes exactly as in the file
+    tensors: tuple[TensorInfo, ...]  # sorted by (start, end, name)
+    metadata: dict[str, str] | None
+    file_size: int
+
+    @property
+    def data_start(self) -> int:
+        return LENGTH_PREFIX_BYTES + len(self.header_bytes)
+
+    @property
+    def data_size(self) -> int:
+        return self.file_size - self.data_start
+
+
+def format_bytes(count: int) -> str:
+    """Decimal units, one decimal: 1234567 -> '1.2 MB', as people read disk sizes."""
+    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
+    value, unit = float(count), 0
+    while value >= 999.95 and unit < len(units) - 1:
+        value, unit = value / 1000, unit + 1
+    return f"{count} B" if unit == 0 else f"{value:.1f} {units[unit]}"
+
+
+def read_header(path: str | os.PathLike[str]) -> CheckpointHeader:
+    """Read and validate only the header of the file at `path`."""
+    source = os.fspath(path)
+    with open(source, "rb") as file:
+        file_size = os.fstat(file.fileno()).st_size
+        prefix = file.read(LENGTH_PREFIX_BYTES)
+        header_length = _check_prefix(prefix, file_size, source)
+        header_bytes = file.read(header_length)
+    return parse_header(prefix, header_bytes, file_size, source=source)
+
+
+def parse_header(
+    prefix: bytes, header_bytes: bytes, file_size: int, *, source: str = "checkpoint"
+) -> CheckpointHeader:
+    """Validate a header already read: the 8-byte prefix, the N JSON bytes, the file size."""
+    header_length = _check_prefix(prefix, file_size, source)
+    if len(header_bytes) != header_length:
+        _fail(
+            source,
+            f"truncated header: expected {header_length} header bytes, got {len(header_bytes)}",
+            "the file was cut short; copy it again or wait until it is fully written",
+        )
+    entries = _decode_json(header_bytes, source)
+    metadata = _check_metadata(entries.pop(METADATA_KEY, None), source)
+    tensors = sorted(
+        (_check_tensor(name, entry, source) for name, entry in entries.items()),
+        key=lambda tensor: (tensor.start, tensor.end, tensor.name),
+    )
+    data_size = file_size - LENGTH_PREFIX_BYTES - header_length
+    _check_layout(tensors, data_size, source)
+    return CheckpointHeader(header_bytes, tuple(tensors), metadata, file_size)
+
+
+def _fail(source: str, problem: str, advice: str) -> NoReturn:
+    raise CheckpointFormatError(f"{problem} ({source}); {advice}.")
+
+
+def _lookalike(prefix: bytes) -> str:
+    for magic, description in _LOOKALIKES:
+        if prefix.startswith(magic):
+            return f" (it looks like {description})"
+    return ""
+
+
+def _check_prefix(prefix: bytes, file_size: int, source: str) -> int:
+    """Return the header length N after checking it fits the file and the spec's limit."""
+    if file_size < LENGTH_PREFIX_BYTES or len(prefix) < LENGTH_PREFIX_BYTES:
+        what = "empty file" if file_size == 0 else f"only {file_size} bytes long"
+        _fail(
+            source,
+            f"not a safetensors file: {what}, shorter than the 8-byte header length",
+            "wait until the training job has finished writing it, or " + _SAVE_HINT,
+        )
+    if len(prefix) != LENGTH_PREFIX_BYTES:
+        raise ValueError(f"prefix must be {LENGTH_PREFIX_BYTES} bytes, got {len(prefix)}")
+    (header_length,) = struct.unpack("<Q", prefix)
+    if LENGTH_PREFIX_BYTES + header_length > file_size:
+        _fail(
+            source,
+            f"not a safetensors file{_lookalike(prefix)}: header length "
+            f"{format_bytes(header_length)} exceeds file size {format_bytes(file_size)}",
+            _SAVE_HINT + ", or copy the file again if it was cut short",
+        )
+    if header_length > defaults.MAX_SAFETENSORS_HEADER_BYTES:
+        _fail(
+            source,
+            f"not a safetensors file: header length {format_bytes(header_length)} exceeds "
+            f"the {format_bytes(defaults.MAX_SAFETENSORS_HEADER_BYTES)} limit of the format",
+            _SAVE_HINT,
+        )
+    return header_length
+
+
+class _DuplicateKey(Exception):
+    """Internal: the JSON repeats a key, which a dict would silently drop."""
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _decode_json(header_bytes: bytes, source: str) -> dict[str, Any]:
+    bad_header = "not a safetensors file: the header is not"
+    try:
+        text = header_bytes.decode("utf-8")
+    except UnicodeDecodeError as error:
+        _fail(source, f"{bad_header} UTF-8 ({error.reason} at byte {error.start})", _SAVE_HINT)
+    try:
+        entries = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except _DuplicateKey as duplicate:
+        _fail(
+            source,
+            f"invalid safetensors header: the key {duplicate.args[0]!r} appears twice",
+            "re-save the checkpoint; each tensor name must be unique",
+        )
+    except json.JSONDecodeError as error:
+        _fail(source, f"{bad_header} valid JSON ({error.msg} at byte {error.pos})", _SAVE_HINT)
+    if not isinstance(entries, dict):
+        _fail(source, f"{bad_header} a JSON object", _SAVE_HINT)
+    return entries
+
+
+def _check_metadata(metadata: Any, source: str) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or not all(
+        isinstance(value, str) for value in metadata.values()
+    ):
+        _fail(
+            source,
+            f"invalid safetensors header: {METADATA_KEY} must map strings to strings",
+            "store metadata values as strings (e.g. json.dumps them) and save again",
+        )
+    return metadata
+
+
+def _is_count(value: Any) -> bool:
+    # bool is an int subclass, but `true` is not a size.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_tensor(name: str, entry: Any, source: str) -> TensorInfo:
+    resave = "re-save the checkpoint with a safetensors writer"
+
+    def fail(problem: str) -> NoReturn:
+        _fail(source, f"invalid safetensors header: tensor {name!r} {problem}", resave)
+
+    if not isinstance(entry, dict):
+        fail("is not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        fail(f"has unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)})")
+    if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
+        fail(f"has shape {shape!r}; dimensions must be non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(offset) for offset in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        fail(f"has data_offsets {offsets!r}; they must be [start, end] with 0 <= start <= end")
+    start, end = offsets
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != end - start:
+        fail(
+            f"of dtype {dtype} and shape {shape} needs {bits / 8:g} bytes, "
+            f"but its data_offsets span {end - start}"
+        )
+    return TensorInfo(name, dtype, tuple(shape), start, end)
+
+
+def _check_layout(tensors: list[TensorInfo], data_size: int, source: str) -> None:
+    """Tensors must tile the data section exactly: no overlap, no hole, nothing after."""
+    resave = "re-save the checkpoint with a safetensors writer"
+    covered = 0
+    previous = None
+    for tensor in tensors:
+        if tensor.start < covered:
+            _fail(
+                source,
+                f"invalid safetensors header: tensor {tensor.name!r} at bytes "
+                f"{tensor.start}-{tensor.end} overlaps {previous!r}, which ends at {covered}",
+                resave,
+            )
+        if tensor.start > covered:
+            _fail(
+                source,
+                f"invalid safetensors header: {tensor.start - covered} bytes at offset {covered} "
+                f"of the data section belong to no tensor (a hole before {tensor.name!r})",
+                resave,
+            )
+        covered, previous = tensor.end, tensor.name
+    if data_size < covered:
+        _fail(
+            source,
+            f"truncated file: the data section holds {format_bytes(data_size)} but the tensors "
+            f"need {format_bytes(covered)} ({covered - data_size} bytes missing)",
+            "the file was cut short; wait until it is fully written or copy it again",
+        )
+    if data_size > covered:
+        _fail(
+            source,
+            f"invalid safetensors file: {data_size - covered} trailing bytes after the last "
+            "tensor belong to no tensor",
+            "the file may have been appended to or overwritten in place; re-save it",
+        )

@@ -1,0 +1,301 @@
+"""The manifest: everything needed to rebuild one version of a checkpoint.
+
+One manifest per version, kept in Redis and on the nodes (so losing Redis
+loses nothing). It holds the source's header bytes verbatim, and per shard
+the range of the source data section it carries and the blob that carries
+it, so 8-byte length + header + every shard's range in order is the source,
+byte for byte.
+
+The JSON is versioned (`schema_version`) and canonical (sorted keys, no
+spaces): the same manifest always serialises to the same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import math
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from coordinator.checkpoint_format import LENGTH_PREFIX_BYTES, CheckpointHeader, parse_header
+from coordinator.planner import ShardPlan, blob_prefix
+from smoltorrent.errors import CheckpointFormatError, ManifestError
+
+SCHEMA_VERSION = 1
+_VERSION_ID_DOMAIN = b"smoltorrent version v1\0"  # keeps these digests apart from any other
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    index: int
+    data_start: int  # relative to the source's data section
+    data_end: int
+    tensors: tuple[str, ...]  # in data order
+    blob_size: int
+    blob_sha256: str
+    blob_data_offset: int  # == len(blob prefix): where the source bytes start in the blob
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str  # path relative to the watched root, e.g. "grpo/run1/step_100.safetensors"
+    version_id: str  # 64 hex, from version_id_for
+    source_size: int
+    header_bytes: bytes  # the source's N header bytes, verbatim
+    replicas: int
+    shards: tuple[ShardEntry, ...]
+    created_at: float  # unix seconds
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def data_start(self) -> int:
+        return LENGTH_PREFIX_BYTES + len(self.header_bytes)
+
+    def storage_key(self) -> str:
+        """The key of this manifest in a node's manifest store: 64 hex, safe as a file name.
+
+        It covers the name as well as the content: two names holding identical
+        bytes are two manifests and must not overwrite each other on a node.
+        """
+        return hashlib.sha256(f"{self.name}\0{self.version_id}".encode()).hexdigest()
+
+    def to_json(self) -> bytes:
+        document = {
+            "schema_version": self.schema_version,
+            "name": self.name,
+            "version_id": self.version_id,
+            "source_size": self.source_size,
+            "header_bytes": base64.b64encode(self.header_bytes).decode("ascii"),
+            "replicas": self.replicas,
+            "created_at": self.created_at,
+            "shards": [
+                {
+                    "index": shard.index,
+                    "data_start": shard.data_start,
+                    "data_end": shard.data_end,
+                    "tensors": list(shard.tensors),
+                    "blob_size": shard.blob_size,
+                    "blob_sha256": shard.blob_sha256,
+                    "blob_data_offset": shard.blob_data_offset,
+                }
+                for shard in self.shards
+            ],
+        }
+        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Manifest:
+        """Parse and validate; ManifestError names the first problem found."""
+        return _parse_manifest(data)
+
+
+def version_id_for(header_bytes: bytes, blob_digests: Sequence[str]) -> str:
+    """SHA-256 over the header and the ordered blob digests, each length-framed.
+
+    Header and blobs together determine every byte of the source, so equal
+    ids mean equal content; the framing keeps two different (header,
+    digests) pairs from hashing the same concatenation.
+    """
+    digest = hashlib.sha256(_VERSION_ID_DOMAIN)
+    digest.update(struct.pack("<Q", len(header_bytes)))
+    digest.update(header_bytes)
+    digest.update(struct.pack("<Q", len(blob_digests)))
+    for blob_digest in blob_digests:
+        if not _SHA256_HEX.fullmatch(blob_digest):
+            raise ValueError(f"blob digest must be 64 lowercase hex digits, got {blob_digest!r}")
+        digest.update(bytes.fromhex(blob_digest))
+    return digest.hexdigest()
+
+
+def shard_entries(plans: Sequence[ShardPlan], digests: Sequence[str]) -> tuple[ShardEntry, ...]:
+    """Manifest entries for planned shards and the SHA-256 of each one's blob."""
+    if len(plans) != len(digests):
+        raise ValueError(f"{len(plans)} shard plans but {len(digests)} blob digests")
+    return tuple(
+        ShardEntry(
+            index=plan.index,
+            data_start=plan.data_start,
+            data_end=plan.data_end,
+            tensors=plan.tensors,
+            blob_size=plan.blob_size,
+            blob_sha256=digest,
+            blob_data_offset=len(plan.prefix),
+        )
+        for plan, digest in zip(plans, digests, strict=True)
+    )
+
+
+def source_prefix(manifest: Manifest) -> bytes:
+    """The first data_start bytes of the source: 8-byte LE header length + header."""
+    return struct.pack("<Q", len(manifest.header_bytes)) + manifest.header_bytes
+
+
+def blob_prefixes(manifest: Manifest) -> tuple[bytes, ...]:
+    """Each shard's blob header, rebuilt from the manifest alone."""
+    header = _source_header(manifest)
+    by_name = {tensor.name: tensor for tensor in header.tensors}
+    return tuple(
+        blob_prefix([by_name[name] for name in shard.tensors]) for shard in manifest.shards
+    )
+
+
+def _source_header(manifest: Manifest) -> CheckpointHeader:
+    length = struct.pack("<Q", len(manifest.header_bytes))
+    source = f"manifest of {manifest.name}"
+    return parse_header(length, manifest.header_bytes, manifest.source_size, source=source)
+
+
+# --- parsing and validation -------------------------------------------------
+
+_MANIFEST_FIELDS = {
+    "schema_version",
+    "name",
+    "version_id",
+    "source_size",
+    "header_bytes",
+    "replicas",
+    "created_at",
+    "shards",
+}
+_SHARD_FIELDS = {
+    "index",
+    "data_start",
+    "data_end",
+    "tensors",
+    "blob_size",
+    "blob_sha256",
+    "blob_data_offset",
+}
+
+
+def _fail(problem: str) -> NoReturn:
+    raise ManifestError(
+        f"invalid manifest: {problem}. It is corrupt or was not written by smoltorrent; "
+        "read the copy another node keeps, or store the checkpoint again."
+    )
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            _fail(f"a JSON object repeats the key {key!r}")
+        result[key] = value
+    return result
+
+
+def _fields(document: Any, expected: set[str], what: str) -> dict[str, Any]:
+    if not isinstance(document, dict):
+        _fail(f"{what} is not a JSON object")
+    if missing := expected - document.keys():
+        _fail(f"{what} lacks {', '.join(sorted(missing))}")
+    if unknown := document.keys() - expected:
+        _fail(f"{what} has unknown fields {', '.join(sorted(unknown))}")
+    return document
+
+
+def _count(document: dict[str, Any], key: str, what: str, minimum: int = 0) -> int:
+    value = document[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        _fail(f"{what} {key} is {value!r}, not an integer >= {minimum}")
+    return value
+
+
+def _sha256(document: dict[str, Any], key: str, what: str) -> str:
+    value = document[key]
+    if not isinstance(value, str) or not _SHA256_HEX.fullmatch(value):
+        _fail(f"{what} {key} is {value!r}, not 64 lowercase hex digits")
+    return value
+
+
+def _parse_manifest(data: bytes | str) -> Manifest:
+    try:
+        document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        _fail(f"not JSON ({error})")
+    if not isinstance(document, dict):
+        _fail("the top level is not a JSON object")
+    schema = document.get("schema_version")
+    if type(schema) is not int or schema != SCHEMA_VERSION:
+        newer = isinstance(schema, int) and schema > SCHEMA_VERSION
+        raise ManifestError(
+            f"unknown manifest schema_version {schema!r}: this smoltorrent reads version "
+            f"{SCHEMA_VERSION}"
+            + ("; upgrade smoltorrent to read it." if newer else "; the manifest is not ours.")
+        )
+    fields = _fields(document, _MANIFEST_FIELDS, "manifest")
+    name = fields["name"]
+    if not isinstance(name, str) or not name:
+        _fail(f"name is {name!r}, not a non-empty string")
+    try:
+        header_bytes = base64.b64decode(fields["header_bytes"], validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        _fail("header_bytes is not base64")
+    created_at = fields["created_at"]
+    if (
+        not isinstance(created_at, int | float)
+        or isinstance(created_at, bool)
+        or not math.isfinite(created_at)
+        or created_at < 0
+    ):
+        _fail(f"created_at is {created_at!r}, not unix seconds")
+    if not isinstance(fields["shards"], list):
+        _fail("shards is not a list")
+    manifest = Manifest(
+        name=name,
+        version_id=_sha256(fields, "version_id", "manifest"),
+        source_size=_count(fields, "source_size", "manifest", LENGTH_PREFIX_BYTES),
+        header_bytes=header_bytes,
+        replicas=_count(fields, "replicas", "manifest", 1),
+        shards=tuple(_parse_shard(shard) for shard in fields["shards"]),
+        created_at=float(created_at),
+    )
+    _check_against_header(manifest)
+    return manifest
+
+
+def _parse_shard(document: Any) -> ShardEntry:
+    fields = _fields(document, _SHARD_FIELDS, "a shard")
+    index = _count(fields, "index", "a shard")
+    what = f"shard {index}"
+    tensors = fields["tensors"]
+    if not isinstance(tensors, list) or not tensors or not all(isinstance(t, str) for t in tensors):
+        _fail(f"{what} tensors is {tensors!r}, not a non-empty list of names")
+    return ShardEntry(
+        index=index,
+        data_start=_count(fields, "data_start", what),
+        data_end=_count(fields, "data_end", what),
+        tensors=tuple(tensors),
+        blob_size=_count(fields, "blob_size", what),
+        blob_sha256=_sha256(fields, "blob_sha256", what),
+        blob_data_offset=_count(fields, "blob_data_offset", what, LENGTH_PREFIX_BYTES),
+    )
+
+
+def _check_against_header(manifest: Manifest) -> None:
+    """The shards must tile the source's tensors in order, exactly as its header lays them out."""
+    try:
+        header = _source_header(manifest)
+    except CheckpointFormatError as error:
+        _fail(f"its source header does not hold up: {error}")
+    tensors = iter(header.tensors)
+    for position, shard in enumerate(manifest.shards):
+        what = f"shard {shard.index}"
+        if shard.index != position:
+            _fail(f"{what} is listed at position {position}")
+        if shard.blob_size != shard.blob_data_offset + shard.data_end - shard.data_start:
+            _fail(f"{what} blob_size {shard.blob_size} does not match its header and range")
+        members = [next(tensors, None) for _ in shard.tensors]
+        if [tensor and tensor.name for tensor in members] != list(shard.tensors):
+            _fail(f"{what} tensors do not follow the source header's data order")
+        if (shard.data_start, shard.data_end) != (members[0].start, members[-1].end):
+            _fail(f"{what} range {shard.data_start}-{shard.data_end} does not match its tensors")
+    if leftover := [tensor.name for tensor in tensors]:
+        _fail(f"no shard holds the tensors {', '.join(leftover[:3])}")

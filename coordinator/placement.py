@@ -1,0 +1,73 @@
+"""Choose the nodes that keep each shard: R distinct ones, spread, weighted by free space.
+
+Shards are placed largest first, each on the R nodes with the most free
+space left once the shards placed before it are counted: big shards go where
+there is room, equal nodes take turns, and a node with far more free space
+takes more. Ties go to the smaller node id, so the same input always gives
+the same placement.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+
+from coordinator.checkpoint_format import format_bytes
+from smoltorrent.errors import InsufficientSpaceError, NotEnoughNodesError, SmoltorrentError
+
+_NODES_LISTED = 5  # nodes named in an error message; more would bury the sentence
+
+
+def place(
+    shard_sizes: Sequence[int], free_bytes: Mapping[str, int], replicas: int
+) -> list[tuple[str, ...]]:
+    """For each shard (sizes in bytes), the ids of the `replicas` nodes that will hold it."""
+    if replicas < 1:
+        raise SmoltorrentError(f"--replicas must be at least 1, got {replicas}.")
+    if len(free_bytes) < replicas:
+        raise NotEnoughNodesError(_not_enough_nodes(replicas, sorted(free_bytes)))
+    room_left = dict(free_bytes)
+    placement: list[tuple[str, ...]] = [()] * len(shard_sizes)
+    for index in sorted(range(len(shard_sizes)), key=lambda i: (-shard_sizes[i], i)):
+        size = shard_sizes[index]
+        chosen = heapq.nsmallest(replicas, room_left, key=lambda node: (-room_left[node], node))
+        if room_left[chosen[-1]] < size:
+            raise InsufficientSpaceError(_no_room(index, size, replicas, room_left))
+        for node in chosen:
+            room_left[node] -= size
+        placement[index] = tuple(chosen)
+    return placement
+
+
+def _not_enough_nodes(replicas: int, nodes: list[str]) -> str:
+    needed = (
+        "1 replica needs 1 live node"
+        if replicas == 1
+        else f"{replicas} replicas need {replicas} live nodes"
+    )
+    if not nodes:
+        return f"{needed}, but none is reachable. Start nodes with `smoltorrent serve`."
+    reachable = "only 1 is reachable" if len(nodes) == 1 else f"only {len(nodes)} are reachable"
+    return (
+        f"{needed}, but {reachable} ({_listing(nodes)}). Start more nodes with "
+        f"`smoltorrent serve`, or store with --replicas {len(nodes)}."
+    )
+
+
+def _no_room(index: int, size: int, replicas: int, room_left: Mapping[str, int]) -> str:
+    roomiest = sorted(room_left, key=lambda node: (-room_left[node], node))
+    fitting = sum(room_left[node] >= size for node in roomiest)
+    free = [f"{node} {format_bytes(max(room_left[node], 0))}" for node in roomiest]
+    return (
+        f"shard {index} needs {format_bytes(size)} on each of {replicas} nodes, but only "
+        f"{fitting} {'node has' if fitting == 1 else 'nodes have'} that much free once the "
+        f"larger shards are placed (free: {_listing(free)}). Free space on the nodes, add "
+        "nodes with `smoltorrent serve`, or store with fewer --replicas."
+    )
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_NODES_LISTED])
+    return (
+        shown if len(items) <= _NODES_LISTED else f"{shown} and {len(items) - _NODES_LISTED} more"
+    )
