@@ -36,3 +36,29 @@ MAX_SAFETENSORS_HEADER_BYTES = 100 * 1000 * 1000  # bytes; the limit the safeten
 # --- engines (coordinator/store_engine.py, coordinator/gather_engine.py) ----
 
 TRANSFER_THREADS = 8  # parallel transfers per store/gather; saturates a few links, not the CPU
+HASH_THREADS = 2  # threads hashing shards at plan time; hashlib releases the GIL, 2 cores here
+
+# --- metadata (coordinator/metadata.py) -------------------------------------
+
+REDIS_TIMEOUT_S = 10.0  # seconds; a local or LAN Redis answers in milliseconds
+NODE_ALIVE_TTL_S = 30  # seconds a node counts as up after it last answered a probe
+DLQ_STREAM_MAXLEN = 10_000  # entries kept in the dead-letter index stream, approximate
+EMBEDDED_REDIS_START_S = 10.0  # seconds to wait for our own redis-server to answer
+
+# --- Celery control plane (tasks/) ------------------------------------------
+
+TRANSFER_RETRIES = 6  # retries of a failed transfer: 1+2+4+8+16+32 s = about a minute of outage
+RETRY_BACKOFF_BASE_S = 1  # seconds; retry n waits base * 2^n, no jitter (predictable)
+RETRY_BACKOFF_MAX_S = 600  # seconds; cap on one backoff step if retries are raised
+MIN_TRANSFER_RATE_BPS = 2 * 1024 * 1024  # bytes/s; a Pi on an SD card over 100 Mbit still beats this
+TRANSFER_TIME_BASE_S = 120  # seconds added to every transfer's limit: connect, handshake, fsync
+MAX_TRANSFER_TIME_S = 12 * 3600  # seconds; cap so the visibility timeout stays finite
+# The Redis transport redelivers any unacked message after this, including
+# retries waiting out their countdown: above the longest transfer plus the
+# whole backoff series, or a slow transfer would run twice at once.
+VISIBILITY_TIMEOUT_S = MAX_TRANSFER_TIME_S + 2 * RETRY_BACKOFF_MAX_S * 7
+WORKER_CONCURRENCY = 4  # prefork children per worker; transfers are I/O bound
+STABLE_AFTER_S = 2.0  # seconds a file's mtime must be in the past before it is stored
+STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 min)
+GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task
+CLI_POLL_INTERVAL_S = 0.2  # seconds between CLI polls of a task's progress

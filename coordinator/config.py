@@ -1,0 +1,49 @@
+"""Settings read from the environment, in one place.
+
+Numbers with units live in smoltorrent/defaults.py; this module only says
+which environment variable overrides which of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+from smoltorrent import defaults
+
+
+def home() -> Path:
+    """SMOLTORRENT_HOME (default ~/.smoltorrent): embedded Redis, local node data, logs."""
+    return Path(os.environ.get("SMOLTORRENT_HOME", Path.home() / ".smoltorrent")).expanduser()
+
+
+def redis_url_from_env() -> str | None:
+    return os.environ.get("SMOLTORRENT_REDIS_URL") or None
+
+
+def host_id() -> str:
+    """This machine's name for routing: store and gather run where the file is."""
+    raw = os.environ.get("SMOLTORRENT_HOST_ID") or socket.gethostname()
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", raw) or "localhost"
+
+
+def cluster_key() -> bytes | None:
+    key = os.environ.get("SMOLTORRENT_CLUSTER_KEY")
+    return key.encode() if key else None
+
+
+def transfer_retries() -> int:
+    return int(os.environ.get("SMOLTORRENT_TRANSFER_RETRIES", defaults.TRANSFER_RETRIES))
+
+
+def host_queue(host: str) -> str:
+    return f"host.{host}"
+
+
+def transfer_queue(host: str) -> str:
+    return f"transfers.{host}"
+
+
+CONTROL_QUEUE = "control"

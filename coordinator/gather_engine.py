@@ -1,0 +1,120 @@
+"""Gather: rebuild a checkpoint byte for byte from its shards.
+
+A temp file beside the destination is preallocated to the source size, the
+original header is written at offset 0, and every shard's data range is
+pulled in parallel straight to its offset (pwrite), hashed as it arrives
+together with the blob's own header. A failure or a digest mismatch moves
+to the next replica. Only a complete, verified file is fsynced and renamed
+onto the destination; on failure the temp file is removed and an existing
+destination is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from coordinator.manifest import Manifest, source_prefix
+from coordinator.node_client import NodeClient
+from smoltorrent import defaults
+from smoltorrent.errors import GatherError, NodeError, NodeUnavailableError, SmoltorrentError
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class GatherReport:
+    path: str
+    size: int
+    served_by: dict[int, str] = field(default_factory=dict)  # shard -> node address
+    fallbacks: list[str] = field(default_factory=list)  # one line per replica that failed
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def gather_checkpoint(
+    manifest: Manifest,
+    sources: Sequence[Sequence[NodeClient]],
+    out_path: str | os.PathLike,
+    *,
+    threads: int = defaults.TRANSFER_THREADS,
+    progress: Progress | None = None,
+) -> GatherReport:
+    """Write the checkpoint of `manifest` to out_path; sources[i] lists shard i's replicas
+    in the order to try them."""
+    out_path = os.path.abspath(os.fspath(out_path))
+    if len(sources) != len(manifest.shards):
+        raise SmoltorrentError(
+            f"gather of {manifest.name}: {len(sources)} replica lists for "
+            f"{len(manifest.shards)} shards"
+        )
+    directory = os.path.dirname(out_path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.", suffix=".partial",
+                               dir=directory)
+    report = GatherReport(path=out_path, size=manifest.source_size)
+    try:
+        if manifest.source_size:
+            os.posix_fallocate(fd, 0, manifest.source_size)
+        os.pwrite(fd, source_prefix(manifest), 0)
+
+        def one_shard(index: int) -> str | None:
+            shard = manifest.shards[index]
+            tried: list[str] = []
+            for client in sources[index]:
+                try:
+                    digest = client.get_blob_to_file(
+                        shard.blob_sha256,
+                        fd,
+                        manifest.data_start + shard.data_start,
+                        skip=shard.blob_data_offset,
+                        progress=progress,
+                    )
+                except (NodeUnavailableError, NodeError) as exc:
+                    tried.append(f"{client.address}: {exc}")
+                    continue
+                if digest != shard.blob_sha256:
+                    tried.append(f"{client.address}: sent bytes that hash to {digest[:12]}, "
+                                 f"not {shard.blob_sha256[:12]}")
+                    continue
+                report.served_by[index] = str(client.address)
+                report.fallbacks.extend(f"shard {index} {line}" for line in tried)
+                return None
+            where = "; ".join(tried) or "no node holds a copy"
+            return f"shard {index} ({shard.blob_sha256[:12]}, tensors {_names(shard.tensors)}): {where}"
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            missing = [m for m in pool.map(one_shard, range(len(manifest.shards))) if m]
+        if missing:
+            raise GatherError(
+                f"cannot rebuild {manifest.name} (version {manifest.version_id[:12]}): "
+                f"{len(missing)} of {len(manifest.shards)} shards have no good replica: "
+                + " | ".join(missing)
+                + f". Nothing was written to {out_path}. Bring a node holding them back "
+                "(`smoltorrent status`) and gather again."
+            )
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, out_path)
+        _fsync_dir(directory)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return report
+
+
+def _names(tensors: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(tensors[:limit])
+    return shown + (f" and {len(tensors) - limit} more" if len(tensors) > limit else "")

@@ -1,0 +1,52 @@
+"""Every Redis key smoltorrent uses, declared once as a template.
+
+All keys live under one prefix so a shared Redis can hold several clusters
+(SMOLTORRENT_REDIS_PREFIX) and `redis-cli --scan --pattern 'smoltorrent:*'`
+shows exactly what is ours. A version is addressed by its version key
+(`vkey`): a digest of the checkpoint name and its content id, so the same
+bytes under two names are two versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+PREFIX = os.environ.get("SMOLTORRENT_REDIS_PREFIX", "smoltorrent") + ":"
+
+# node_id -> JSON {address, added_at}
+NODES = PREFIX + "nodes"
+# TTL key per node: JSON of its last stat; absent = not heard from recently
+NODE_ALIVE = PREFIX + "node:{node_id}:alive"
+
+# set of checkpoint names
+NAMES = PREFIX + "names"
+# hash name -> vkey of the committed version gathers get by default
+CURRENT = PREFIX + "current"
+# zset of vkeys of one name, scored by creation time
+VERSIONS = PREFIX + "name:{name}:versions"
+
+# hash: name, version_id, state, path, host, sizes, source identity, times
+VERSION = PREFIX + "version:{vkey}"
+# the manifest JSON (schema in coordinator/manifest.py)
+MANIFEST = PREFIX + "version:{vkey}:manifest"
+# hash shard index -> JSON list of target node ids (the placement plan)
+PLAN = PREFIX + "version:{vkey}:plan"
+# set of "shard:replica" transfers that finished, well or badly
+SETTLED = PREFIX + "version:{vkey}:settled"
+# set of shard indexes with at least one verified replica
+READY = PREFIX + "version:{vkey}:ready"
+# list of JSON {shard, replica, node, attempt, at, error} per transfer attempt
+ATTEMPTS = PREFIX + "version:{vkey}:attempts"
+
+# set of node ids holding a verified copy of a blob
+PLACEMENT = PREFIX + "blob:{digest}:nodes"
+
+# hash task_id -> JSON dead-letter record; stream as a time-ordered index
+DLQ = PREFIX + "dlq"
+DLQ_STREAM = PREFIX + "dlq:stream"
+
+
+def vkey_for(name: str, version_id: str) -> str:
+    """The version key: stable, short, and safe as a node manifest key."""
+    return hashlib.sha256(f"{name}\0{version_id}".encode()).hexdigest()[:32]

@@ -1,0 +1,293 @@
+"""Store: cut a checkpoint into shard blobs and send each to its nodes.
+
+The engine is plain Python (no Celery): `prepare_store` plans and hashes,
+`send_shard` moves one (shard, replica), `store_checkpoint` runs the whole
+thing for scripts, tests and benchmarks. The Celery tasks call the same
+pieces one transfer at a time.
+
+Tensor bytes never become Python objects beyond one fixed read buffer per
+hashing thread: hashing reads with readinto, sending is os.sendfile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from coordinator.checkpoint_format import CheckpointHeader, read_header
+from coordinator.manifest import Manifest, shard_entries, version_id_for
+from coordinator.node_client import NodeAddress, NodeClient, NodeStat
+from coordinator.placement import place
+from coordinator.planner import ShardPlan, plan_shards
+from coordinator.redis_keys import vkey_for
+from coordinator.source_file import SourceIdentity
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    DigestMismatchError,
+    NodeError,
+    NodeUnavailableError,
+    SmoltorrentError,
+    SourceChangedError,
+)
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class PreparedStore:
+    """A planned, hashed and placed version, before any byte is sent."""
+
+    path: str
+    manifest: Manifest
+    prefixes: tuple[bytes, ...]  # each shard blob's own safetensors header
+    targets: tuple[tuple[str, ...], ...]  # per shard, the node ids chosen for it
+    identity: SourceIdentity
+
+    @property
+    def vkey(self) -> str:
+        return vkey_for(self.manifest.name, self.manifest.version_id)
+
+
+@dataclass
+class StoreResult:
+    manifest: Manifest
+    holders: dict[int, list[str]] = field(default_factory=dict)  # shard -> node ids
+    errors: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+
+    def under_replicated(self) -> list[int]:
+        return [i for i, nodes in self.holders.items() if len(nodes) < self.manifest.replicas]
+
+
+def _hash_shard(path: str, header: CheckpointHeader, plan: ShardPlan) -> str:
+    hasher = hashlib.sha256(plan.prefix)
+    buf = bytearray(defaults.IO_CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(header.data_start + plan.data_start)
+        remaining = plan.data_size
+        while remaining:
+            n = f.readinto(view[: min(remaining, len(buf))])
+            if not n:
+                raise SourceChangedError(
+                    f"{path} ended early while hashing shard {plan.index}; it is being "
+                    "rewritten. Store it again once training has finished writing it."
+                )
+            hasher.update(view[:n])
+            remaining -= n
+    return hasher.hexdigest()
+
+
+def prepare_store(
+    path: str | os.PathLike,
+    name: str,
+    free_bytes: Mapping[str, int],
+    *,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    shards: int | None = None,
+    place_replicas: int | None = None,
+    threads: int = defaults.HASH_THREADS,
+) -> PreparedStore:
+    """Parse the header, plan shards, hash every blob, place replicas.
+
+    `place_replicas` below `replicas` stores under-replicated on purpose (fewer
+    live nodes than R): the manifest keeps the wanted R, so the gap shows.
+    """
+    path = os.fspath(path)
+    identity = SourceIdentity.of(path)
+    header = read_header(path)
+    identity.check(path)
+    plans = plan_shards(header, shards or max(1, len(free_bytes)))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        digests = list(pool.map(lambda p: _hash_shard(path, header, p), plans))
+    identity.check(path)
+    targets = (
+        place([p.blob_size for p in plans], free_bytes, place_replicas or replicas) if plans else []
+    )
+    manifest = Manifest(
+        name=name,
+        version_id=version_id_for(header.header_bytes, digests),
+        source_size=header.file_size,
+        header_bytes=header.header_bytes,
+        replicas=replicas,
+        shards=shard_entries(plans, digests),
+        created_at=time.time(),
+    )
+    return PreparedStore(
+        path=path,
+        manifest=manifest,
+        prefixes=tuple(p.prefix for p in plans),
+        targets=tuple(tuple(t) for t in targets),
+        identity=identity,
+    )
+
+
+def prefixes_for(manifest: Manifest) -> tuple[bytes, ...]:
+    """Rebuild every shard's blob header from the manifest alone (deterministic planner)."""
+    from coordinator.checkpoint_format import parse_header
+
+    raw = manifest.header_bytes
+    prefix = len(raw).to_bytes(8, "little")
+    header = parse_header(prefix, raw, manifest.source_size, source=manifest.name)
+    plans = plan_shards(header, len(manifest.shards)) if manifest.shards else []
+    if [(p.data_start, p.data_end) for p in plans] != [
+        (s.data_start, s.data_end) for s in manifest.shards
+    ]:
+        raise SmoltorrentError(
+            f"manifest of {manifest.name} was planned differently from this version of "
+            "smoltorrent; gather it with the version that stored it."
+        )
+    return tuple(p.prefix for p in plans)
+
+
+def send_shard(
+    prepared_path: str,
+    identity: SourceIdentity,
+    manifest: Manifest,
+    shard_index: int,
+    prefix: bytes,
+    target: NodeClient,
+    holders: Sequence[NodeClient] = (),
+) -> str:
+    """Make `target` hold shard `shard_index`; returns how: exists, replicated or sent.
+
+    A node that already holds a verified copy pushes it node to node first
+    (the coordinator's own link is usually the bottleneck); the source file
+    is the fallback, checked against its plan-time identity before sending.
+    """
+    shard = manifest.shards[shard_index]
+    for holder in holders:
+        try:
+            return "replicated" if holder.replicate(shard.blob_sha256, target.address) else "exists"
+        except (NodeUnavailableError, NodeError):
+            continue
+    identity.check(prepared_path)
+    with open(prepared_path, "rb") as f:
+        try:
+            stored = target.put_blob(
+                shard.blob_sha256,
+                prefix,
+                f.fileno(),
+                manifest.data_start + shard.data_start,
+                shard.data_end - shard.data_start,
+            )
+        except DigestMismatchError as exc:
+            raise SourceChangedError(
+                f"{prepared_path} changed while shard {shard_index} was sent (the node hashed "
+                "different bytes); the partial version was abandoned."
+            ) from exc
+    return "sent" if stored else "exists"
+
+
+def probe_nodes(
+    nodes: Mapping[str, NodeAddress], cluster_key: bytes | None = None
+) -> dict[str, NodeStat]:
+    """Stat every node in parallel; the ones that answer are live."""
+
+    def one(item: tuple[str, NodeAddress]) -> tuple[str, NodeStat | None]:
+        node_id, address = item
+        try:
+            return node_id, NodeClient(
+                address, cluster_key=cluster_key, timeout=defaults.CONNECT_TIMEOUT_S
+            ).stat()
+        except (NodeUnavailableError, NodeError):
+            return node_id, None
+
+    if not nodes:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+        return {nid: st for nid, st in pool.map(one, nodes.items()) if st is not None}
+
+
+def store_checkpoint(
+    path: str | os.PathLike,
+    addresses: Sequence[NodeAddress],
+    *,
+    name: str | None = None,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    shards: int | None = None,
+    cluster_key: bytes | None = None,
+    threads: int = defaults.TRANSFER_THREADS,
+    progress: Progress | None = None,
+) -> StoreResult:
+    """Store a checkpoint on the given nodes without Celery; returns what landed where.
+
+    Each shard goes from the source to its first node, then node to node to
+    the others (chain replication). The manifest is written to every node
+    that holds a blob of this version.
+    """
+    path = os.fspath(path)
+    by_address = {str(a): a for a in addresses}
+    stats = probe_nodes(by_address, cluster_key)
+    ids = {stat.node_id: by_address[addr] for addr, stat in stats.items()}
+    prepared = prepare_store(
+        path,
+        name or os.path.basename(path),
+        {stat.node_id: stat.free_bytes for stat in stats.values()},
+        replicas=replicas,
+        shards=shards or len(ids),
+    )
+    manifest = prepared.manifest
+    result = StoreResult(manifest=manifest)
+
+    def client(node_id: str) -> NodeClient:
+        return NodeClient(ids[node_id], cluster_key=cluster_key)
+
+    def one_shard(index: int) -> None:
+        holders: list[str] = []
+        for node_id in prepared.targets[index]:
+            try:
+                how = send_shard(
+                    path,
+                    prepared.identity,
+                    manifest,
+                    index,
+                    prepared.prefixes[index],
+                    client(node_id),
+                    [client(h) for h in holders],
+                )
+            except (NodeUnavailableError, NodeError) as exc:
+                result.errors.append(f"shard {index} -> node {node_id}: {exc}")
+                continue
+            holders.append(node_id)
+            if how != "exists":
+                result.bytes_sent += manifest.shards[index].blob_size
+            if progress:
+                progress(manifest.shards[index].blob_size)
+        result.holders[index] = holders
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(one_shard, range(len(manifest.shards))))
+
+    missing = [i for i, h in result.holders.items() if not h]
+    if missing:
+        raise SmoltorrentError(
+            f"{path}: shard(s) {missing} reached no node ({'; '.join(result.errors)}). "
+            "Nothing was committed; check the nodes with `smoltorrent status` and store again."
+        )
+    write_manifest(manifest, [client(n) for n in {n for h in result.holders.values() for n in h}])
+    return result
+
+
+def write_manifest(manifest: Manifest, clients: Sequence[NodeClient]) -> int:
+    """Put the manifest on every given node; returns how many took it (at least one)."""
+    key = vkey_for(manifest.name, manifest.version_id)
+    data = manifest.to_json()
+    errors: list[str] = []
+    written = 0
+    for c in clients:
+        try:
+            c.put_manifest(key, data)
+            written += 1
+        except (NodeUnavailableError, NodeError) as exc:
+            errors.append(str(exc))
+    if clients and not written:
+        raise SmoltorrentError(
+            f"the manifest of {manifest.name} could not be written to any node "
+            f"({'; '.join(errors)}); the version stays uncommitted. Retry when a node is back."
+        )
+    return written

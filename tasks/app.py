@@ -1,0 +1,50 @@
+"""The Celery app: Redis broker and result backend, set up for long idempotent transfers.
+
+Each setting answers a known pitfall (see DESIGN.md, Celery):
+- late acks + retry on worker loss: a killed worker's task runs again, as a
+  counted retry, instead of vanishing (or being requeued forever).
+- prefetch 1: a worker does not sit on transfers another could run now.
+- the visibility timeout, set everywhere the Redis transport reads it, stays
+  above the longest transfer plus its backoff, so nothing runs twice at once.
+- JSON only: no pickle on any wire.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from coordinator import config
+from coordinator.embedded_redis import ensure_redis_url
+from smoltorrent import defaults
+
+REDIS_URL = ensure_redis_url()
+
+app = Celery(
+    "smoltorrent",
+    broker=REDIS_URL,
+    backend=REDIS_URL,
+    include=["tasks.store", "tasks.transfer", "tasks.commit", "tasks.gather",
+             "tasks.remove", "tasks.dead_letters"],
+)
+
+_transport = {"visibility_timeout": defaults.VISIBILITY_TIMEOUT_S}
+
+app.conf.update(
+    task_acks_late=True,
+    task_retry_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_transport_options=_transport,
+    result_backend_transport_options=_transport,
+    visibility_timeout=defaults.VISIBILITY_TIMEOUT_S,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    result_accept_content=["json"],
+    task_default_queue=config.CONTROL_QUEUE,
+    task_track_started=True,
+    task_send_sent_event=True,
+    worker_send_task_events=True,
+    result_extended=True,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)

@@ -1,0 +1,74 @@
+"""The dead-letter queue: a record per task that failed for good, replayable.
+
+`task_failure` fires for exhausted retries, hard time-limit kills and worker
+loss past the retries alike (`on_failure` misses the last two), so the
+handler is a signal receiver. A dead transfer also settles in the commit
+barrier: the version commits under-replicated if every shard still has a
+copy, or stays pending until the replay succeeds.
+"""
+
+from __future__ import annotations
+
+from celery.signals import task_failure, worker_ready
+from celery.utils.log import get_task_logger
+
+from coordinator import config
+from smoltorrent.errors import CheckpointFormatError, GatherError, NotFoundError
+from tasks.app import app
+from tasks.context import metadata
+
+log = get_task_logger(__name__)
+
+# Failures a replay cannot fix: the caller sees them directly.
+NOT_DEAD_LETTERS = (CheckpointFormatError, GatherError, NotFoundError)
+
+
+@task_failure.connect
+def record_dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=None,
+                       einfo=None, **_) -> None:
+    if sender is None or not sender.name.startswith("smoltorrent.") or isinstance(
+        exception, NOT_DEAD_LETTERS
+    ):
+        return
+    kwargs = kwargs or {}
+    request = getattr(sender, "request", None)
+    delivery = (getattr(request, "delivery_info", None) or {}) if request else {}
+    queue = delivery.get("routing_key") or config.CONTROL_QUEUE
+    md = metadata()
+    md.add_dead_letter(task_id, {
+        "task": sender.name,
+        "args": list(args or ()),
+        "kwargs": kwargs,
+        "queue": queue,
+        "error": f"{type(exception).__name__}: {exception}",
+        "traceback": str(einfo) if einfo else "",
+        "checkpoint": kwargs.get("name"),
+        "shard": kwargs.get("shard"),
+        "node": kwargs.get("node_id"),
+    })
+    log.error("dead letter %s (%s): %s", task_id, sender.name, exception)
+    if sender.name == "smoltorrent.transfer":
+        from tasks.transfer import settle
+
+        settle(kwargs["vkey"], kwargs["shard"], kwargs["replica"], None, kwargs["digest"])
+
+
+def replay(task_id: str) -> str:
+    """Send a dead task again with its own id and arguments; its record is dropped."""
+    md = metadata()
+    record = md.dead_letter(task_id)
+    md.remove_dead_letter(task_id)
+    app.send_task(record["task"], args=record["args"], kwargs=record["kwargs"],
+                  queue=record["queue"], task_id=task_id)
+    return task_id
+
+
+@worker_ready.connect
+def resume_on_start(sender=None, **_) -> None:
+    """A worker killed mid-store left unacked messages Redis only redelivers after the
+    visibility timeout (hours): resume this host's pending versions now instead."""
+    from tasks.store import resume_pending
+
+    resumed = resume_pending(config.host_id())
+    if resumed:
+        log.warning("resumed %d pending version(s) of this host", len(resumed))

@@ -1,0 +1,63 @@
+"""The gather task: runs on the host that will hold the output file."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from coordinator import config
+from coordinator.gather_engine import gather_checkpoint
+from coordinator.metadata import COMMITTED
+from smoltorrent import defaults
+from smoltorrent.errors import GatherError
+from tasks.app import app
+from tasks.context import client, metadata
+
+
+@app.task(name="smoltorrent.gather", bind=True)
+def gather(self, vkey: str, out_path: str) -> dict:
+    md = metadata()
+    v = md.version(vkey)
+    if v["state"] != COMMITTED:
+        raise GatherError(
+            f"{v['name']} version {v['version_id'][:12]} is {v['state']}, not committed; only "
+            "committed versions are gathered. See `smoltorrent ls`."
+        )
+    manifest = md.manifest(vkey)
+    nodes = md.nodes()
+    alive = md.alive(nodes)
+    sources = []
+    for index, shard in enumerate(manifest.shards):
+        holders = sorted(n for n in md.placement(shard.blob_sha256) if n in nodes)
+        # Spread load: rotate by shard index, then try live nodes before silent ones.
+        k = index % len(holders) if holders else 0
+        holders = holders[k:] + holders[:k]
+        holders.sort(key=lambda n: n not in alive)
+        sources.append([client(nodes[n].address) for n in holders])
+
+    done = 0
+    last = 0.0
+    lock = threading.Lock()
+
+    def progress(n: int) -> None:
+        nonlocal done, last
+        with lock:
+            done += n
+            now = time.monotonic()
+            if now - last >= defaults.GATHER_PROGRESS_INTERVAL_S:
+                last = now
+                self.update_state(state="PROGRESS",
+                                  meta={"done": done, "total": manifest.source_size})
+
+    started = time.monotonic()
+    report = gather_checkpoint(manifest, sources, out_path, progress=progress)
+    return {
+        "path": report.path,
+        "name": manifest.name,
+        "version_id": manifest.version_id,
+        "size": report.size,
+        "seconds": round(time.monotonic() - started, 3),
+        "served_by": {str(k): v for k, v in report.served_by.items()},
+        "fallbacks": report.fallbacks,
+        "host": config.host_id(),
+    }

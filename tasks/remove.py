@@ -1,0 +1,38 @@
+"""Remove a version: forget it, then delete the blobs no other version uses."""
+
+from __future__ import annotations
+
+from smoltorrent.errors import NodeError, NodeUnavailableError
+from tasks.app import app
+from tasks.context import metadata, node_client
+
+
+@app.task(name="smoltorrent.remove", bind=True)
+def remove(self, vkey: str) -> dict:
+    md = metadata()
+    manifest = md.delete_version(vkey)
+    if manifest is None:
+        return {"vkey": vkey, "removed": False, "blobs_deleted": 0}
+    registered = md.nodes()
+    deleted, kept = 0, []
+    holders_of_manifest = set()
+    for shard in manifest.shards:
+        holders = md.placement(shard.blob_sha256)
+        holders_of_manifest |= holders
+        if md.blob_in_use(shard.blob_sha256):
+            continue  # shared with another version (content addressing)
+        for node_id in holders:
+            if node_id not in registered:
+                continue
+            try:
+                node_client(node_id).delete(shard.blob_sha256)
+                md.remove_placement(shard.blob_sha256, node_id)
+                deleted += 1
+            except (NodeUnavailableError, NodeError) as exc:
+                kept.append(f"{shard.blob_sha256[:12]} on {node_id}: {exc}")
+    for node_id in holders_of_manifest & set(registered):
+        try:
+            node_client(node_id).delete_manifest(vkey)
+        except (NodeUnavailableError, NodeError) as exc:
+            kept.append(f"manifest on {node_id}: {exc}")
+    return {"vkey": vkey, "removed": True, "blobs_deleted": deleted, "left_behind": kept}

@@ -1,0 +1,85 @@
+"""One (shard, replica) transfer: idempotent, retried with exact 2^n backoff."""
+
+from __future__ import annotations
+
+import json
+
+from celery.utils.log import get_task_logger
+
+from coordinator import config
+from coordinator.metadata import ABORTED
+from coordinator.source_file import SourceIdentity
+from coordinator.store_engine import prefixes_for, send_shard
+from smoltorrent import defaults
+from smoltorrent.errors import NodeError, NodeUnavailableError, NotFoundError, SourceChangedError
+from tasks.app import app
+from tasks.context import metadata, node_client
+
+log = get_task_logger(__name__)
+
+RETRYABLE = (NodeUnavailableError, NodeError)
+
+
+@app.task(
+    name="smoltorrent.transfer",
+    bind=True,
+    autoretry_for=RETRYABLE,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
+    retry_jitter=False,
+    max_retries=config.transfer_retries(),
+)
+def transfer(self, vkey: str, name: str, shard: int, replica: int, node_id: str,
+             digest: str) -> str:
+    """Make node `node_id` hold shard `shard` of version `vkey`; settle it in the barrier."""
+    md = metadata()
+    try:
+        v = md.version(vkey)
+    except NotFoundError:
+        return "version removed"
+    if v["state"] == ABORTED:
+        return "version abandoned"
+    manifest = md.manifest(vkey)
+    attempt = {"shard": shard, "replica": replica, "node": node_id,
+               "attempt": self.request.retries}
+    try:
+        target = node_client(node_id)
+        registered = md.nodes()
+        holders = [node_client(h) for h in sorted(md.placement(digest))
+                   if h != node_id and h in registered]
+        how = send_shard(v["path"], SourceIdentity.from_dict(json.loads(v["identity"])),
+                         manifest, shard, prefixes_for(manifest)[shard], target, holders)
+    except SourceChangedError as exc:
+        md.record_attempt(vkey, {**attempt, "error": str(exc)})
+        abandon(vkey, v, str(exc))
+        return "source changed"
+    except RETRYABLE as exc:
+        md.record_attempt(vkey, {**attempt, "error": str(exc)})
+        raise
+    md.record_attempt(vkey, {**attempt, "result": how})
+    settle(vkey, shard, replica, node_id, digest)
+    return how
+
+
+def settle(vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> None:
+    """Record a finished transfer; the one that completes the set enqueues the commit."""
+    from tasks.commit import commit
+
+    if metadata().settle(vkey, shard, replica, node_id, digest):
+        commit.apply_async(args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"commit-{vkey}")
+
+
+def abandon(vkey: str, version: dict, reason: str) -> None:
+    """Abort a version whose source was rewritten, and store the new bytes once stable."""
+    from tasks.store import store
+
+    md = metadata()
+    md.set_state(vkey, ABORTED, reason)
+    if md.claim(vkey, "restore_enqueued"):
+        log.warning("%s: %s", version["name"], reason)
+        shards = int(version.get("requested_shards") or 0) or None
+        store.apply_async(
+            args=(version["path"], version["name"], int(version["replicas"]), shards),
+            queue=config.host_queue(version["host"]),
+            countdown=defaults.STABLE_AFTER_S,
+        )
