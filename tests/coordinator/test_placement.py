@@ -1,0 +1,102 @@
+"""Placement: R distinct nodes per shard, spread evenly, weighted by free space."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from coordinator.placement import place
+from smoltorrent.errors import InsufficientSpaceError, NotEnoughNodesError, SmoltorrentError
+
+GB = 10**9
+
+
+def held_per_node(placement: list[tuple[str, ...]]) -> Counter[str]:
+    return Counter(node for nodes in placement for node in nodes)
+
+
+def test_four_nodes_four_shards_two_replicas_every_node_holds_two():
+    free = {"node-a": 100 * GB, "node-b": 100 * GB, "node-c": 100 * GB, "node-d": 100 * GB}
+    placement = place([GB] * 4, free, 2)
+    assert all(len(set(nodes)) == 2 for nodes in placement)
+    assert held_per_node(placement) == {node: 2 for node in free}
+
+
+def test_replicas_are_distinct_and_fit_in_free_space():
+    rng = random.Random(3)
+    for _ in range(200):
+        free = {f"n{i}": rng.randint(1, 50) * GB for i in range(rng.randint(1, 7))}
+        replicas = rng.randint(1, len(free))
+        sizes = [rng.randint(0, 3) * GB for _ in range(rng.randint(0, 12))]
+        try:
+            placement = place(sizes, free, replicas)
+        except InsufficientSpaceError:
+            continue
+        assert len(placement) == len(sizes)
+        used = Counter()
+        for size, nodes in zip(sizes, placement, strict=True):
+            assert len(nodes) == replicas == len(set(nodes))
+            assert set(nodes) <= free.keys()
+            for node in nodes:
+                used[node] += size
+        assert all(used[node] <= free[node] for node in free)
+
+
+def test_a_node_with_far_more_free_space_gets_more_shards():
+    free = {"pi-1": 10 * GB, "pi-2": 10 * GB, "nas": 100 * GB}
+    placement = place([GB] * 12, free, 1)
+    held = held_per_node(placement)
+    assert held["nas"] > held["pi-1"] + held["pi-2"]
+
+
+def test_largest_shard_goes_where_the_room_is():
+    free = {"small": 5 * GB, "large": 50 * GB, "medium": 20 * GB}
+    placement = place([GB, 30 * GB, GB], free, 1)
+    assert placement[1] == ("large",)
+
+
+def test_placement_is_deterministic_and_ties_go_to_the_smaller_node_id():
+    free = {"c": GB, "a": GB, "b": GB}
+    assert place([10, 10, 10], free, 2) == [("a", "b"), ("c", "a"), ("b", "c")]
+    assert place([10, 10, 10], dict(reversed(free.items())), 2) == place([10, 10, 10], free, 2)
+
+
+def test_more_shards_than_nodes_spread_evenly():
+    free = {f"node-{i}": 100 * GB for i in range(3)}
+    held = held_per_node(place([GB] * 9, free, 2))
+    assert sorted(held.values()) == [6, 6, 6]
+
+
+def test_no_shards_need_no_placement():
+    assert place([], {"node-a": GB}, 1) == []
+
+
+def test_too_few_nodes_raises_a_sentence_that_says_what_to_do():
+    with pytest.raises(NotEnoughNodesError) as raised:
+        place([GB], {"node-a": 10 * GB}, 2)
+    assert str(raised.value) == (
+        "2 replicas need 2 live nodes, but only 1 is reachable (node-a). "
+        "Start more nodes with `smoltorrent serve`, or store with --replicas 1."
+    )
+    with pytest.raises(NotEnoughNodesError, match="only 2 are reachable \\(a, b\\).*--replicas 2"):
+        place([GB], {"b": GB, "a": GB}, 3)
+    with pytest.raises(
+        NotEnoughNodesError, match="1 replica needs 1 live node, but none is reachable"
+    ):
+        place([GB], {}, 1)
+
+
+def test_no_room_raises_insufficient_space():
+    free = {"node-a": 10 * GB, "node-b": 2 * GB}
+    with pytest.raises(InsufficientSpaceError) as raised:
+        place([GB, 5 * GB], free, 2)
+    message = str(raised.value)
+    assert "shard 1 needs 5.0 GB on each of 2 nodes, but only 1 node has that much free" in message
+    assert "node-a 10.0 GB, node-b 2.0 GB" in message
+
+
+def test_replicas_below_one_is_refused():
+    with pytest.raises(SmoltorrentError, match="--replicas must be at least 1"):
+        place([GB], {"node-a": GB}, 0)
