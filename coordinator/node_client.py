@@ -1,14 +1,33 @@
 """Client side of the wire protocol: one NodeClient talks to one shard server.
 
-INTERFACE STUB (helper A implements it). Every method opens its own
-connection (auth handshake included), so a client object is cheap and
-thread-safe. Network failures raise NodeUnavailableError; error frames
-raise NodeError (code attribute) or a subclass-specific error.
+Every method opens its own connection (auth handshake included), so a client
+object is cheap and thread-safe. Network failures raise NodeUnavailableError;
+error frames raise NodeError (code attribute), DigestMismatchError for
+`digest_mismatch`, and AuthenticationError for `unauthorized`.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    DigestMismatchError,
+    NodeUnavailableError,
+    PeerClosedError,
+    ProtocolError,
+    SmoltorrentError,
+)
+from worker_server import protocol, wire
+
+CLUSTER_KEY_ENV = "SMOLTORRENT_CLUSTER_KEY"
+ADDRESS_PATTERN = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d+)")
 
 
 @dataclass(frozen=True)
@@ -19,7 +38,14 @@ class NodeAddress:
     @classmethod
     def parse(cls, text: str) -> NodeAddress:
         """'host:port' or '[v6]:port' -> NodeAddress; SmoltorrentError with a hint if malformed."""
-        raise NotImplementedError
+        match = ADDRESS_PATTERN.fullmatch(text.strip())
+        port = int(match["port"]) if match else 0
+        if not match or not 0 < port < 65536:
+            raise SmoltorrentError(
+                f"{text!r} is not a node address: write it as host:port (e.g. pi4.local:"
+                f"{defaults.DEFAULT_PORT}) or [ipv6]:port"
+            )
+        return cls(match["v6"] or match["host"], port)
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
@@ -36,62 +62,186 @@ class NodeStat:
 
 
 class NodeClient:
-    def __init__(self, address: NodeAddress, *, cluster_key: bytes | None = None,
-                 timeout: float | None = None) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        address: NodeAddress,
+        *,
+        cluster_key: bytes | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.address = address
+        env_key = os.environ.get(CLUSTER_KEY_ENV)
+        self.cluster_key = cluster_key or (env_key.encode("utf-8") if env_key else None)
+        self.timeout = defaults.SOCKET_TIMEOUT_S if timeout is None else timeout
+
+    @contextmanager
+    def _connection(self, timeout: float | None = None) -> Iterator[socket.socket]:
+        """An authenticated connection; network failures become NodeUnavailableError."""
+        peer = str(self.address)
+        try:
+            with wire.connect(
+                self.address.host, self.address.port, timeout or self.timeout
+            ) as sock:
+                wire.client_handshake(sock, self.cluster_key, peer)
+                yield sock
+        except (TimeoutError, PeerClosedError) as exc:
+            raise NodeUnavailableError(
+                f"node {peer} stopped answering ({exc}): check that it is running and not"
+                " overloaded, or raise the timeout"
+            ) from exc
+        except OSError as exc:
+            raise NodeUnavailableError(
+                f"cannot reach node {peer} ({exc.strerror or exc}): check that its shard server"
+                " is running and that this address and port are right"
+            ) from exc
+
+    def _call(self, header: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        """One request and its whole response (the body bounded by MAX_JSON_BODY_BYTES)."""
+        with self._connection() as sock:
+            wire.send_frame(sock, header, body)
+            response, body_len = wire.recv_response(sock, str(self.address))
+            return response, wire.recv_exact(sock, _bounded_body(body_len, self.address))
+
+    def _call_json(self, header: dict[str, Any], body: bytes = b"") -> Any:
+        with self._connection() as sock:
+            wire.send_frame(sock, header, body)
+            return self._recv_json_answer(sock)
+
+    def _recv_json_answer(self, sock: socket.socket) -> Any:
+        _, body_len = wire.recv_response(sock, str(self.address))
+        body = wire.recv_exact(sock, _bounded_body(body_len, self.address))
+        return protocol.decode_json(body, what=f"answer from node {self.address}")
 
     def ping(self) -> str:
         """Round trip; returns the node id."""
-        raise NotImplementedError
+        response, _ = self._call({"op": "ping"})
+        return response["node_id"]
 
     def stat(self) -> NodeStat:
-        raise NotImplementedError
+        response, _ = self._call({"op": "stat"})
+        try:
+            return NodeStat(
+                node_id=response["node_id"],
+                free_bytes=response["free_bytes"],
+                total_bytes=response["total_bytes"],
+                used_bytes=response["used_bytes"],
+                blob_count=response["blob_count"],
+                protocol_version=response["protocol"],
+            )
+        except KeyError as exc:
+            raise ProtocolError(f"node {self.address} sent a stat without {exc}") from None
 
     def has(self, digests: list[str]) -> set[str]:
         """The subset of digests the node holds as complete blobs."""
-        raise NotImplementedError
+        present = self._call_json({"op": "has"}, protocol.encode_json(digests))
+        return set(protocol.validate_digest_list(present)) & set(digests)
 
     def list_blobs(self) -> dict[str, int]:
         """Inventory: digest -> size in bytes."""
-        raise NotImplementedError
+        inventory = self._call_json({"op": "list"})
+        if not isinstance(inventory, dict):
+            raise ProtocolError(f"node {self.address} sent an inventory that is not an object")
+        return {
+            protocol.validate_digest(digest): protocol.validate_length(size, "size")
+            for digest, size in inventory.items()
+        }
 
-    def put_blob(self, digest: str, prefix: bytes, src_fd: int, src_offset: int,
-                 length: int) -> bool:
+    def put_blob(
+        self, digest: str, prefix: bytes, src_fd: int, src_offset: int, length: int
+    ) -> bool:
         """Store a blob made of `prefix` then `length` bytes of src_fd at src_offset (sendfile).
 
         Returns True if stored, False if the node already had it (no body sent).
         DigestMismatchError if the node hashed something else; NodeError('disk_full') etc.
         """
-        raise NotImplementedError
+        with self._connection() as sock:
+            return wire.send_put(
+                sock, str(self.address), digest, prefix, src_fd, src_offset, length
+            )
 
-    def get_blob_to_file(self, digest: str, out_fd: int, out_offset: int, *, skip: int = 0,
-                         progress=None) -> str:
+    def get_blob_to_file(
+        self,
+        digest: str,
+        out_fd: int,
+        out_offset: int,
+        *,
+        skip: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> str:
         """Stream the whole blob: the first `skip` bytes are hashed only, the rest hashed and
-        pwritten at out_offset. Returns the SHA-256 hex of everything received.
-        progress(nbytes) is called as data arrives, if given."""
-        raise NotImplementedError
+        pwritten at out_offset. Returns the SHA-256 hex of everything received, which is
+        `digest`: DigestMismatchError otherwise. progress(nbytes) is called as data arrives."""
+        with self._connection() as sock:
+            wire.send_frame(sock, {"op": "get", "digest": digest, "offset": 0, "length": None})
+            _, body_len = wire.recv_response(sock, str(self.address))
+            received = wire.recv_to_file(
+                sock, body_len, out_fd, out_offset, skip=skip, progress=progress
+            )
+        if received != digest:
+            raise DigestMismatchError(
+                f"blob {digest[:12]} from node {self.address} hashed to {received[:12]}:"
+                " that copy is corrupt; fetch it from another replica"
+            )
+        return received
 
     def get_range(self, digest: str, offset: int, length: int) -> bytes:
         """Small reads (bounded by MAX_JSON_BODY_BYTES)."""
-        raise NotImplementedError
+        if length > defaults.MAX_JSON_BODY_BYTES:
+            raise ValueError(
+                f"get_range reads at most {defaults.MAX_JSON_BODY_BYTES} bytes, not {length}:"
+                " use get_blob_to_file for large reads"
+            )
+        request = {"op": "get", "digest": digest, "offset": offset, "length": length}
+        _, body = self._call(request)
+        return body
 
     def verify(self, digests: list[str] | None = None) -> list[str]:
-        """Re-hash blobs on the node (all if None); returns the digests that are bad."""
-        raise NotImplementedError
+        """Re-hash blobs on the node (all if None); returns the digests that are bad
+        (missing or not hashing to their name)."""
+        batches = [None] if digests is None else _batches(digests, defaults.VERIFY_BATCH_DIGESTS)
+        bad: list[str] = []
+        with self._connection(timeout=max(self.timeout, defaults.VERIFY_TIMEOUT_S)) as sock:
+            for batch in batches:
+                wire.send_frame(sock, {"op": "verify", "digests": batch})
+                _, body_len = wire.recv_response(sock, str(self.address))
+                answer = protocol.decode_json(
+                    wire.recv_exact(sock, _bounded_body(body_len, self.address))
+                )
+                bad.extend(protocol.validate_digest_list(answer))
+        return bad
 
     def delete(self, digest: str) -> bool:
-        raise NotImplementedError
+        response, _ = self._call({"op": "delete", "digest": digest})
+        return response.get("deleted") is True
 
     def replicate(self, digest: str, peer: NodeAddress) -> bool:
         """Ask this node to push its copy of digest to peer; True if peer stored it, False if
         it already had it."""
-        raise NotImplementedError
+        response, _ = self._call({"op": "replicate", "digest": digest, "peer": str(peer)})
+        return response.get("status") == "stored"
 
     def put_manifest(self, key: str, data: bytes) -> None:
-        raise NotImplementedError
+        self._call({"op": "manifest_put", "key": key}, data)
 
     def list_manifests(self) -> list[str]:
-        raise NotImplementedError
+        keys = self._call_json({"op": "manifest_list"})
+        if not isinstance(keys, list):
+            raise ProtocolError(f"node {self.address} sent a manifest list that is not a list")
+        return [protocol.validate_key(key) for key in keys]
 
     def get_manifest(self, key: str) -> bytes:
-        raise NotImplementedError
+        _, body = self._call({"op": "manifest_get", "key": key})
+        return body
+
+
+def _bounded_body(body_len: int, address: NodeAddress) -> int:
+    if body_len > defaults.MAX_JSON_BODY_BYTES:
+        raise ProtocolError(
+            f"node {address} announced a {body_len} byte answer, over the"
+            f" {defaults.MAX_JSON_BODY_BYTES} byte limit for in-memory answers"
+        )
+    return body_len
+
+
+def _batches(items: list[str], size: int) -> list[list[str]]:
+    return [items[start : start + size] for start in range(0, len(items), size)] or [[]]

@@ -18,6 +18,7 @@ VERIFY_TIMEOUT_S = 3600.0  # seconds; re-hashing a full node is slow on an SD ca
 NONCE_BYTES = 32  # bytes; HMAC challenge size, as long as the SHA-256 output
 SENDFILE_MAX_BYTES = 1 << 30  # bytes per sendfile call; Linux moves at most ~2 GiB per call
 MAX_KEY_CHARS = 128  # characters in a manifest key; one file name on every file system we meet
+VERIFY_BATCH_DIGESTS = 512  # digests per verify request; ~35 KB of JSON, under MAX_HEADER_BYTES
 
 # --- shard server (worker_server/server.py) ---------------------------------
 

@@ -69,6 +69,10 @@ class DiskFullError(SmoltorrentError):
     """A node has no room left for a blob."""
 
 
+class PeerClosedError(ProtocolError):
+    """A peer closed the connection in the middle of a frame or before answering."""
+
+
 class InsufficientSpaceError(SmoltorrentError):
     """The live nodes lack the free space to hold every replica of every shard."""
 

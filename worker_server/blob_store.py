@@ -1,0 +1,325 @@
+"""A node's data directory: content-addressed blobs, manifests and the node's stable id.
+
+Layout under the data dir:
+    node_id                 uuid4 hex, generated once and kept forever
+    blobs/<2 hex>/<64 hex>  complete, verified blobs named by their SHA-256
+    tmp/                    incoming data; anything here at start is a crash leftover
+    manifests/<key>.json    manifests, as the coordinator sent them
+
+Only validated digests and manifest keys ever become path components, and a
+blob becomes visible only after it was hashed, fsynced and renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    DigestMismatchError,
+    DiskFullError,
+    NotFoundError,
+    SmoltorrentError,
+)
+from worker_server import protocol
+
+log = logging.getLogger(__name__)
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def write_file_atomically(path: Path, data: bytes, tmp_dir: Path) -> None:
+    """Write data to path so readers see the old file or the new one, never a mix."""
+    fd, tmp_name = tempfile.mkstemp(dir=tmp_dir, prefix=path.name + ".", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as tmp_file:
+            tmp_file.write(data)
+            tmp_file.flush()
+            os.fsync(tmp_file.fileno())
+        os.replace(tmp_name, path)
+        fsync_directory(path.parent)
+    except OSError as exc:
+        _unlink_quietly(Path(tmp_name))
+        if exc.errno in NO_SPACE_ERRNOS:
+            raise DiskFullError(f"no space left to write {path}: free some disk space") from exc
+        raise
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename or unlink in this directory survive a power cut."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class BlobStore:
+    """The blobs and manifests of one node, rooted at its data directory."""
+
+    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(data_dir)
+        self.blobs_dir = self.root / "blobs"
+        self.tmp_dir = self.root / "tmp"
+        self.manifests_dir = self.root / "manifests"
+        for directory in (self.root, self.blobs_dir, self.tmp_dir, self.manifests_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._lock_data_dir()
+        self._remove_stale_tmp_files()
+        self.node_id = self._load_or_create_node_id()
+
+    def _lock_data_dir(self) -> int:
+        # Two nodes on one directory would delete each other's incoming files at start.
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SmoltorrentError(
+                f"another smoltorrent node is already serving {self.root}:"
+                " stop it first, or give this one its own --data-dir"
+            ) from None
+        return fd
+
+    def close(self) -> None:
+        """Release the data directory for another node process."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _remove_stale_tmp_files(self) -> None:
+        # Nothing else runs yet, so whatever is here was left by a crash mid-transfer.
+        for leftover in self.tmp_dir.iterdir():
+            log.info("removing %s, left over from an interrupted transfer", leftover)
+            _unlink_quietly(leftover)
+
+    def _load_or_create_node_id(self) -> str:
+        path = self.root / "node_id"
+        try:
+            node_id = path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            node_id = uuid.uuid4().hex
+            write_file_atomically(path, node_id.encode("ascii") + b"\n", self.tmp_dir)
+            log.info("new node id %s written to %s", node_id, path)
+            return node_id
+        except UnicodeDecodeError:
+            node_id = ""
+        if len(node_id) != protocol.NODE_ID_CHARS or not protocol.HEX_PATTERN.fullmatch(node_id):
+            raise SmoltorrentError(
+                f"{path} does not hold a node id (32 hex digits): restore it from a backup,"
+                " or move the data directory aside to start this node afresh"
+            )
+        return node_id
+
+    def blob_path(self, digest: str) -> Path:
+        digest = protocol.validate_digest(digest)
+        return self.blobs_dir / digest[:2] / digest
+
+    def has(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def present(self, digests: list[str]) -> list[str]:
+        """The digests among `digests` held as complete blobs, in the order given."""
+        return [digest for digest in digests if self.has(digest)]
+
+    def inventory(self) -> dict[str, int]:
+        """Every complete blob: digest -> size in bytes."""
+        sizes: dict[str, int] = {}
+        for bucket in self.blobs_dir.iterdir():
+            if not bucket.is_dir():
+                continue
+            for entry in os.scandir(bucket):
+                if self._is_blob_entry(entry, bucket.name):
+                    sizes[entry.name] = entry.stat().st_size
+        return sizes
+
+    @staticmethod
+    def _is_blob_entry(entry: os.DirEntry[str], bucket_name: str) -> bool:
+        name = entry.name
+        return (
+            len(name) == protocol.DIGEST_CHARS
+            and name[:2] == bucket_name
+            and protocol.HEX_PATTERN.fullmatch(name) is not None
+            and entry.is_file()
+        )
+
+    def open_blob(self, digest: str) -> tuple[int, int]:
+        """(read-only fd, size) of a blob; the caller closes the fd."""
+        try:
+            fd = os.open(self.blob_path(digest), os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(f"this node holds no blob {digest}") from None
+        return fd, os.fstat(fd).st_size
+
+    def free_bytes(self) -> int:
+        usage = os.statvfs(self.root)
+        return usage.f_bavail * usage.f_frsize
+
+    def begin_put(self, digest: str, size: int) -> IncomingBlob:
+        """A temp file to stream a blob into; DiskFullError if it cannot fit."""
+        free = self.free_bytes()
+        if free < size:
+            raise DiskFullError(
+                f"blob {digest[:12]} needs {size} bytes but only {free} are free on this node:"
+                " free space here or place the shard on another node"
+            )
+        fd, tmp_name = tempfile.mkstemp(dir=self.tmp_dir, prefix=digest[:16] + ".", suffix=".part")
+        return IncomingBlob(self, protocol.validate_digest(digest), size, fd, Path(tmp_name))
+
+    def _publish(self, tmp_path: Path, digest: str) -> None:
+        target = self.blob_path(digest)
+        try:
+            target.parent.mkdir()
+            fsync_directory(self.blobs_dir)
+        except FileExistsError:
+            pass
+        os.replace(tmp_path, target)
+        fsync_directory(target.parent)
+
+    def delete(self, digest: str) -> bool:
+        path = self.blob_path(digest)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        fsync_directory(path.parent)
+        return True
+
+    def verify(self, digests: list[str] | None = None) -> list[str]:
+        """Re-hash blobs (all if None); the digests that are missing or hash to something else."""
+        targets = sorted(self.inventory()) if digests is None else digests
+        buffer = bytearray(defaults.IO_CHUNK_BYTES)
+        return [digest for digest in targets if self._hash_file(digest, buffer) != digest]
+
+    def _hash_file(self, digest: str, buffer: bytearray) -> str | None:
+        hasher = hashlib.sha256()
+        view = memoryview(buffer)
+        try:
+            with open(self.blob_path(digest), "rb", buffering=0) as blob:
+                while count := blob.readinto(view):
+                    hasher.update(view[:count])
+        except FileNotFoundError:
+            return None
+        return hasher.hexdigest()
+
+    def stat(self) -> dict[str, Any]:
+        usage = os.statvfs(self.root)
+        sizes = self.inventory()
+        return {
+            "node_id": self.node_id,
+            "free_bytes": usage.f_bavail * usage.f_frsize,
+            "total_bytes": usage.f_blocks * usage.f_frsize,
+            "used_bytes": sum(sizes.values()),
+            "blob_count": len(sizes),
+        }
+
+    def _manifest_path(self, key: str) -> Path:
+        return self.manifests_dir / (protocol.validate_key(key) + ".json")
+
+    def put_manifest(self, key: str, data: bytes) -> None:
+        write_file_atomically(self._manifest_path(key), data, self.tmp_dir)
+
+    def list_manifests(self) -> list[str]:
+        keys = []
+        for path in self.manifests_dir.glob("*.json"):
+            if protocol.KEY_PATTERN.fullmatch(path.stem):
+                keys.append(path.stem)
+        return sorted(keys)
+
+    def get_manifest(self, key: str) -> bytes:
+        try:
+            return self._manifest_path(key).read_bytes()
+        except FileNotFoundError:
+            raise NotFoundError(f"this node holds no manifest {key!r}") from None
+
+
+class IncomingBlob:
+    """A blob being received: hashed as it is written to a temp file, published on commit.
+
+    Used as a context manager, it always leaves tmp/ clean: published or removed.
+    """
+
+    def __init__(self, store: BlobStore, digest: str, size: int, fd: int, tmp_path: Path):
+        self._store = store
+        self.digest = digest
+        self.size = size
+        self._fd = fd
+        self._tmp_path = tmp_path
+        self._hasher = hashlib.sha256()
+        self._written = 0
+        self._write_error: OSError | None = None
+
+    def write(self, chunk: memoryview) -> None:
+        """Hash and append a chunk; after a write error, keep accepting (and dropping) bytes so
+        the sender can finish and read our answer."""
+        if self._write_error is not None:
+            return
+        self._hasher.update(chunk)
+        try:
+            while chunk:
+                written = os.write(self._fd, chunk)
+                chunk = chunk[written:]
+                self._written += written
+        except OSError as exc:
+            self._write_error = exc
+            self.abort()
+
+    def commit(self) -> None:
+        """Check size and digest, fsync, rename into place, fsync the directory."""
+        try:
+            if self._write_error is not None:
+                raise self._write_error
+            digest = self._hasher.hexdigest()
+            if self._written != self.size or digest != self.digest:
+                raise DigestMismatchError(
+                    f"received {self._written} bytes hashing to {digest}, not the {self.size}"
+                    f" bytes of blob {self.digest} that were announced; send it again"
+                )
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            self._store._publish(self._tmp_path, self.digest)
+        except OSError as exc:
+            self.abort()
+            if exc.errno in NO_SPACE_ERRNOS:
+                raise DiskFullError(
+                    f"this node ran out of disk space while storing blob {self.digest[:12]}:"
+                    " free space here or place the shard on another node"
+                ) from exc
+            raise
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Close and remove the temp file; safe to call more than once."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        _unlink_quietly(self._tmp_path)
+
+    def __enter__(self) -> IncomingBlob:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.abort()

@@ -1,0 +1,321 @@
+"""The wire protocol as bytes in, values out: framing, request validation, HMAC proofs.
+
+Pure: no sockets, no files. A frame is a fixed 20-byte prefix (magic, protocol
+version, flags, reserved, header length, body length), a UTF-8 JSON object
+header, then a raw body of the declared length. Anything that does not follow
+the protocol raises ProtocolError (or a subclass) with a sentence saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import struct
+from typing import Any
+
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    AuthenticationError,
+    DigestMismatchError,
+    FrameTooLargeError,
+    NodeError,
+    ProtocolError,
+    UnsupportedVersionError,
+)
+
+MAGIC = b"SMTR"
+PREFIX = struct.Struct(">4sBBHIQ")  # magic, version, flags, reserved, header_len, body_len
+PREFIX_BYTES = PREFIX.size
+
+AUTH_HMAC = "hmac-sha256"
+AUTH_NONE = "none"
+# Prepended to the client's nonce so the server's proof can never be replayed as a client's.
+SERVER_PROOF_CONTEXT = b"server"
+
+ERROR_CODES = frozenset(
+    {
+        "bad_request",
+        "unauthorized",
+        "not_found",
+        "digest_mismatch",
+        "disk_full",
+        "too_large",
+        "busy",
+        "unsupported_version",
+        "peer_unavailable",
+        "internal",
+    }
+)
+
+HEX_PATTERN = re.compile(r"[0-9a-f]+")
+DIGEST_CHARS = 64  # hex digits of a SHA-256
+NODE_ID_CHARS = 32  # hex digits of a uuid4
+NONCE_CHARS = 2 * defaults.NONCE_BYTES
+KEY_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{defaults.MAX_KEY_CHARS - 1}}}")
+# A DNS name (at most 253 characters) or an IPv4 address, or a bracketed IPv6 address.
+PEER_HOST_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]")
+PORT_PATTERN = re.compile(r"[0-9]{1,5}")
+
+# Which request body each operation carries: none, a bounded JSON value, or raw blob bytes.
+BODY_NONE, BODY_JSON, BODY_BLOB = "none", "json", "blob"
+OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
+    "ping": (BODY_NONE, frozenset()),
+    "stat": (BODY_NONE, frozenset()),
+    "has": (BODY_JSON, frozenset()),
+    "list": (BODY_NONE, frozenset()),
+    "put": (BODY_BLOB, frozenset({"digest", "size"})),
+    "get": (BODY_NONE, frozenset({"digest", "offset", "length"})),
+    "verify": (BODY_NONE, frozenset({"digests"})),
+    "delete": (BODY_NONE, frozenset({"digest"})),
+    "replicate": (BODY_NONE, frozenset({"digest", "peer"})),
+    "manifest_put": (BODY_JSON, frozenset({"key"})),
+    "manifest_list": (BODY_NONE, frozenset()),
+    "manifest_get": (BODY_NONE, frozenset({"key"})),
+    "auth": (BODY_NONE, frozenset({"mac", "nonce"})),
+}
+
+
+def encode_frame(header: dict[str, Any], body_len: int = 0) -> bytes:
+    """The prefix and JSON header of a frame; the caller sends body_len body bytes after it."""
+    header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    if len(header_bytes) > defaults.MAX_HEADER_BYTES:
+        raise FrameTooLargeError(
+            f"frame header is {len(header_bytes)} bytes, over the {defaults.MAX_HEADER_BYTES}"
+            " byte limit: send large values in the body instead"
+        )
+    if not 0 <= body_len <= defaults.MAX_BLOB_BYTES:
+        raise FrameTooLargeError(
+            f"frame body of {body_len} bytes is outside 0..{defaults.MAX_BLOB_BYTES}"
+        )
+    prefix = PREFIX.pack(MAGIC, defaults.PROTOCOL_VERSION, 0, 0, len(header_bytes), body_len)
+    return prefix + header_bytes
+
+
+def decode_prefix(data: bytes) -> tuple[int, int]:
+    """The 20-byte prefix -> (header_len, body_len), both checked against the protocol limits."""
+    if len(data) != PREFIX_BYTES:
+        raise ProtocolError(f"frame prefix must be {PREFIX_BYTES} bytes, got {len(data)}")
+    magic, version, flags, reserved, header_len, body_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(
+            f"not a smoltorrent frame (magic {magic!r}, expected {MAGIC!r}):"
+            " is this port really a smoltorrent node?"
+        )
+    if version != defaults.PROTOCOL_VERSION:
+        raise UnsupportedVersionError(
+            f"peer speaks wire protocol version {version}, this side speaks"
+            f" {defaults.PROTOCOL_VERSION}: run the same smoltorrent release on both sides"
+        )
+    if flags != 0 or reserved != 0:
+        raise ProtocolError(f"frame flags {flags} and reserved {reserved} must both be 0")
+    if header_len == 0 or header_len > defaults.MAX_HEADER_BYTES:
+        raise FrameTooLargeError(
+            f"frame header length {header_len} is outside 1..{defaults.MAX_HEADER_BYTES} bytes"
+        )
+    if body_len > defaults.MAX_BLOB_BYTES:
+        raise FrameTooLargeError(
+            f"frame declares a {body_len} byte body, over the {defaults.MAX_BLOB_BYTES} byte limit"
+        )
+    return header_len, body_len
+
+
+def decode_header(data: bytes) -> dict[str, Any]:
+    """A frame's header bytes -> the JSON object they hold."""
+    value = decode_json(data, what="frame header")
+    if not isinstance(value, dict):
+        raise ProtocolError(f"frame header must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def encode_json(value: Any) -> bytes:
+    """Compact UTF-8 JSON, the encoding of every JSON body on the wire."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def decode_json(data: bytes, *, what: str = "JSON body") -> Any:
+    """Strict JSON: valid UTF-8, no NaN/Infinity, no duplicate keys."""
+    try:
+        text = bytes(data).decode("utf-8")
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(
+            f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+    except RecursionError:
+        raise ProtocolError(f"{what} nests JSON values too deeply") from None
+    except ValueError as exc:  # json.JSONDecodeError, and the duplicate/constant checks below
+        raise ProtocolError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r} appears twice")
+        result[key] = value
+    return result
+
+
+def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any]:
+    """A request header (and its declared body length) -> its arguments, checked and defaulted."""
+    op = header.get("op")
+    if not isinstance(op, str) or op not in OPERATIONS:
+        known = ", ".join(sorted(OPERATIONS))
+        raise ProtocolError(f"unknown operation {op!r}; known operations: {known}")
+    body_kind, allowed = OPERATIONS[op]
+    unknown = set(header) - allowed - {"op"}
+    if unknown:
+        raise ProtocolError(f"operation {op!r} takes no field(s) {', '.join(sorted(unknown))}")
+    request: dict[str, Any] = {"op": op}
+    if "digest" in allowed:
+        request["digest"] = validate_digest(header.get("digest"))
+    if "key" in allowed:
+        request["key"] = validate_key(header.get("key"))
+    if op == "put":
+        request["size"] = validate_length(header.get("size"), "size")
+    if op == "get":
+        request["offset"] = validate_length(header.get("offset", 0), "offset")
+        length = header.get("length")
+        request["length"] = None if length is None else validate_length(length, "length")
+    if op == "verify":
+        digests = header.get("digests")
+        request["digests"] = None if digests is None else validate_digest_list(digests)
+    if op == "replicate":
+        request["peer"] = validate_peer(header.get("peer"))
+    if op == "auth":
+        request["mac"] = _validate_hex(header.get("mac"), DIGEST_CHARS, "mac")
+        request["nonce"] = _validate_hex(header.get("nonce"), NONCE_CHARS, "nonce")
+    _validate_body_len(op, body_kind, body_len, request)
+    return request
+
+
+def _validate_body_len(op: str, body_kind: str, body_len: int, request: dict[str, Any]) -> None:
+    if body_kind == BODY_NONE and body_len != 0:
+        raise ProtocolError(f"operation {op!r} takes no body, but the frame declares {body_len}")
+    if body_kind == BODY_JSON and body_len > defaults.MAX_JSON_BODY_BYTES:
+        raise FrameTooLargeError(
+            f"{op!r} body of {body_len} bytes is over the"
+            f" {defaults.MAX_JSON_BODY_BYTES} byte JSON body limit"
+        )
+    if body_kind == BODY_BLOB and body_len != request["size"]:
+        raise ProtocolError(
+            f"put declares size {request['size']} but a body of {body_len} bytes; they must match"
+        )
+
+
+def validate_digest(value: Any) -> str:
+    """A SHA-256 digest: exactly 64 lowercase hex characters, so it is safe as a file name."""
+    return _validate_hex(value, DIGEST_CHARS, "digest")
+
+
+def validate_digest_list(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"digests must be a JSON list, got {type(value).__name__}")
+    return [validate_digest(item) for item in value]
+
+
+def validate_key(value: Any) -> str:
+    """A manifest key: one safe file name component (no '/', no leading '.')."""
+    if not isinstance(value, str) or not KEY_PATTERN.fullmatch(value):
+        raise ProtocolError(
+            f"manifest key {_shown(value)} is invalid: use 1-{defaults.MAX_KEY_CHARS} characters"
+            " from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    return value
+
+
+def validate_length(value: Any, name: str) -> int:
+    """A byte count or offset: a JSON integer in 0..MAX_BLOB_BYTES."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{name} must be an integer, got {_shown(value)}")
+    if not 0 <= value <= defaults.MAX_BLOB_BYTES:
+        raise ProtocolError(f"{name} {value} is outside 0..{defaults.MAX_BLOB_BYTES}")
+    return value
+
+
+def validate_peer(value: Any) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port)."""
+    if isinstance(value, str):
+        host, sep, port_text = value.rpartition(":")
+        if sep and PEER_HOST_PATTERN.fullmatch(host) and PORT_PATTERN.fullmatch(port_text):
+            port = int(port_text)
+            if 0 < port < 65536:
+                return host.strip("[]"), port
+    raise ProtocolError(f"peer {_shown(value)} is not a 'host:port' address")
+
+
+def validate_hello(header: dict[str, Any]) -> dict[str, Any]:
+    """The server's first frame, as the client sees it."""
+    if header.get("op") != "hello":
+        raise ProtocolError(f"expected a hello frame from the node, got {_shown(header)}")
+    if header.get("protocol") != defaults.PROTOCOL_VERSION:
+        raise UnsupportedVersionError(
+            f"node speaks wire protocol {_shown(header.get('protocol'))}, this side speaks"
+            f" {defaults.PROTOCOL_VERSION}: run the same smoltorrent release on both sides"
+        )
+    node_id = _validate_hex(header.get("node_id"), NODE_ID_CHARS, "node_id")
+    auth = header.get("auth")
+    if auth not in (AUTH_HMAC, AUTH_NONE):
+        raise ProtocolError(f"node offers unknown authentication {_shown(auth)}")
+    nonce = _validate_hex(header.get("nonce"), NONCE_CHARS, "nonce")
+    return {"node_id": node_id, "auth": auth, "nonce": bytes.fromhex(nonce)}
+
+
+def error_header(code: str, message: str) -> dict[str, Any]:
+    """An error frame's header; code is one of ERROR_CODES, message a sentence for a human."""
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    return {"ok": False, "error": code, "message": message}
+
+
+def check_response(header: dict[str, Any], peer: str) -> dict[str, Any]:
+    """A response header -> itself if ok, else the error it carries, raised with the peer named."""
+    ok = header.get("ok")
+    if ok is True:
+        return header
+    if ok is not False:
+        raise ProtocolError(f"node {peer} sent a response without a boolean 'ok': {_shown(header)}")
+    code, message = header.get("error"), header.get("message")
+    if code not in ERROR_CODES or not isinstance(message, str):
+        raise ProtocolError(f"node {peer} sent a malformed error frame: {_shown(header)}")
+    text = f"node {peer}: {message}"
+    if code == "digest_mismatch":
+        raise DigestMismatchError(text)
+    if code == "unauthorized":
+        raise AuthenticationError(text)
+    raise NodeError(code, text)
+
+
+def client_proof(key: bytes, server_nonce: bytes) -> str:
+    """What the client sends to prove it holds the cluster key."""
+    return hmac.new(key, server_nonce, hashlib.sha256).hexdigest()
+
+
+def server_proof(key: bytes, client_nonce: bytes) -> str:
+    """What the server answers to prove it holds the cluster key too."""
+    return hmac.new(key, SERVER_PROOF_CONTEXT + client_nonce, hashlib.sha256).hexdigest()
+
+
+def proofs_match(expected: str, received: Any) -> bool:
+    """Constant-time comparison, so timing leaks nothing about the expected proof."""
+    if not isinstance(received, str) or not received.isascii():
+        return False
+    return hmac.compare_digest(expected.encode("ascii"), received.encode("ascii"))
+
+
+def _validate_hex(value: Any, chars: int, name: str) -> str:
+    if not isinstance(value, str) or len(value) != chars or not HEX_PATTERN.fullmatch(value):
+        raise ProtocolError(f"{name} {_shown(value)} is not exactly {chars} lowercase hex digits")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A peer's value, shortened, for an error message (hostile inputs can be huge)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

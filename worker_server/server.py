@@ -1,0 +1,215 @@
+"""The shard server: accepts connections and serves each in its own thread.
+
+At most MAX_CONNECTIONS sessions run at once; one more gets a `busy` error
+frame. SIGTERM or SIGINT stops accepting, lets running requests finish for a
+grace period, and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from smoltorrent import defaults
+from smoltorrent.errors import SmoltorrentError
+from worker_server import protocol, wire
+from worker_server.blob_store import BlobStore, write_file_atomically
+from worker_server.session import Session
+
+log = logging.getLogger(__name__)
+
+CLUSTER_KEY_ENV = "SMOLTORRENT_CLUSTER_KEY"
+SOCKET_TIMEOUT_ENV = "SMOLTORRENT_SOCKET_TIMEOUT_S"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PORT_FILE = "port"  # in the data dir: the port actually bound, for tests and embedded clusters
+
+
+class ShardServer:
+    """A listening socket and the sessions it has accepted."""
+
+    def __init__(
+        self,
+        store: BlobStore,
+        host: str,
+        port: int,
+        cluster_key: bytes | None,
+        socket_timeout: float = defaults.SOCKET_TIMEOUT_S,
+    ) -> None:
+        self.store = store
+        self.cluster_key = cluster_key
+        self.socket_timeout = socket_timeout
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            # Restarting right after a crash must not wait out TIME_WAIT on the node's port.
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((host, port))
+            self._listener.listen(defaults.LISTEN_BACKLOG)
+        except OSError:
+            self._listener.close()
+            raise
+        self._listener.settimeout(defaults.ACCEPT_POLL_S)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._free_slots = threading.BoundedSemaphore(defaults.MAX_CONNECTIONS)
+        self._sessions: set[threading.Thread] = set()
+        self._sessions_lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Ask serve_forever to return; safe from a signal handler or another thread."""
+        self._stopping.set()
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    conn, address = self._listener.accept()
+                except TimeoutError:
+                    continue  # wake up to check for a stop request
+                self._start_session(conn, f"{address[0]}:{address[1]}")
+        finally:
+            self._listener.close()
+            self._wait_for_sessions()
+
+    def _start_session(self, conn: socket.socket, peer: str) -> None:
+        conn.settimeout(self.socket_timeout)
+        if not self._free_slots.acquire(blocking=False):
+            log.warning("refusing %s: %d connections are open", peer, defaults.MAX_CONNECTIONS)
+            message = (
+                f"this node is serving {defaults.MAX_CONNECTIONS} connections already:"
+                " retry shortly or use fewer parallel transfers"
+            )
+            with contextlib.suppress(OSError):
+                wire.send_frame(conn, protocol.error_header("busy", message))
+            conn.close()
+            return
+        thread = threading.Thread(target=self._run_session, args=(conn, peer), daemon=True)
+        with self._sessions_lock:
+            self._sessions.add(thread)
+        thread.start()
+
+    def _run_session(self, conn: socket.socket, peer: str) -> None:
+        try:
+            Session(conn, peer, self.store, self.cluster_key, self.socket_timeout).run()
+        finally:
+            self._free_slots.release()
+            with self._sessions_lock:
+                self._sessions.discard(threading.current_thread())
+
+    def _wait_for_sessions(self) -> None:
+        deadline = time.monotonic() + defaults.SHUTDOWN_GRACE_S
+        with self._sessions_lock:
+            running = list(self._sessions)
+        for thread in running:
+            thread.join(max(deadline - time.monotonic(), 0))
+        if any(thread.is_alive() for thread in running):
+            log.warning("leaving unfinished transfers; their temp files go at next start")
+
+
+def serve(
+    data_dir: str | os.PathLike[str],
+    host: str,
+    port: int,
+    cluster_key: bytes | None,
+    ready_callback: Callable[[ShardServer], None] | None = None,
+    *,
+    socket_timeout: float = defaults.SOCKET_TIMEOUT_S,
+) -> None:
+    """Run a shard server until SIGTERM/SIGINT (from the main thread) or server.stop().
+
+    ready_callback(server) runs once the port is bound and written to <data_dir>/port.
+    """
+    store = BlobStore(data_dir)
+    port_file = Path(data_dir) / PORT_FILE
+    try:
+        server = ShardServer(store, host, port, cluster_key, socket_timeout)
+        if not cluster_key:
+            log.warning(
+                "NO CLUSTER KEY: anyone who can reach %s:%d can read, write and delete blobs."
+                " Set %s or pass --cluster-key on every node and coordinator.",
+                server.host,
+                server.port,
+                CLUSTER_KEY_ENV,
+            )
+        write_file_atomically(port_file, f"{server.port}\n".encode("ascii"), store.tmp_dir)
+        log.info(
+            "smoltorrent node %s listening on %s:%d (data: %s)",
+            store.node_id,
+            server.host,
+            server.port,
+            store.root,
+        )
+        if ready_callback is not None:
+            ready_callback(server)
+        with _stop_on_signals(server):
+            server.serve_forever()
+        port_file.unlink(missing_ok=True)
+        log.info("smoltorrent node %s stopped", store.node_id)
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(server: ShardServer) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals only reach the main thread; an embedding caller stops us itself
+        return
+    previous = {
+        signum: signal.signal(signum, lambda received, frame: server.stop())
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run_from_args(
+    data_dir: str,
+    host: str,
+    port: int,
+    cluster_key: str | None,
+    socket_timeout: float | None = None,
+) -> int:
+    """The CLI's entry point: serve until stopped; the process exit status."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    key_text = cluster_key or os.environ.get(CLUSTER_KEY_ENV) or None
+    try:
+        timeout = socket_timeout or _timeout_from_env()
+        serve(
+            data_dir,
+            host,
+            port,
+            key_text.encode("utf-8") if key_text else None,
+            socket_timeout=timeout,
+        )
+    except SmoltorrentError as exc:
+        log.error("%s", exc)
+        return 1
+    except OSError as exc:
+        log.error("cannot serve %s on %s:%d: %s", data_dir, host, port, exc)
+        return 1
+    return 0
+
+
+def _timeout_from_env() -> float:
+    text = os.environ.get(SOCKET_TIMEOUT_ENV)
+    if not text:
+        return defaults.SOCKET_TIMEOUT_S
+    try:
+        timeout = float(text)
+    except ValueError:
+        timeout = 0.0
+    if not 0 < timeout < math.inf:
+        raise SmoltorrentError(
+            f"{SOCKET_TIMEOUT_ENV}={text!r} is not a positive number of seconds: fix or unset it"
+        )
+    return timeout

@@ -1,0 +1,236 @@
+"""One client connection on a shard server: the handshake, then requests in sequence.
+
+A request the node refuses gets a typed error frame and the connection stays
+usable when the stream is still in step (no unread body); anything that
+breaks framing gets an error frame if possible and the connection is closed.
+Nothing a peer sends can make this allocate more than one fixed buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    AuthenticationError,
+    DigestMismatchError,
+    DiskFullError,
+    FrameTooLargeError,
+    NodeError,
+    NotFoundError,
+    PeerClosedError,
+    ProtocolError,
+    SmoltorrentError,
+    UnsupportedVersionError,
+)
+from worker_server import protocol, wire
+from worker_server.blob_store import BlobStore
+
+log = logging.getLogger(__name__)
+
+# Most specific first: the first class an error is an instance of gives its code.
+ERROR_CODE_BY_CLASS: tuple[tuple[type[SmoltorrentError], str], ...] = (
+    (UnsupportedVersionError, "unsupported_version"),
+    (FrameTooLargeError, "too_large"),
+    (AuthenticationError, "unauthorized"),
+    (ProtocolError, "bad_request"),
+    (NotFoundError, "not_found"),
+    (DigestMismatchError, "digest_mismatch"),
+    (DiskFullError, "disk_full"),
+)
+
+
+def error_code_for(exc: SmoltorrentError) -> str:
+    if isinstance(exc, NodeError):
+        return exc.code
+    for error_class, code in ERROR_CODE_BY_CLASS:
+        if isinstance(exc, error_class):
+            return code
+    return "internal"
+
+
+class Session:
+    """Serves one accepted connection until the client leaves or breaks the protocol."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: str,
+        store: BlobStore,
+        cluster_key: bytes | None,
+        socket_timeout: float,
+    ) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.store = store
+        self.cluster_key = cluster_key
+        self.socket_timeout = socket_timeout
+        self._unread_body = 0  # bytes of the current request's body not read yet
+
+    def run(self) -> None:
+        try:
+            wire.server_handshake(self.sock, self.store.node_id, self.cluster_key)
+            while self._serve_one_request():
+                pass
+        except AuthenticationError as exc:
+            log.warning("rejected %s: %s", self.peer, exc)
+            wire.close_after_error(self.sock)
+        except (PeerClosedError, TimeoutError) as exc:
+            log.info("dropping %s: %s", self.peer, exc or "timed out")
+        except ProtocolError as exc:
+            log.warning("closing %s after a malformed frame: %s", self.peer, exc)
+            self._send_error_then_close(error_code_for(exc), str(exc))
+        except OSError as exc:
+            log.warning("connection with %s failed: %s", self.peer, exc)
+        except Exception:
+            log.exception("internal error while serving %s", self.peer)
+            self._send_error_then_close("internal", "the node hit an internal error; see its log")
+        finally:
+            self.sock.close()
+
+    def _send_error_then_close(self, code: str, message: str) -> None:
+        with contextlib.suppress(OSError):  # the peer may be gone; then nobody is left to tell
+            wire.send_frame(self.sock, protocol.error_header(code, message))
+        wire.close_after_error(self.sock)
+
+    def _serve_one_request(self) -> bool:
+        """Serve the next request; False when the connection should end."""
+        frame = wire.recv_frame_header(self.sock)
+        if frame is None:
+            return False
+        header, body_len = frame
+        # A put's body only follows our "continue", so nothing is pending until we say so.
+        self._unread_body = 0 if header.get("op") == "put" else body_len
+        try:
+            request = protocol.validate_request(header, body_len)
+            handler = HANDLERS[request["op"]]
+            handler(self, request)
+        except PeerClosedError:
+            raise
+        except SmoltorrentError as exc:
+            code = error_code_for(exc)
+            log.info("%s %s refused (%s): %s", self.peer, header.get("op"), code, exc)
+            if self._unread_body:
+                self._send_error_then_close(code, str(exc))
+                return False
+            wire.send_frame(self.sock, protocol.error_header(code, str(exc)))
+        return True
+
+    def _read_body(self) -> bytes:
+        body = wire.recv_exact(self.sock, self._unread_body)
+        self._unread_body = 0
+        return body
+
+    def _reply_json(self, value: Any) -> None:
+        body = protocol.encode_json(value)
+        if len(body) > defaults.MAX_JSON_BODY_BYTES:
+            raise FrameTooLargeError(
+                f"the answer is {len(body)} bytes, over the {defaults.MAX_JSON_BODY_BYTES}"
+                " byte JSON body limit: ask about fewer items at a time"
+            )
+        wire.send_frame(self.sock, {"ok": True}, body)
+
+    def op_ping(self, request: dict[str, Any]) -> None:
+        wire.send_frame(self.sock, {"ok": True, "node_id": self.store.node_id})
+
+    def op_stat(self, request: dict[str, Any]) -> None:
+        stat = self.store.stat()
+        wire.send_frame(self.sock, {"ok": True, **stat, "protocol": defaults.PROTOCOL_VERSION})
+
+    def op_has(self, request: dict[str, Any]) -> None:
+        digests = protocol.validate_digest_list(protocol.decode_json(self._read_body()))
+        self._reply_json(self.store.present(digests))
+
+    def op_list(self, request: dict[str, Any]) -> None:
+        self._reply_json(self.store.inventory())
+
+    def op_put(self, request: dict[str, Any]) -> None:
+        digest, size = request["digest"], request["size"]
+        if self.store.has(digest):
+            wire.send_frame(self.sock, {"ok": True, "status": "exists"})
+            return
+        with self.store.begin_put(digest, size) as incoming:
+            wire.send_frame(self.sock, {"ok": True, "status": "continue"})
+            self._unread_body = size
+            wire.recv_stream(self.sock, size, incoming.write)
+            self._unread_body = 0
+            incoming.commit()
+        log.info("stored blob %s (%d bytes) from %s", digest, size, self.peer)
+        wire.send_frame(self.sock, {"ok": True, "status": "stored"})
+
+    def op_get(self, request: dict[str, Any]) -> None:
+        fd, size = self.store.open_blob(request["digest"])
+        try:
+            offset = request["offset"]
+            length = size - offset if request["length"] is None else request["length"]
+            if offset > size or offset + length > size:
+                raise ProtocolError(
+                    f"range {offset}+{length} is outside blob {request['digest'][:12]},"
+                    f" which is {size} bytes"
+                )
+            self.sock.sendall(protocol.encode_frame({"ok": True, "length": length}, length))
+            wire.send_file_range(self.sock, fd, offset, length)
+        finally:
+            os.close(fd)
+
+    def op_verify(self, request: dict[str, Any]) -> None:
+        self._reply_json(self.store.verify(request["digests"]))
+
+    def op_delete(self, request: dict[str, Any]) -> None:
+        deleted = self.store.delete(request["digest"])
+        if deleted:
+            log.info("deleted blob %s at the request of %s", request["digest"], self.peer)
+        wire.send_frame(self.sock, {"ok": True, "deleted": deleted})
+
+    def op_replicate(self, request: dict[str, Any]) -> None:
+        digest = request["digest"]
+        host, port = request["peer"]
+        peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        fd, size = self.store.open_blob(digest)
+        try:
+            stored = self._push_blob(peer, host, port, digest, fd, size)
+        finally:
+            os.close(fd)
+        log.info("replicated blob %s to %s (%s)", digest, peer, "stored" if stored else "exists")
+        wire.send_frame(self.sock, {"ok": True, "status": "stored" if stored else "exists"})
+
+    def _push_blob(self, peer: str, host: str, port: int, digest: str, fd: int, size: int) -> bool:
+        try:
+            with wire.connect(host, port, self.socket_timeout) as peer_sock:
+                wire.client_handshake(peer_sock, self.cluster_key, peer)
+                return wire.send_put(peer_sock, peer, digest, b"", fd, 0, size)
+        except AuthenticationError as exc:
+            raise NodeError("peer_unavailable", f"peer {peer} refused this node: {exc}") from exc
+        except (OSError, PeerClosedError) as exc:
+            raise NodeError(
+                "peer_unavailable",
+                f"cannot push blob {digest[:12]} to peer {peer} ({exc}): check that the peer"
+                " is running and reachable from this node",
+            ) from exc
+
+    def op_manifest_put(self, request: dict[str, Any]) -> None:
+        data = self._read_body()
+        protocol.decode_json(data, what=f"manifest {request['key']!r}")
+        self.store.put_manifest(request["key"], data)
+        wire.send_frame(self.sock, {"ok": True})
+
+    def op_manifest_list(self, request: dict[str, Any]) -> None:
+        self._reply_json(self.store.list_manifests())
+
+    def op_manifest_get(self, request: dict[str, Any]) -> None:
+        wire.send_frame(self.sock, {"ok": True}, self.store.get_manifest(request["key"]))
+
+    def op_auth(self, request: dict[str, Any]) -> None:
+        if self.cluster_key:
+            raise ProtocolError("this connection is authenticated already")
+        raise ProtocolError("this node has no cluster key, so there is nothing to authenticate")
+
+
+HANDLERS: dict[str, Callable[[Session, dict[str, Any]], None]] = {
+    op: getattr(Session, f"op_{op}") for op in protocol.OPERATIONS
+}
