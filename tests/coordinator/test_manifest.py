@@ -1,0 +1,203 @@
+"""Manifest: canonical JSON round trip, strict validation, byte-for-byte rebuild."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import pytest
+
+from coordinator.checkpoint_format import read_header
+from coordinator.manifest import (
+    Manifest,
+    blob_prefixes,
+    shard_entries,
+    source_prefix,
+    version_id_for,
+)
+from coordinator.planner import plan_shards
+from smoltorrent.errors import ManifestError
+from tests.checkpoints import write_llm_like, write_raw
+
+
+def store_in_memory(path, name: str = "grpo/run1/step_100.safetensors", shards: int = 4):
+    """Plan and cut `path` the way a store does; returns the manifest and its blobs."""
+    header, source = read_header(path), path.read_bytes()
+    plans = plan_shards(header, shards)
+    blobs = [
+        plan.prefix
+        + source[header.data_start + plan.data_start : header.data_start + plan.data_end]
+        for plan in plans
+    ]
+    digests = [hashlib.sha256(blob).hexdigest() for blob in blobs]
+    manifest = Manifest(
+        name=name,
+        version_id=version_id_for(header.header_bytes, digests),
+        source_size=header.file_size,
+        header_bytes=header.header_bytes,
+        replicas=2,
+        shards=shard_entries(plans, digests),
+        created_at=1_700_000_000.25,
+    )
+    return manifest, blobs, plans
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    path = tmp_path_factory.mktemp("manifest") / "step_100.safetensors"
+    write_llm_like(path)
+    return path, *store_in_memory(path)
+
+
+def test_round_trip_is_exact_and_canonical(stored):
+    _, manifest, _, _ = stored
+    text = manifest.to_json()
+    assert Manifest.from_json(text) == manifest
+    assert Manifest.from_json(text.decode()) == manifest
+    assert Manifest.from_json(text).to_json() == text
+    document = json.loads(text)
+    assert text == json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    assert document["schema_version"] == 1
+    assert base64.b64decode(document["header_bytes"]) == manifest.header_bytes
+
+
+def test_manifest_and_blobs_rebuild_the_source_byte_for_byte(stored):
+    path, manifest, blobs, _ = stored
+    rebuilt = source_prefix(manifest) + b"".join(
+        blob[shard.blob_data_offset :] for shard, blob in zip(manifest.shards, blobs, strict=True)
+    )
+    assert rebuilt == path.read_bytes()
+    assert len(source_prefix(manifest)) == manifest.data_start
+    for shard, blob in zip(manifest.shards, blobs, strict=True):
+        assert shard.blob_size == len(blob)
+        assert shard.blob_sha256 == hashlib.sha256(blob).hexdigest()
+
+
+def test_blob_prefixes_are_rebuilt_from_the_manifest_alone(stored):
+    _, manifest, _, plans = stored
+    assert blob_prefixes(manifest) == tuple(plan.prefix for plan in plans)
+
+
+def test_checkpoint_without_tensors_round_trips(tmp_path):
+    path = tmp_path / "empty.safetensors"
+    write_raw(path, {"__metadata__": {"note": "nothing yet"}})
+    manifest, blobs, _ = store_in_memory(path)
+    assert manifest.shards == () and blobs == []
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert source_prefix(manifest) == path.read_bytes()
+
+
+def test_version_id_is_content_only_and_framed():
+    digests = [hashlib.sha256(bytes([i])).hexdigest() for i in range(3)]
+    version = version_id_for(b"{}", digests)
+    assert len(version) == 64 and version == version_id_for(b"{}", list(digests))
+    assert version != version_id_for(b"{}", digests[::-1])
+    assert version != version_id_for(b"{} ", digests)
+    assert version != version_id_for(b"{}", digests[:2])
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        version_id_for(b"{}", ["ABC"])
+
+
+def test_storage_key_differs_per_name_for_the_same_content(tmp_path, stored):
+    path, manifest, _, _ = stored
+    copy, _, _ = store_in_memory(path, name="grpo/run1/latest.safetensors")
+    assert copy.version_id == manifest.version_id
+    assert copy.storage_key() != manifest.storage_key()
+    assert len(manifest.storage_key()) == 64 and int(manifest.storage_key(), 16) >= 0
+
+
+def edited(manifest: Manifest, edit) -> bytes:
+    document = json.loads(manifest.to_json())
+    edit(document)
+    return json.dumps(document).encode()
+
+
+def setter(key, value, shard: int | None = None):
+    def edit(document):
+        (document if shard is None else document["shards"][shard])[key] = value
+
+    return edit
+
+
+def shift_end(shard: dict, delta: int) -> None:
+    """Move a shard's end and keep its blob size consistent, so only the range is wrong."""
+    shard["data_end"] += delta
+    shard["blob_size"] += delta
+
+
+BAD_EDITS = [
+    ("missing-field", lambda d: d.pop("replicas"), "manifest lacks replicas"),
+    ("unknown-field", setter("state", "committed"), "unknown fields state"),
+    ("empty-name", setter("name", ""), "name is ''"),
+    ("short-version", setter("version_id", "abc"), "version_id is 'abc'"),
+    ("upper-version", setter("version_id", "A" * 64), "not 64 lowercase hex"),
+    ("header-not-base64", setter("header_bytes", "not base64!"), "header_bytes is not base64"),
+    (
+        "header-garbage",
+        setter("header_bytes", base64.b64encode(b"[]").decode()),
+        "does not hold up",
+    ),
+    ("size-off", setter("source_size", 12), "does not hold up"),
+    ("replicas-zero", setter("replicas", 0), "replicas is 0"),
+    ("replicas-bool", setter("replicas", True), "replicas is True"),
+    ("created-string", setter("created_at", "yesterday"), "created_at"),
+    ("created-negative", setter("created_at", -1), "created_at"),
+    ("shards-not-list", setter("shards", {}), "shards is not a list"),
+    ("shard-not-object", setter("shards", [1]), "a shard is not a JSON object"),
+    ("shard-extra", setter("note", "x", shard=0), "unknown fields note"),
+    ("shard-bad-digest", setter("blob_sha256", "0" * 63, shard=1), "shard 1 blob_sha256"),
+    ("shard-no-tensors", setter("tensors", [], shard=0), "non-empty list of names"),
+    ("shard-out-of-order", lambda d: d["shards"].reverse(), "listed at position 0"),
+    ("shard-wrong-range", lambda d: shift_end(d["shards"][0], -1), "does not match its tensors"),
+    ("shard-wrong-blob-size", setter("blob_size", 5, shard=2), "blob_size 5"),
+    ("shard-missing", lambda d: d["shards"].pop(), "no shard holds the tensors"),
+    ("tensor-swapped", lambda d: d["shards"][0]["tensors"].reverse(), "data order"),
+    ("negative-offset", setter("data_start", -1, shard=0), "data_start is -1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"), [b[1:] for b in BAD_EDITS], ids=[b[0] for b in BAD_EDITS]
+)
+def test_bad_manifest_is_rejected_with_a_sentence(stored, edit, words):
+    _, manifest, _, _ = stored
+    with pytest.raises(ManifestError) as raised:
+        Manifest.from_json(edited(manifest, edit))
+    assert words in str(raised.value)
+    assert str(raised.value).startswith("invalid manifest: ")
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b"", "not JSON"),
+        (b"\xff\xfe\x00", "not JSON"),
+        (b"[1]", "top level is not a JSON object"),
+        (b'{"schema_version":1,"schema_version":1}', "repeats the key 'schema_version'"),
+    ],
+)
+def test_non_manifest_json_is_rejected(data, words):
+    with pytest.raises(ManifestError, match=words):
+        Manifest.from_json(data)
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        (2, "unknown manifest schema_version 2: this smoltorrent reads version 1; upgrade"),
+        ("1", "unknown manifest schema_version '1'"),
+        (1.0, "unknown manifest schema_version 1.0"),
+        (None, "unknown manifest schema_version None"),
+    ],
+)
+def test_unknown_schema_is_rejected(stored, schema, words):
+    _, manifest, _, _ = stored
+    with pytest.raises(ManifestError, match=words):
+        Manifest.from_json(edited(manifest, setter("schema_version", schema)))
+
+
+def test_shard_entries_need_one_digest_per_plan(stored):
+    _, _, _, plans = stored
+    with pytest.raises(ValueError, match="4 shard plans but 3 blob digests"):
+        shard_entries(plans, ["0" * 64] * 3)
