@@ -205,6 +205,22 @@ class Metadata:
             p.hset(K.CURRENT, name, vkey)
             p.execute()
 
+    def restore_committed(self, manifest: Manifest, vkey: str) -> bool:
+        """Record a version read back from a node's manifest (rebuild); False if known."""
+        if self.r.exists(K.VERSION.format(vkey=vkey)):
+            return False
+        with self.r.pipeline() as p:
+            self._write_pending(p, manifest, vkey, {"rebuilt": 1}, [])
+            p.hset(K.VERSION.format(vkey=vkey),
+                   mapping={"state": COMMITTED, "committed_at": manifest.created_at})
+            p.execute()
+        current = self.current(manifest.name)
+        if current is None or float(
+            self.r.hget(K.VERSION.format(vkey=current), "created_at") or 0
+        ) < manifest.created_at:
+            self.r.hset(K.CURRENT, manifest.name, vkey)
+        return True
+
     def placement(self, digest: str) -> set[str]:
         return set(self.r.smembers(K.PLACEMENT.format(digest=digest)))
 

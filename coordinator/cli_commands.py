@@ -1,0 +1,335 @@
+"""The CLI commands that talk to Redis and the Celery worker."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from coordinator import config, reports
+from coordinator.checkpoint_format import read_header
+from coordinator.cli_output import console, emit_json, human_bytes, table, warn
+from coordinator.metadata import ABORTED, COMMITTED, Metadata
+from coordinator.node_client import NodeAddress, NodeClient
+from smoltorrent import defaults
+from smoltorrent.errors import NotFoundError, SmoltorrentError
+
+
+def _md() -> Metadata:
+    from tasks.context import metadata
+
+    md = metadata()
+    md.ping()
+    return md
+
+
+def _require_worker(queue: str) -> None:
+    """Fail fast, with the fix, when no worker would ever run the task."""
+    from tasks.app import app
+
+    active = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S).active_queues() or {}
+    if not any(q["name"] == queue for queues in active.values() for q in queues):
+        raise SmoltorrentError(
+            f"no smoltorrent worker is serving this host (queue {queue}); start one with "
+            "`smoltorrent worker` (or run `smoltorrent demo` for a complete local cluster)."
+        )
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=console,
+                    transient=True, disable=not console.is_terminal)
+
+
+# --- nodes ---------------------------------------------------------------------
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    md = _md()
+    if args.nodes_command == "add":
+        rows = []
+        for text in args.addresses:
+            address = NodeAddress.parse(text)
+            stat = NodeClient(address, cluster_key=config.cluster_key(),
+                              timeout=defaults.CONNECT_TIMEOUT_S).stat()
+            md.add_node(stat.node_id, address)
+            md.mark_alive(stat.node_id, stat.__dict__)
+            rows.append({"node_id": stat.node_id, "address": str(address),
+                         "free_bytes": stat.free_bytes, "blobs": stat.blob_count})
+        if args.json:
+            emit_json(rows)
+        else:
+            for r in rows:
+                console.print(f"added node {r['node_id'][:12]} at {r['address']} "
+                              f"({human_bytes(r['free_bytes'])} free, {r['blobs']} blobs)")
+        return 0
+    if args.nodes_command == "ls":
+        nodes = reports.status(md, config.cluster_key())["nodes"]
+        if args.json:
+            emit_json(nodes)
+        else:
+            table("nodes", ["id", "address", "state", "free", "used", "blobs"], [
+                (n["node_id"][:12], n["address"], "up" if n["up"] else "DOWN",
+                 human_bytes(n["free_bytes"]) if n["up"] else "-",
+                 human_bytes(n["used_bytes"]) if n["up"] else "-",
+                 n["blobs"] if n["up"] else "-") for n in nodes])
+        return 0
+    matches = [nid for nid, rec in md.nodes().items()
+               if nid.startswith(args.node) or str(rec.address) == args.node]
+    if len(matches) != 1:
+        raise NotFoundError(f"{'no' if not matches else 'several'} registered nodes match "
+                            f"'{args.node}'; see `smoltorrent nodes ls`.")
+    md.remove_node(matches[0])
+    console.print(f"removed node {matches[0][:12]}; its shards count as missing until "
+                  "they are re-replicated.")
+    return 0
+
+
+# --- worker, flower --------------------------------------------------------------
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tasks.app import app
+
+    host = config.host_id()
+    queues = ",".join([config.CONTROL_QUEUE, config.host_queue(host), config.transfer_queue(host)])
+    app.worker_main(["worker", "-Q", queues, "-n", f"smoltorrent@{host}", "-P", "prefork",
+                     "-c", str(args.concurrency), "--loglevel", args.loglevel, "-E"])
+    return 0
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    from tasks.app import REDIS_URL
+
+    env = dict(os.environ, SMOLTORRENT_REDIS_URL=REDIS_URL)
+    return subprocess.call([sys.executable, "-m", "celery", "-A", "tasks.app", "flower",
+                            f"--port={args.port}"], env=env)
+
+
+# --- store, gather -----------------------------------------------------------------
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    path = os.path.abspath(args.path)
+    if not os.path.isfile(path):
+        raise SmoltorrentError(f"{args.path}: no such file")
+    read_header(path)  # a bad checkpoint fails here, before anything is queued
+    if args.replicas < 1:
+        raise SmoltorrentError("--replicas must be at least 1")
+    md = _md()
+    host = config.host_id()
+    _require_worker(config.host_queue(host))
+    from tasks.store import store
+
+    name = args.name or os.path.basename(path)
+    res = store.apply_async(args=(path, name, args.replicas, args.shards),
+                            queue=config.host_queue(host))
+    if args.no_wait:
+        if args.json:
+            emit_json({"task_id": res.id, "name": name})
+        else:
+            console.print(f"queued store of {name} (task {res.id})")
+        return 0
+    out = res.get(propagate=False, interval=defaults.CLI_POLL_INTERVAL_S)
+    if res.failed():
+        raise SmoltorrentError(f"store of {name} failed: {res.result}")
+    vkey = out["vkey"]
+    state = _wait_commit(md, vkey, name)
+    row = next(c for c in reports.checkpoints(md) if c["vkey"] == vkey)
+    if args.json:
+        emit_json({**row, "new": out["new"]})
+    else:
+        verb = "stored" if out["new"] else "already stored (no bytes moved)"
+        console.print(f"{verb}: {name} version {row['version_id'][:12]}, "
+                      f"{human_bytes(row['size'])} in {row['shards']} shards x "
+                      f"{row['replicas']} replicas")
+        if row["under_replicated"]:
+            warn(f"shards {row['under_replicated']} have fewer than {row['replicas']} copies; "
+                 "see `smoltorrent status`.")
+    return 0 if state == COMMITTED else 1
+
+
+def _wait_commit(md: Metadata, vkey: str, name: str) -> str:
+    manifest = md.manifest(vkey)
+    sizes = [s.blob_size for s in manifest.shards]
+    plan = md.plan(vkey)
+    total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
+    with _progress() as bar:
+        task = bar.add_task(f"storing {name}", total=total or 1)
+        while True:
+            v = md.version(vkey)
+            done = sum(sizes[int(m.split(":")[0])] for m in md.settled(vkey))
+            bar.update(task, completed=done)
+            if v["state"] == COMMITTED:
+                return COMMITTED
+            if v["state"] == ABORTED:
+                raise SmoltorrentError(f"store of {name} abandoned: {v.get('reason')}")
+            settled, transfers = md.progress(vkey)
+            if settled >= transfers and v.get("commit_enqueued") != "1":
+                missing = sorted(set(range(len(sizes))) - md.ready_shards(vkey))
+                raise SmoltorrentError(
+                    f"store of {name} is stuck: shards {missing} reached no node. Its failed "
+                    "transfers are dead letters (`smoltorrent dlq ls`); fix the nodes, then "
+                    "`smoltorrent dlq replay --all` completes it."
+                )
+            time.sleep(defaults.CLI_POLL_INTERVAL_S)
+
+
+def cmd_gather(args: argparse.Namespace) -> int:
+    md = _md()
+    vkey = md.resolve(args.name, args.version)
+    out = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
+    host = config.host_id()
+    _require_worker(config.host_queue(host))
+    from tasks.gather import gather
+
+    res = gather.apply_async(args=(vkey, out), queue=config.host_queue(host))
+    size = int(md.version(vkey)["size"])
+    with _progress() as bar:
+        task = bar.add_task(f"gathering {args.name}", total=size or 1)
+        while not res.ready():
+            if res.state == "PROGRESS" and isinstance(res.info, dict):
+                bar.update(task, completed=res.info.get("done", 0))
+            time.sleep(defaults.CLI_POLL_INTERVAL_S)
+    if res.failed():
+        raise SmoltorrentError(str(res.result))
+    report = res.result
+    if args.json:
+        emit_json(report)
+    else:
+        rate = report["size"] / max(report["seconds"], 1e-9)
+        console.print(f"gathered {args.name} version {report['version_id'][:12]} -> {out} "
+                      f"({human_bytes(report['size'])} in {report['seconds']:.2f} s, "
+                      f"{human_bytes(rate)}/s)")
+        for line in report["fallbacks"]:
+            warn(f"fell back to another replica: {line}")
+    return 0
+
+
+# --- listings ------------------------------------------------------------------------
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = reports.checkpoints(_md())
+    if args.json:
+        emit_json(rows)
+        return 0
+    if not rows:
+        console.print("no checkpoints stored yet; store one with `smoltorrent store PATH`.")
+        return 0
+    table("checkpoints", ["name", "version", "state", "size", "shards", "copies", "created"], [
+        (r["name"] + (" *" if r["current"] else ""), r["version_id"][:12], r["state"],
+         human_bytes(r["size"]), r["shards"],
+         f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
+         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])))
+        for r in rows])
+    console.print("* current version   ! under-replicated")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    s = reports.status(_md(), config.cluster_key())
+    if args.json:
+        emit_json(s)
+        return 0
+    table("nodes", ["id", "address", "state", "free", "blobs"], [
+        (n["node_id"][:12], n["address"], "up" if n["up"] else "DOWN",
+         human_bytes(n["free_bytes"]) if n["up"] else "-", n["blobs"] if n["up"] else "-")
+        for n in s["nodes"]])
+    up = sum(n["up"] for n in s["nodes"])
+    console.print(f"{up}/{len(s['nodes'])} nodes up")
+    if s["under_replicated"]:
+        table("under-replicated shards", ["name", "version", "shard", "live copies"], [
+            (u["name"], u["version_id"][:12], u["shard"],
+             f"{u['live_copies']}/{u['replicas']}") for u in s["under_replicated"]])
+    else:
+        console.print("every shard of every committed version has all its live copies")
+    if s["pending"]:
+        console.print(f"{len(s['pending'])} version(s) pending: "
+                      + ", ".join(p["name"] for p in s["pending"]))
+    console.print(f"dead letters: {s['dead_letters']}"
+                  + (" (see `smoltorrent dlq ls`)" if s["dead_letters"] else ""))
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    md = _md()
+    if args.version:
+        vkeys = [md.resolve(args.name, args.version)]
+    else:
+        vkeys = md.versions(args.name)
+        if not vkeys:
+            raise NotFoundError(f"no checkpoint named {args.name}; see `smoltorrent ls`.")
+    _require_worker(config.CONTROL_QUEUE)
+    from tasks.remove import remove
+
+    results = [remove.apply_async(args=(v,), queue=config.CONTROL_QUEUE).get() for v in vkeys]
+    if args.json:
+        emit_json(results)
+    else:
+        deleted = sum(r["blobs_deleted"] for r in results)
+        console.print(f"removed {len(results)} version(s) of {args.name}; "
+                      f"{deleted} blob copies deleted")
+        for r in results:
+            for line in r.get("left_behind", []):
+                warn(f"left behind (collected later): {line}")
+    return 0
+
+
+def cmd_dlq(args: argparse.Namespace) -> int:
+    md = _md()
+    if args.dlq_command == "ls":
+        records = md.dead_letters()
+        if args.json:
+            emit_json(records)
+        elif not records:
+            console.print("no dead letters")
+        else:
+            table("dead letters", ["task id", "task", "checkpoint", "shard", "node", "error"], [
+                (r["task_id"], r["task"], r.get("checkpoint") or "-",
+                 "-" if r.get("shard") is None else r["shard"],
+                 (r.get("node") or "-")[:12], r["error"][:80]) for r in records])
+        return 0
+    from tasks.dead_letters import replay
+
+    if args.all == bool(args.task_id):
+        raise SmoltorrentError("give one dead letter's task id, or --all")
+    ids = [r["task_id"] for r in md.dead_letters()] if args.all else [args.task_id]
+    for task_id in ids:
+        replay(task_id)
+    console.print(f"replayed {len(ids)} dead letter(s)")
+    return 0
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    from coordinator.rebuild import rebuild_metadata
+
+    md = _md()
+    addresses = ([NodeAddress.parse(a) for a in args.addresses] if args.addresses
+                 else [rec.address for rec in md.nodes().values()])
+    if not addresses:
+        raise SmoltorrentError("no nodes to read: give their addresses, "
+                               "`smoltorrent rebuild HOST:PORT ...`")
+    summary = rebuild_metadata(md, addresses, config.cluster_key())
+    if args.json:
+        emit_json(summary)
+    else:
+        console.print(f"rebuilt from {summary['nodes_read']} node(s): "
+                      f"{summary['versions']} versions of {summary['names']} checkpoints, "
+                      f"{summary['placements']} blob copies")
+        for line in summary["unreachable"]:
+            warn(f"not read: {line}")
+    return 0
