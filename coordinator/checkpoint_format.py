@@ -106,6 +106,7 @@ def read_header(path: str | os.PathLike[str]) -> CheckpointHeader:
     with open(source, "rb") as file:
         file_size = os.fstat(file.fileno()).st_size
         prefix = file.read(LENGTH_PREFIX_BYTES)
+        # Checked before reading N bytes, so a garbage length never becomes a huge read.
         header_length = _check_prefix(prefix, file_size, source)
         header_bytes = file.read(header_length)
     return parse_header(prefix, header_bytes, file_size, source=source)
@@ -146,7 +147,7 @@ def _lookalike(prefix: bytes) -> str:
 
 def _check_prefix(prefix: bytes, file_size: int, source: str) -> int:
     """Return the header length N after checking it fits the file and the spec's limit."""
-    if file_size < LENGTH_PREFIX_BYTES or len(prefix) < LENGTH_PREFIX_BYTES:
+    if file_size < LENGTH_PREFIX_BYTES:
         what = "empty file" if file_size == 0 else f"only {file_size} bytes long"
         _fail(
             source,
@@ -154,7 +155,11 @@ def _check_prefix(prefix: bytes, file_size: int, source: str) -> int:
             "wait until the training job has finished writing it, or " + _SAVE_HINT,
         )
     if len(prefix) != LENGTH_PREFIX_BYTES:
-        raise ValueError(f"prefix must be {LENGTH_PREFIX_BYTES} bytes, got {len(prefix)}")
+        _fail(
+            source,
+            f"truncated file: got {len(prefix)} of the 8 header length bytes",
+            "the file shrank while it was read; wait until it is fully written",
+        )
     (header_length,) = struct.unpack("<Q", prefix)
     if LENGTH_PREFIX_BYTES + header_length > file_size:
         _fail(

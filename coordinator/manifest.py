@@ -59,12 +59,14 @@ class Manifest:
         return LENGTH_PREFIX_BYTES + len(self.header_bytes)
 
     def storage_key(self) -> str:
-        """The key of this manifest in a node's manifest store: 64 hex, safe as a file name.
+        """The key of this manifest in a node's manifest store: 32 hex, safe as a file name.
 
         It covers the name as well as the content: two names holding identical
-        bytes are two manifests and must not overwrite each other on a node.
+        bytes (latest.safetensors copied to step_100.safetensors) are two
+        manifests and must not overwrite each other on a node. 128 bits keep
+        collisions out of reach while the key stays short.
         """
-        return hashlib.sha256(f"{self.name}\0{self.version_id}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.name}\0{self.version_id}".encode()).hexdigest()[:32]
 
     def to_json(self) -> bytes:
         document = {

@@ -289,6 +289,8 @@ def test_parse_header_is_pure_and_names_its_source():
         )
     with pytest.raises(CheckpointFormatError, match="truncated header"):
         parse_header(prefix, header_bytes[:-1], 8 + len(header_bytes) + 3)
+    with pytest.raises(CheckpointFormatError, match="got 5 of the 8 header length bytes"):
+        parse_header(prefix[:5], header_bytes, 8 + len(header_bytes) + 3)  # file shrank mid-read
 
 
 @pytest.mark.parametrize(
