@@ -46,17 +46,17 @@ def run_demo(args: argparse.Namespace) -> int:
 
     try:
         say(f"[bold]smoltorrent demo[/] in {root}")
+        if args.checkpoint:
+            source = Path(args.checkpoint).resolve()
+        else:
+            source = root / "demo-model.safetensors"
+            step("build checkpoint", lambda: write_checkpoint(source, args.size_mb * 1_000_000))
         step("start cluster", lambda: cluster.start(worker=False))
         # Every in-process command from here on talks to this cluster's Redis.
         os.environ.update({k: v for k, v in cluster.env().items() if k.startswith("SMOLTORRENT")})
         step("start worker", cluster.start_worker)
         say(f"cluster up: redis :{cluster.redis_port}, nodes "
             + ", ".join(str(n.address) for n in cluster.node_procs) + ", 1 Celery worker")
-        if args.checkpoint:
-            source = Path(args.checkpoint).resolve()
-        else:
-            source = root / "demo-model.safetensors"
-            step("build checkpoint", lambda: write_checkpoint(source, args.size_mb * 1_000_000))
         size = source.stat().st_size
         say(f"checkpoint: {source.name}, {human_bytes(size)}")
 

@@ -35,6 +35,7 @@ def gather(self, vkey: str, out_path: str) -> dict:
         holders.sort(key=lambda n: n not in alive)
         sources.append([client(nodes[n].address) for n in holders])
 
+    task_id = self.request.id  # the request is thread-local; progress comes from threads
     done = 0
     last = 0.0
     lock = threading.Lock()
@@ -46,7 +47,7 @@ def gather(self, vkey: str, out_path: str) -> dict:
             now = time.monotonic()
             if now - last >= defaults.GATHER_PROGRESS_INTERVAL_S:
                 last = now
-                self.update_state(state="PROGRESS",
+                self.update_state(task_id=task_id, state="PROGRESS",
                                   meta={"done": done, "total": manifest.source_size})
 
     started = time.monotonic()
