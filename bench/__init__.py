@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): `python -m bench.store_gather --size-gb 1`."""
