@@ -109,8 +109,7 @@ class NodeClient:
 
     def _recv_json_answer(self, sock: socket.socket) -> Any:
         _, body_len = wire.recv_response(sock, str(self.address))
-        body = wire.recv_exact(sock, _bounded_body(body_len, self.address))
-        return protocol.decode_json(body, what=f"answer from node {self.address}")
+        return wire.recv_json_body(sock, body_len, what=f"answer from node {self.address}")
 
     def ping(self) -> str:
         """Round trip; returns the node id."""

@@ -89,6 +89,20 @@ class NodeProcess:
             raise RuntimeError("the node has not been started")
         return NodeClient(self.address, cluster_key=self.cluster_key, timeout=timeout)
 
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def send_signal(self, signum: int) -> None:
+        if self._process is None:
+            raise RuntimeError("the node process was never started")
+        self._process.send_signal(signum)
+
+    def wait(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Wait for the process to exit; its exit status."""
+        if self._process is None:
+            raise RuntimeError("the node process was never started")
+        return self._process.wait(timeout)
+
     def kill(self) -> None:
         """SIGKILL: no cleanup at all, like a power cut."""
         if self._process is not None and self._process.poll() is None:

@@ -66,6 +66,10 @@ class ShardServer:
         """Ask serve_forever to return; safe from a signal handler or another thread."""
         self._stopping.set()
 
+    def close(self) -> None:
+        """Stop listening; sessions already running carry on."""
+        self._listener.close()
+
     def serve_forever(self) -> None:
         try:
             while not self._stopping.is_set():
@@ -130,30 +134,39 @@ def serve(
     port_file = Path(data_dir) / PORT_FILE
     try:
         server = ShardServer(store, host, port, cluster_key, socket_timeout)
-        if not cluster_key:
-            log.warning(
-                "NO CLUSTER KEY: anyone who can reach %s:%d can read, write and delete blobs."
-                " Set %s or pass --cluster-key on every node and coordinator.",
-                server.host,
-                server.port,
-                CLUSTER_KEY_ENV,
-            )
-        write_file_atomically(port_file, f"{server.port}\n".encode("ascii"), store.tmp_dir)
-        log.info(
-            "smoltorrent node %s listening on %s:%d (data: %s)",
-            store.node_id,
-            server.host,
-            server.port,
-            store.root,
-        )
-        if ready_callback is not None:
-            ready_callback(server)
+        # Handlers go in before the port file appears: whoever waits for it may signal at once.
         with _stop_on_signals(server):
-            server.serve_forever()
+            try:
+                _announce(server, port_file)
+                if ready_callback is not None:
+                    ready_callback(server)
+                server.serve_forever()
+            finally:
+                server.close()
         port_file.unlink(missing_ok=True)
         log.info("smoltorrent node %s stopped", store.node_id)
     finally:
         store.close()
+
+
+def _announce(server: ShardServer, port_file: Path) -> None:
+    """Warn if keyless, write the bound port for local tools, log the listening line."""
+    if not server.cluster_key:
+        log.warning(
+            "NO CLUSTER KEY: anyone who can reach %s:%d can read, write and delete blobs."
+            " Set %s or pass --cluster-key on every node and coordinator.",
+            server.host,
+            server.port,
+            CLUSTER_KEY_ENV,
+        )
+    write_file_atomically(port_file, f"{server.port}\n".encode("ascii"), server.store.tmp_dir)
+    log.info(
+        "smoltorrent node %s listening on %s:%d (data: %s)",
+        server.store.node_id,
+        server.host,
+        server.port,
+        server.store.root,
+    )
 
 
 @contextlib.contextmanager
@@ -183,7 +196,7 @@ def run_from_args(
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     key_text = cluster_key or os.environ.get(CLUSTER_KEY_ENV) or None
     try:
-        timeout = socket_timeout or _timeout_from_env()
+        timeout = _socket_timeout(socket_timeout)
         serve(
             data_dir,
             host,
@@ -195,21 +208,30 @@ def run_from_args(
         log.error("%s", exc)
         return 1
     except OSError as exc:
-        log.error("cannot serve %s on %s:%d: %s", data_dir, host, port, exc)
+        log.error(
+            "cannot serve %s on %s:%d (%s): check that the address is this machine's, that no"
+            " other process holds the port, and that the data directory is writable",
+            data_dir,
+            host,
+            port,
+            exc.strerror or exc,
+        )
         return 1
     return 0
 
 
-def _timeout_from_env() -> float:
-    text = os.environ.get(SOCKET_TIMEOUT_ENV)
+def _socket_timeout(flag_value: float | None) -> float:
+    """The --socket-timeout flag, else SMOLTORRENT_SOCKET_TIMEOUT_S, else the default."""
+    text = os.environ.get(SOCKET_TIMEOUT_ENV) if flag_value is None else str(flag_value)
     if not text:
         return defaults.SOCKET_TIMEOUT_S
     try:
         timeout = float(text)
     except ValueError:
-        timeout = 0.0
+        timeout = math.nan
     if not 0 < timeout < math.inf:
         raise SmoltorrentError(
-            f"{SOCKET_TIMEOUT_ENV}={text!r} is not a positive number of seconds: fix or unset it"
+            f"socket timeout {text!r} is not a positive number of seconds: fix --socket-timeout"
+            f" or {SOCKET_TIMEOUT_ENV}"
         )
     return timeout

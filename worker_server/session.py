@@ -143,7 +143,9 @@ class Session:
         wire.send_frame(self.sock, {"ok": True, **stat, "protocol": defaults.PROTOCOL_VERSION})
 
     def op_has(self, request: dict[str, Any]) -> None:
-        digests = protocol.validate_digest_list(protocol.decode_json(self._read_body()))
+        body = wire.recv_json_body(self.sock, self._unread_body, what="list of digests")
+        self._unread_body = 0
+        digests = protocol.validate_digest_list(body)
         self._reply_json(self.store.present(digests))
 
     def op_list(self, request: dict[str, Any]) -> None:

@@ -16,7 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 from smoltorrent import defaults
-from smoltorrent.errors import AuthenticationError, PeerClosedError, ProtocolError, SmoltorrentError
+from smoltorrent.errors import (
+    AuthenticationError,
+    FrameTooLargeError,
+    PeerClosedError,
+    ProtocolError,
+    SmoltorrentError,
+)
 from worker_server import protocol
 
 
@@ -33,13 +39,9 @@ def send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -
     sock.sendall(protocol.encode_frame(header, len(body)) + body)
 
 
-def send_json_frame(sock: socket.socket, header: dict[str, Any], value: Any) -> None:
-    send_frame(sock, header, protocol.encode_json(value))
-
-
 def recv_frame_header(sock: socket.socket) -> tuple[dict[str, Any], int] | None:
     """The next frame's (header, body_len), or None if the peer closed between frames."""
-    prefix = recv_exact(sock, protocol.PREFIX_BYTES, allow_eof=True)
+    prefix = _recv_exact_or_eof(sock, protocol.PREFIX_BYTES)
     if prefix is None:
         return None
     header_len, body_len = protocol.decode_prefix(prefix)
@@ -56,28 +58,36 @@ def recv_response(sock: socket.socket, peer: str) -> tuple[dict[str, Any], int]:
     return protocol.check_response(header, peer), body_len
 
 
-def recv_exact(sock: socket.socket, length: int, *, allow_eof: bool = False) -> Any:
-    """Exactly `length` bytes (callers bound length first); None on EOF before any if allowed."""
+def recv_exact(sock: socket.socket, length: int) -> bytes:
+    """Exactly `length` bytes; callers bound length before asking."""
+    data = _recv_exact_or_eof(sock, length)
+    if data is None:
+        raise PeerClosedError(f"connection closed before the {length} expected bytes")
+    return data
+
+
+def _recv_exact_or_eof(sock: socket.socket, length: int) -> bytes | None:
+    """Exactly `length` bytes, or None if the peer closed before sending any."""
     buffer = bytearray(length)
     view = memoryview(buffer)
     received = 0
     while received < length:
         count = sock.recv_into(view[received:])
         if count == 0:
-            if received == 0 and allow_eof:
+            if received == 0:
                 return None
             raise PeerClosedError(f"connection closed after {received} of {length} expected bytes")
         received += count
     return bytes(buffer)
 
 
-def recv_json_body(sock: socket.socket, body_len: int) -> Any:
+def recv_json_body(sock: socket.socket, body_len: int, *, what: str = "JSON body") -> Any:
     """A JSON body, refused before reading if it is larger than MAX_JSON_BODY_BYTES."""
     if body_len > defaults.MAX_JSON_BODY_BYTES:
-        raise ProtocolError(
-            f"JSON body of {body_len} bytes is over the {defaults.MAX_JSON_BODY_BYTES} byte limit"
+        raise FrameTooLargeError(
+            f"{what} of {body_len} bytes is over the {defaults.MAX_JSON_BODY_BYTES} byte limit"
         )
-    return protocol.decode_json(recv_exact(sock, body_len))
+    return protocol.decode_json(recv_exact(sock, body_len), what=what)
 
 
 def recv_stream(sock: socket.socket, length: int, sink: Callable[[memoryview], None]) -> None:
@@ -93,11 +103,6 @@ def recv_stream(sock: socket.socket, length: int, sink: Callable[[memoryview], N
             )
         sink(view[:count])
         remaining -= count
-
-
-def discard_body(sock: socket.socket, length: int) -> None:
-    """Read and drop a body we will not use, so the next frame starts where it should."""
-    recv_stream(sock, length, lambda chunk: None)
 
 
 def recv_to_file(

@@ -28,7 +28,7 @@ def node(keyed_node: NodeProcess) -> Iterator[NodeProcess]:
     """The shared keyed node, checked to still serve a normal client after each test."""
     yield keyed_node
     assert keyed_node.client().ping()
-    assert keyed_node._process is not None and keyed_node._process.poll() is None
+    assert keyed_node.is_running()
 
 
 def greeted_connection(node: NodeProcess) -> tuple[socket.socket, bytes]:

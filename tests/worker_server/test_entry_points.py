@@ -1,0 +1,86 @@
+"""serve(), run_from_args() and `python -m worker_server` as a user or the CLI meets them."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from coordinator.node_client import NodeAddress, NodeClient
+from tests.nodeproc import REPO_ROOT, NodeProcess, start_node
+from worker_server.server import ShardServer, serve
+
+EXIT_TIMEOUT_S = 15.0  # seconds; a failing start must exit well within this
+
+
+def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker_server", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S,
+        env=env,
+    )
+
+
+def test_serve_embedded_in_a_thread(tmp_path: Path) -> None:
+    ready = threading.Event()
+    servers: list[ShardServer] = []
+
+    def on_ready(server: ShardServer) -> None:
+        servers.append(server)
+        ready.set()
+
+    thread = threading.Thread(
+        target=serve, args=(tmp_path, "127.0.0.1", 0, b"key", on_ready), daemon=True
+    )
+    thread.start()
+    assert ready.wait(10)
+    server = servers[0]
+    assert (tmp_path / "port").read_text().strip() == str(server.port)
+    client = NodeClient(NodeAddress("127.0.0.1", server.port), cluster_key=b"key")
+    assert client.ping() == server.store.node_id
+    server.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert not (tmp_path / "port").exists()
+
+
+def test_port_in_use_fails_with_advice(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_module("--data-dir", str(tmp_path), "--port", str(port))
+    assert result.returncode == 1
+    assert "other process holds the port" in result.stderr
+
+
+def test_two_nodes_cannot_share_a_data_dir(tmp_path: Path) -> None:
+    node = start_node(tmp_path / "data")
+    try:
+        result = run_module("--data-dir", str(tmp_path / "data"), "--port", "0")
+        assert result.returncode == 1
+        assert "already serving" in result.stderr
+        assert node.client().ping()
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf"])
+def test_bad_socket_timeout_is_refused(tmp_path: Path, value: str) -> None:
+    result = run_module("--data-dir", str(tmp_path), "--port", "0", "--socket-timeout", value)
+    assert result.returncode != 0
+    assert "socket timeout" in result.stderr or "invalid float" in result.stderr
+
+
+def test_sigint_stops_cleanly(tmp_path: Path) -> None:
+    node: NodeProcess = start_node(tmp_path / "data")
+    node.send_signal(signal.SIGINT)
+    assert node.wait(EXIT_TIMEOUT_S) == 0
+    assert "listening on 127.0.0.1:" in node.log()
+    assert "stopped" in node.log()
