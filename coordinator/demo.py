@@ -8,7 +8,9 @@ checkpoint is gathered back and compared by SHA-256.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import os
 import random
 import shutil
@@ -98,6 +100,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run(step, label: str, main, argv: list[str]) -> None:
-    code = step(label, lambda: main(argv))
+    # With --json the sub-commands' own JSON is swallowed: one document on stdout.
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink) if "--json" in argv else contextlib.nullcontext():
+        code = step(label, lambda: main(argv))
     if code != 0:
         raise SmoltorrentError(f"demo step '{label}' failed (exit {code}); see the message above")

@@ -93,6 +93,8 @@ class LocalCluster:
     nodes: int = 4
     host_id: str = "local"
     cluster_key: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    worker_concurrency: int = defaults.WORKER_CONCURRENCY
     node_procs: list[NodeProcess] = field(default_factory=list)
     worker: subprocess.Popen | None = None
     redis_pid: int | None = None
@@ -108,6 +110,7 @@ class LocalCluster:
                    SMOLTORRENT_HOST_ID=self.host_id, PYTHONUNBUFFERED="1")
         if self.cluster_key:
             env["SMOLTORRENT_CLUSTER_KEY"] = self.cluster_key
+        env.update(self.extra_env)
         return env
 
     def start_redis(self) -> None:
@@ -134,25 +137,29 @@ class LocalCluster:
     def start_worker(self) -> subprocess.Popen:
         log = open(self.root / "worker.log", "ab")
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "worker", "--loglevel", "INFO"],
+            [sys.executable, "-m", "coordinator.cli", "worker", "--loglevel", "INFO",
+             "--concurrency", str(self.worker_concurrency)],
             env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
+        _wait_for(lambda: self.worker.poll() is not None or self.worker_answers(),
+                  defaults.LOCAL_START_TIMEOUT_S * 4, "the Celery worker", self.root / "worker.log")
+        if self.worker.poll() is not None:
+            raise SmoltorrentError(f"the Celery worker exited; see {self.root / 'worker.log'}")
+        return self.worker
+
+    def worker_answers(self) -> bool:
+        """Whether this cluster's worker answers a Celery ping (it is connected and ready)."""
         from celery import Celery
 
         app = Celery(broker=self.redis_url)
         try:
-            _wait_for(
-                lambda: self.worker.poll() is not None
-                or bool(app.control.ping(destination=[f"smoltorrent@{self.host_id}"],
-                                         timeout=0.5)),
-                defaults.LOCAL_START_TIMEOUT_S * 4, "the Celery worker", self.root / "worker.log",
-            )
+            return bool(app.control.ping(destination=[f"smoltorrent@{self.host_id}"],
+                                         timeout=0.5))
+        except Exception:  # any broker error means "not answering yet"
+            return False
         finally:
             app.close()
-        if self.worker.poll() is not None:
-            raise SmoltorrentError(f"the Celery worker exited; see {self.root / 'worker.log'}")
-        return self.worker
 
     def kill_worker(self) -> None:
         """SIGKILL the whole worker: main process and its pool children."""

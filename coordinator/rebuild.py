@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from coordinator.manifest import Manifest
 from coordinator.metadata import Metadata
 from coordinator.node_client import NodeAddress, NodeClient
-from coordinator.redis_keys import vkey_for
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 
 
@@ -42,7 +41,7 @@ def rebuild_metadata(md: Metadata, addresses: Sequence[NodeAddress],
             placements += 1
     restored = 0
     for key, manifest in sorted(manifests.items(), key=lambda kv: kv[1].created_at):
-        vkey = vkey_for(manifest.name, manifest.version_id)
+        vkey = manifest.storage_key()
         if vkey != key:
             unreachable.append(f"manifest {key} names another version ({vkey}); skipped")
             continue

@@ -3,13 +3,12 @@
 All keys live under one prefix so a shared Redis can hold several clusters
 (SMOLTORRENT_REDIS_PREFIX) and `redis-cli --scan --pattern 'smoltorrent:*'`
 shows exactly what is ours. A version is addressed by its version key
-(`vkey`): a digest of the checkpoint name and its content id, so the same
-bytes under two names are two versions.
+(`vkey`, Manifest.storage_key()): a digest of the checkpoint name and its
+content id, so the same bytes under two names are two versions.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 PREFIX = os.environ.get("SMOLTORRENT_REDIS_PREFIX", "smoltorrent") + ":"
@@ -46,7 +45,3 @@ PLACEMENT = PREFIX + "blob:{digest}:nodes"
 DLQ = PREFIX + "dlq"
 DLQ_STREAM = PREFIX + "dlq:stream"
 
-
-def vkey_for(name: str, version_id: str) -> str:
-    """The version key: stable, short, and safe as a node manifest key."""
-    return hashlib.sha256(f"{name}\0{version_id}".encode()).hexdigest()[:32]

@@ -23,7 +23,6 @@ from coordinator.manifest import Manifest, shard_entries, version_id_for
 from coordinator.node_client import NodeAddress, NodeClient, NodeStat
 from coordinator.placement import place
 from coordinator.planner import ShardPlan, plan_shards
-from coordinator.redis_keys import vkey_for
 from coordinator.source_file import SourceIdentity
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -49,7 +48,7 @@ class PreparedStore:
 
     @property
     def vkey(self) -> str:
-        return vkey_for(self.manifest.name, self.manifest.version_id)
+        return self.manifest.storage_key()
 
 
 @dataclass
@@ -124,24 +123,6 @@ def prepare_store(
         targets=tuple(tuple(t) for t in targets),
         identity=identity,
     )
-
-
-def prefixes_for(manifest: Manifest) -> tuple[bytes, ...]:
-    """Rebuild every shard's blob header from the manifest alone (deterministic planner)."""
-    from coordinator.checkpoint_format import parse_header
-
-    raw = manifest.header_bytes
-    prefix = len(raw).to_bytes(8, "little")
-    header = parse_header(prefix, raw, manifest.source_size, source=manifest.name)
-    plans = plan_shards(header, len(manifest.shards)) if manifest.shards else []
-    if [(p.data_start, p.data_end) for p in plans] != [
-        (s.data_start, s.data_end) for s in manifest.shards
-    ]:
-        raise SmoltorrentError(
-            f"manifest of {manifest.name} was planned differently from this version of "
-            "smoltorrent; gather it with the version that stored it."
-        )
-    return tuple(p.prefix for p in plans)
 
 
 def send_shard(
@@ -275,7 +256,7 @@ def store_checkpoint(
 
 def write_manifest(manifest: Manifest, clients: Sequence[NodeClient]) -> int:
     """Put the manifest on every given node; returns how many took it (at least one)."""
-    key = vkey_for(manifest.name, manifest.version_id)
+    key = manifest.storage_key()
     data = manifest.to_json()
     errors: list[str] = []
     written = 0

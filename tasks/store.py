@@ -35,7 +35,7 @@ def store(self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS,
         # Still being written: store it once training has finished the file.
         raise self.retry(countdown=defaults.STABLE_AFTER_S - age + 0.1)
     md = metadata()
-    live = probe_registered(md, config.cluster_key())
+    live = probe_registered(md, config.cluster_key(), trust_recent=True)
     if not live:
         raise NotEnoughNodesError(
             "no storage node is reachable"
@@ -47,6 +47,7 @@ def store(self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS,
                              replicas=replicas, shards=shards or len(live),
                              place_replicas=min(replicas, len(live)))
     manifest, vkey = prepared.manifest, prepared.vkey
+    targets = prefer_holders(prepared.targets, manifest, md, set(live))
     host = config.host_id()
     created = md.create_pending(manifest, vkey, {
         "path": path,
@@ -54,16 +55,26 @@ def store(self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS,
         "task_id": self.request.id,
         "requested_shards": shards or 0,
         "identity": json.dumps(prepared.identity.to_dict()),
-    }, list(prepared.targets))
+    }, targets)
     if not created:
         v = md.version(vkey)
         resumed = v["state"] == PENDING and v.get("task_id") == self.request.id
         if not resumed:
             log.info("%s: version %s already %s", name, manifest.version_id[:12], v["state"])
             return {"vkey": vkey, "state": v["state"], "new": False}
-    fan_out(vkey, manifest, prepared.targets, host)
+    fan_out(vkey, manifest, targets, host)
     return {"vkey": vkey, "state": PENDING, "new": True,
             "under_replicated_at_plan": replicas > len(live)}
+
+
+def prefer_holders(targets, manifest, md, live: set[str]) -> list[tuple[str, ...]]:
+    """Keep a shard where verified copies already are: unchanged blobs move no bytes."""
+    out = []
+    for planned, shard in zip(targets, manifest.shards, strict=True):
+        holders = sorted(md.placement(shard.blob_sha256) & live)[: len(planned)]
+        rest = [n for n in planned if n not in holders]
+        out.append(tuple(holders + rest[: len(planned) - len(holders)]))
+    return out
 
 
 def fan_out(vkey: str, manifest, targets, host: str, skip: set[str] = frozenset()) -> int:

@@ -7,9 +7,10 @@ import json
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.manifest import blob_prefixes
 from coordinator.metadata import ABORTED
 from coordinator.source_file import SourceIdentity
-from coordinator.store_engine import prefixes_for, send_shard
+from coordinator.store_engine import send_shard
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, NotFoundError, SourceChangedError
 from tasks.app import app
@@ -48,7 +49,7 @@ def transfer(self, vkey: str, name: str, shard: int, replica: int, node_id: str,
         holders = [node_client(h) for h in sorted(md.placement(digest))
                    if h != node_id and h in registered]
         how = send_shard(v["path"], SourceIdentity.from_dict(json.loads(v["identity"])),
-                         manifest, shard, prefixes_for(manifest)[shard], target, holders)
+                         manifest, shard, blob_prefixes(manifest)[shard], target, holders)
     except SourceChangedError as exc:
         md.record_attempt(vkey, {**attempt, "error": str(exc)})
         abandon(vkey, v, str(exc))

@@ -1,0 +1,211 @@
+"""The Celery control plane end to end: real Redis, real worker, real nodes, the real CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+from coordinator.metadata import COMMITTED
+from coordinator.node_client import NodeClient
+from coordinator.synthetic import write_checkpoint
+from tests.tasks.conftest import wait_until
+
+
+def make_ckpt(path: Path, size: int = 4_000_000, *, settled: bool = True) -> Path:
+    write_checkpoint(path, size, hidden=128)
+    if settled:  # old enough that the store does not wait for the file to settle
+        past = time.time() - 60
+        os.utime(path, (past, past))
+    return path
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def committed(cluster, name: str) -> list[dict]:
+    return [v for v in cluster.cli_json("ls") if v["name"] == name and v["state"] == COMMITTED]
+
+
+def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path):
+    c = make_cluster(4)
+    src = make_ckpt(tmp_path / "a.safetensors")
+    first = c.cli_json("store", str(src))
+    assert first["state"] == COMMITTED and first["new"] is True
+    assert first["shards"] == 4 and first["min_copies"] == 2
+    blobs_before = {n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(),
+                                                          c.node_procs)}
+    again = c.cli_json("store", str(src))
+    assert again["new"] is False and again["version_id"] == first["version_id"]
+    blobs_after = {n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(),
+                                                         c.node_procs)}
+    assert blobs_after == blobs_before
+    out = tmp_path / "out.safetensors"
+    report = c.cli_json("gather", "a.safetensors", "-o", str(out))
+    assert sha(out) == sha(src) and report["size"] == src.stat().st_size
+    # Each committed manifest is on the nodes holding its blobs (rebuild relies on it).
+    key = c.md.current("a.safetensors")
+    assert sum(key in NodeClient(n.address).list_manifests() for n in c.node_procs) >= 2
+
+
+def test_changed_content_moves_only_changed_blobs(make_cluster, tmp_path):
+    c = make_cluster(4)
+    src = make_ckpt(tmp_path / "m.safetensors")
+    c.cli_json("store", str(src), "--shards", "4")
+    data = bytearray(src.read_bytes())
+    data[-10:] = os.urandom(10)  # only the last tensor (lm_head, last shard) changes
+    src.write_bytes(bytes(data))
+    past = time.time() - 60
+    os.utime(src, (past, past))
+    second = c.cli_json("store", str(src), "--shards", "4")
+    assert second["new"] is True
+    attempts = c.md.attempts(second["vkey"])
+    moved = [a for a in attempts if a.get("result") in ("sent", "replicated")]
+    assert len(moved) == 2, attempts  # one changed shard x 2 replicas
+    assert {a["shard"] for a in moved} == {3}
+    versions = [v for v in c.cli_json("ls") if v["name"] == "m.safetensors"]
+    assert len(versions) == 2 and sum(v["current"] for v in versions) == 1
+
+
+def test_bad_checkpoint_is_refused_before_anything_is_queued(make_cluster, tmp_path):
+    c = make_cluster(2)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x80\x04\x95pickle-not-safetensors" * 10)
+    proc = c.cli("store", str(bad), check=False)
+    assert proc.returncode == 1
+    assert "safetensors" in proc.stderr
+    assert c.md.names() == []
+
+
+def test_transfer_retries_with_exact_backoff_then_commits(make_cluster, tmp_path):
+    c = make_cluster(2, retries=6)
+    src = make_ckpt(tmp_path / "b.safetensors")
+    down = c.node_procs[1]
+    down.kill()  # still counted alive (heard from seconds ago), so shards are placed on it
+    killed_at = time.monotonic()
+    c.cli("store", str(src), "--shards", "1", "--no-wait")
+    wait_until(lambda: time.monotonic() - killed_at > 5, what="5 s of outage")
+    down.start()  # same data dir and port
+    wait_until(lambda: committed(c, "b.safetensors"), timeout=60, what="commit")
+    vkey = c.md.current("b.safetensors")
+    tries = [a for a in c.md.attempts(vkey) if a["replica"] == 1]
+    gaps = [b["at"] - a["at"] for a, b in zip(tries, tries[1:], strict=False)]
+    assert [a["attempt"] for a in tries[:4]] == [0, 1, 2, 3], tries
+    for gap, want in zip(gaps, [1, 2, 4], strict=False):
+        assert want * 0.9 <= gap <= want + 1.0, gaps
+    assert tries[-1].get("result") in ("sent", "replicated")
+    assert committed(c, "b.safetensors")[0]["min_copies"] == 2
+
+
+def test_dead_letter_then_replay_completes_the_checkpoint(make_cluster, tmp_path):
+    c = make_cluster(1, retries=1)
+    src = make_ckpt(tmp_path / "d.safetensors")
+    node = c.node_procs[0]
+    node.kill()
+    proc = c.cli("store", str(src), "--replicas", "1", check=False)
+    assert proc.returncode == 1 and "dlq replay" in proc.stderr
+    letters = c.cli_json("dlq", "ls")
+    assert len(letters) >= 1
+    rec = letters[0]
+    assert rec["task"] == "smoltorrent.transfer" and rec["checkpoint"] == "d.safetensors"
+    assert rec["shard"] == 0 and rec["node"] and "NodeUnavailableError" in rec["error"]
+    assert rec["traceback"] and rec["at"] > 0
+    assert c.md.current("d.safetensors") is None  # nothing gatherable yet
+    node.start()
+    c.cli("dlq", "replay", "--all")
+    wait_until(lambda: committed(c, "d.safetensors"), timeout=60, what="commit after replay")
+    assert c.cli_json("dlq", "ls") == []
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "d.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_store_with_a_dead_node_commits_under_replicated(make_cluster, tmp_path):
+    c = make_cluster(4, retries=1)
+    src = make_ckpt(tmp_path / "u.safetensors")
+    c.node_procs[2].kill()
+    row = c.cli_json("store", str(src), "--shards", "4")
+    assert row["state"] == COMMITTED
+    assert row["under_replicated"], row
+    status = c.cli_json("status")
+    assert any(not n["up"] for n in status["nodes"])
+    assert {u["shard"] for u in status["under_replicated"]} == set(row["under_replicated"])
+    assert status["dead_letters"] == len(row["under_replicated"])
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "u.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_worker_killed_mid_store_resumes_to_one_clean_version(make_cluster, tmp_path):
+    c = make_cluster(4, concurrency=1)
+    src = make_ckpt(tmp_path / "k.safetensors", 16_000_000)
+    c.cli("store", str(src), "--shards", "16", "--no-wait")
+    md = c.md
+    vkey = wait_until(lambda: next(iter(md.pending_versions()), None), what="pending version")
+    wait_until(lambda: 1 <= md.progress(vkey)[0], interval=0.005, what="a first transfer")
+    settled, total = md.progress(vkey)
+    assert settled < total, "the store finished before the kill; the test proves nothing"
+    os.killpg(c.worker.pid, signal.SIGKILL)
+    c.worker.wait()
+    c.start_worker()
+    wait_until(lambda: committed(c, "k.safetensors"), timeout=90, what="commit after restart")
+    assert len([v for v in c.cli_json("ls") if v["name"] == "k.safetensors"]) == 1
+    manifest = md.manifest(vkey)
+    digests = {s.blob_sha256 for s in manifest.shards}
+    for node in c.node_procs:
+        client = NodeClient(node.address)
+        assert client.verify() == []
+        assert set(client.list_blobs()) <= digests
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "k.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_concurrent_stores_and_gather(make_cluster, tmp_path):
+    import subprocess
+    import sys
+
+    c = make_cluster(4)
+    a = make_ckpt(tmp_path / "a.safetensors")
+    b = make_ckpt(tmp_path / "b.safetensors", 3_000_000)
+    c.cli("store", str(a))
+    cmd = [sys.executable, "-m", "coordinator.cli"]
+    out = tmp_path / "a.out"
+    procs = [
+        subprocess.Popen([*cmd, "store", str(b)], env=c.env()),
+        subprocess.Popen([*cmd, "store", str(a), "--name", "twice"], env=c.env()),
+        subprocess.Popen([*cmd, "store", str(a), "--name", "twice"], env=c.env()),
+        subprocess.Popen([*cmd, "gather", "a.safetensors", "-o", str(out)], env=c.env()),
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    assert sha(out) == sha(a)
+    rows = c.cli_json("ls")
+    assert len([r for r in rows if r["name"] == "twice"]) == 1
+    assert {r["name"] for r in rows if r["state"] == COMMITTED} == {
+        "a.safetensors", "b.safetensors", "twice"}
+
+
+def test_redis_restart_and_rebuild_after_flush(make_cluster, tmp_path):
+    c = make_cluster(4)
+    src = make_ckpt(tmp_path / "r.safetensors")
+    c.cli("store", str(src))
+    c.kill_redis()  # SIGKILL: only the AOF survives
+    c.start_redis()
+    assert committed(c, "r.safetensors")
+    wait_until(c.worker_answers, timeout=60, what="the worker to reconnect to Redis")
+    out = tmp_path / "out1.safetensors"
+    c.cli("gather", "r.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+    addresses = [str(n.address) for n in c.node_procs]
+    c.md.r.flushall()
+    assert c.cli_json("ls") == []
+    summary = c.cli_json("rebuild", *addresses)
+    assert summary["nodes_read"] == 4 and summary["restored"] == 1
+    assert committed(c, "r.safetensors")
+    out2 = tmp_path / "out2.safetensors"
+    c.cli("gather", "r.safetensors", "-o", str(out2))
+    assert sha(out2) == sha(src)
