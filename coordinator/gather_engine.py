@@ -11,6 +11,7 @@ destination is untouched.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -20,7 +21,13 @@ from dataclasses import dataclass, field
 from coordinator.manifest import Manifest, source_prefix
 from coordinator.node_client import NodeClient
 from smoltorrent import defaults
-from smoltorrent.errors import GatherError, NodeError, NodeUnavailableError, SmoltorrentError
+from smoltorrent.errors import (
+    DigestMismatchError,
+    GatherError,
+    NodeError,
+    NodeUnavailableError,
+    SmoltorrentError,
+)
 
 Progress = Callable[[int], None]
 
@@ -63,27 +70,32 @@ def gather_checkpoint(
     report = GatherReport(path=out_path, size=manifest.source_size)
     try:
         if manifest.source_size:
-            os.posix_fallocate(fd, 0, manifest.source_size)
+            try:
+                os.posix_fallocate(fd, 0, manifest.source_size)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise GatherError(
+                    f"not enough free space in {directory} for {manifest.name} "
+                    f"({manifest.source_size} bytes); free some space or gather elsewhere. "
+                    "Nothing was written."
+                ) from None
         os.pwrite(fd, source_prefix(manifest), 0)
 
         def one_shard(index: int) -> str | None:
             shard = manifest.shards[index]
             tried: list[str] = []
             for client in sources[index]:
-                try:
-                    digest = client.get_blob_to_file(
+                try:  # the client hashes as bytes arrive and raises on a mismatch
+                    client.get_blob_to_file(
                         shard.blob_sha256,
                         fd,
                         manifest.data_start + shard.data_start,
                         skip=shard.blob_data_offset,
                         progress=progress,
                     )
-                except (NodeUnavailableError, NodeError) as exc:
+                except (NodeUnavailableError, NodeError, DigestMismatchError) as exc:
                     tried.append(f"{client.address}: {exc}")
-                    continue
-                if digest != shard.blob_sha256:
-                    tried.append(f"{client.address}: sent bytes that hash to {digest[:12]}, "
-                                 f"not {shard.blob_sha256[:12]}")
                     continue
                 report.served_by[index] = str(client.address)
                 report.fallbacks.extend(f"shard {index} {line}" for line in tried)
