@@ -45,6 +45,10 @@ ERROR_CODE_BY_CLASS: tuple[tuple[type[SmoltorrentError], str], ...] = (
 )
 
 
+class _ResponseCutShort(Exception):
+    """A response body could not be finished after its header went out; only closing is left."""
+
+
 def error_code_for(exc: SmoltorrentError) -> str:
     if isinstance(exc, NodeError):
         return exc.code
@@ -82,6 +86,8 @@ class Session:
             wire.close_after_error(self.sock)
         except (PeerClosedError, TimeoutError) as exc:
             log.info("dropping %s: %s", self.peer, exc or "timed out")
+        except _ResponseCutShort as exc:
+            log.error("closing %s mid-answer: %s", self.peer, exc)
         except ProtocolError as exc:
             log.warning("closing %s after a malformed frame: %s", self.peer, exc)
             self._send_error_then_close(error_code_for(exc), str(exc))
@@ -176,7 +182,10 @@ class Session:
                     f" which is {size} bytes"
                 )
             self.sock.sendall(protocol.encode_frame({"ok": True, "length": length}, length))
-            wire.send_file_range(self.sock, fd, offset, length)
+            try:
+                wire.send_file_range(self.sock, fd, offset, length)
+            except ProtocolError as exc:  # the blob file shrank under us: tampered with on disk
+                raise _ResponseCutShort(f"blob {request['digest']}: {exc}") from exc
         finally:
             os.close(fd)
 
