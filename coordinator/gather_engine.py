@@ -26,6 +26,7 @@ from smoltorrent.errors import (
     GatherError,
     NodeError,
     NodeUnavailableError,
+    ProtocolError,
     SmoltorrentError,
 )
 
@@ -94,7 +95,7 @@ def gather_checkpoint(
                         skip=shard.blob_data_offset,
                         progress=progress,
                     )
-                except (NodeUnavailableError, NodeError, DigestMismatchError) as exc:
+                except (NodeUnavailableError, NodeError, DigestMismatchError, ProtocolError) as exc:
                     tried.append(f"{client.address}: {exc}")
                     continue
                 report.served_by[index] = str(client.address)

@@ -228,6 +228,10 @@ class NodeClient:
             raise ProtocolError(f"node {self.address} sent a manifest list that is not a list")
         return [protocol.validate_key(key) for key in keys]
 
+    def delete_manifest(self, key: str) -> bool:
+        response, _ = self._call({"op": "manifest_delete", "key": key})
+        return response.get("deleted") is True
+
     def get_manifest(self, key: str) -> bytes:
         _, body = self._call({"op": "manifest_get", "key": key})
         return body

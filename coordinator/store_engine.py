@@ -29,6 +29,7 @@ from smoltorrent.errors import (
     DigestMismatchError,
     NodeError,
     NodeUnavailableError,
+    ProtocolError,
     SmoltorrentError,
     SourceChangedError,
 )
@@ -144,7 +145,7 @@ def send_shard(
     for holder in holders:
         try:
             return "replicated" if holder.replicate(shard.blob_sha256, target.address) else "exists"
-        except (NodeUnavailableError, NodeError):
+        except (NodeUnavailableError, NodeError, ProtocolError):
             continue
     identity.check(prepared_path)
     with open(prepared_path, "rb") as f:
@@ -175,7 +176,7 @@ def probe_nodes(
             return node_id, NodeClient(
                 address, cluster_key=cluster_key, timeout=defaults.CONNECT_TIMEOUT_S
             ).stat()
-        except (NodeUnavailableError, NodeError):
+        except (NodeUnavailableError, NodeError, ProtocolError):
             return node_id, None
 
     if not nodes:

@@ -12,13 +12,20 @@ from coordinator.metadata import ABORTED
 from coordinator.source_file import SourceIdentity
 from coordinator.store_engine import send_shard
 from smoltorrent import defaults
-from smoltorrent.errors import NodeError, NodeUnavailableError, NotFoundError, SourceChangedError
+from smoltorrent.errors import (
+    NodeError,
+    NodeUnavailableError,
+    NotFoundError,
+    ProtocolError,
+    SourceChangedError,
+)
 from tasks.app import app
 from tasks.context import metadata, node_client
 
 log = get_task_logger(__name__)
 
-RETRYABLE = (NodeUnavailableError, NodeError)
+# A node that is down, full or answering garbage may be fine on the next try.
+RETRYABLE = (NodeUnavailableError, NodeError, ProtocolError)
 
 
 @app.task(

@@ -241,6 +241,15 @@ class BlobStore:
                 keys.append(path.stem)
         return sorted(keys)
 
+    def delete_manifest(self, key: str) -> bool:
+        path = self._manifest_path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        fsync_directory(path.parent)
+        return True
+
     def get_manifest(self, key: str) -> bytes:
         try:
             return self._manifest_path(key).read_bytes()

@@ -73,6 +73,7 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "manifest_put": (BODY_JSON, frozenset({"key"})),
     "manifest_list": (BODY_NONE, frozenset()),
     "manifest_get": (BODY_NONE, frozenset({"key"})),
+    "manifest_delete": (BODY_NONE, frozenset({"key"})),
     "auth": (BODY_NONE, frozenset({"mac", "nonce"})),
 }
 

@@ -236,6 +236,10 @@ class Session:
     def op_manifest_get(self, request: dict[str, Any]) -> None:
         wire.send_frame(self.sock, {"ok": True}, self.store.get_manifest(request["key"]))
 
+    def op_manifest_delete(self, request: dict[str, Any]) -> None:
+        wire.send_frame(self.sock, {"ok": True,
+                                    "deleted": self.store.delete_manifest(request["key"])})
+
     def op_auth(self, request: dict[str, Any]) -> None:
         if self.cluster_key:
             raise ProtocolError("this connection is authenticated already")

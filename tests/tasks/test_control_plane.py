@@ -84,6 +84,7 @@ def test_transfer_retries_with_exact_backoff_then_commits(make_cluster, tmp_path
     c = make_cluster(2, retries=6)
     src = make_ckpt(tmp_path / "b.safetensors")
     down = c.node_procs[1]
+    down_id = NodeClient(down.address).ping()
     down.kill()  # still counted alive (heard from seconds ago), so shards are placed on it
     killed_at = time.monotonic()
     c.cli("store", str(src), "--shards", "1", "--no-wait")
@@ -91,7 +92,7 @@ def test_transfer_retries_with_exact_backoff_then_commits(make_cluster, tmp_path
     down.start()  # same data dir and port
     wait_until(lambda: committed(c, "b.safetensors"), timeout=60, what="commit")
     vkey = c.md.current("b.safetensors")
-    tries = [a for a in c.md.attempts(vkey) if a["replica"] == 1]
+    tries = [a for a in c.md.attempts(vkey) if a["node"] == down_id]
     gaps = [b["at"] - a["at"] for a, b in zip(tries, tries[1:], strict=False)]
     assert [a["attempt"] for a in tries[:4]] == [0, 1, 2, 3], tries
     for gap, want in zip(gaps, [1, 2, 4], strict=False):
@@ -209,3 +210,25 @@ def test_redis_restart_and_rebuild_after_flush(make_cluster, tmp_path):
     out2 = tmp_path / "out2.safetensors"
     c.cli("gather", "r.safetensors", "-o", str(out2))
     assert sha(out2) == sha(src)
+
+
+def test_rm_keeps_shared_blobs_until_their_last_version_goes(make_cluster, tmp_path):
+    c = make_cluster(4)
+    src = make_ckpt(tmp_path / "a.safetensors")
+    c.cli("store", str(src))
+    c.cli("store", str(src), "--name", "copy.safetensors")  # same blobs, second manifest
+
+    def inventory():
+        return [(NodeClient(n.address).list_blobs(), NodeClient(n.address).list_manifests())
+                for n in c.node_procs]
+
+    c.cli("rm", "copy.safetensors")
+    assert sum(len(blobs) for blobs, _ in inventory()) == 8  # 4 shards x 2, still used by a
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "a.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+    c.cli("rm", "a.safetensors")
+    assert all(blobs == {} and manifests == [] for blobs, manifests in inventory())
+    assert c.cli_json("ls") == []
+    proc = c.cli("gather", "a.safetensors", "-o", str(out), check=False)
+    assert proc.returncode == 1 and "smoltorrent ls" in proc.stderr
