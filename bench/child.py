@@ -39,6 +39,15 @@ def _store(spec: dict) -> dict:
     }
 
 
+def _plan(spec: dict) -> dict:
+    """Only the store's first phase (header, plan, hash every shard): no byte sent."""
+    from coordinator.store_engine import prepare_store
+
+    free = {f"node{i}": 1 << 40 for i in range(spec["nodes"])}
+    prepared = prepare_store(spec["source"], "bench", free, replicas=spec["replicas"])
+    return {"shards": len(prepared.manifest.shards)}
+
+
 def _gather(spec: dict) -> dict:
     from coordinator.gather_engine import gather_checkpoint
     from coordinator.manifest import Manifest
@@ -71,7 +80,13 @@ def _raw_gather(spec: dict) -> dict:
     return {"bytes": moved}
 
 
-OPS = {"store": _store, "gather": _gather, "raw_store": _raw_store, "raw_gather": _raw_gather}
+OPS = {
+    "plan": _plan,
+    "store": _store,
+    "gather": _gather,
+    "raw_store": _raw_store,
+    "raw_gather": _raw_gather,
+}
 
 
 def main() -> None:

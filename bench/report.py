@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import statistics
+import subprocess
 import time
 
 # The targets the figures are judged against (see bench/RESULTS.md).
@@ -18,39 +20,51 @@ def _ram_gb() -> float:
     return round(kib / 1024**2, 1)
 
 
-def _op(m: dict, size: int) -> dict:
-    return {
-        "seconds": round(m["seconds"], 3),
-        "mb_s": round(size / 1e6 / m["seconds"], 1),
-        "process_wall_s": round(m["process_wall_s"], 3),
-        "peak_rss_mb": round(m["peak_rss_mb"], 1),
-        "rss_before_mb": round(m["rss_before_mb"], 1),
-    }
-
-
-def _celery(c: dict, direct: dict, size: int, op: str) -> dict:
-    seconds = c[op]["seconds"]
-    # Both walls include an interpreter start: the CLI's, and the direct child's.
-    overhead = (seconds - direct[op]["process_wall_s"]) / seconds
+def _op(runs: list[dict], size: int) -> dict:
+    """Median time over the runs (robust to one disturbed run), worst peak RSS."""
+    seconds = statistics.median(m["seconds"] for m in runs)
     return {
         "seconds": round(seconds, 3),
         "mb_s": round(size / 1e6 / seconds, 1),
-        "vs_direct": round(seconds / direct[op]["process_wall_s"], 2),
-        "control_plane_share": round(overhead, 3),
+        "process_wall_s": round(statistics.median(m["process_wall_s"] for m in runs), 3),
+        "peak_rss_mb": round(max(m["peak_rss_mb"] for m in runs), 1),
+        "rss_before_mb": round(max(m["rss_before_mb"] for m in runs), 1),
+        "runs_s": [round(m["seconds"], 3) for m in runs],
     }
+
+
+def _celery(runs: list[dict], direct: dict, size: int) -> dict:
+    out = {}
+    for op in ("store", "gather"):
+        seconds = statistics.median(r[op]["seconds"] for r in runs)
+        # Both walls include one interpreter start: the CLI's and the direct child's.
+        engine = direct[op]["process_wall_s"]
+        out[op] = {
+            "seconds": round(seconds, 3),
+            "mb_s": round(size / 1e6 / seconds, 1),
+            "vs_direct": round(seconds / engine, 2),
+            "control_plane_share": round((seconds - engine) / seconds, 3),
+            "runs_s": [round(r[op]["seconds"], 3) for r in runs],
+        }
+    out["gather"]["task_seconds"] = round(
+        statistics.median(r["gather"]["task_seconds"] for r in runs), 3
+    )
+    return out
 
 
 def summarize(rows: list[dict], args, command: str) -> dict:
     sizes = []
     for r in rows:
-        size = r["size_bytes"]
-        entry = {"size_gb": r["size_gb"], "size_bytes": size, "shards": r["shards"]}
+        size, runs = r["size_bytes"], r["runs"]
+        entry = {"size_gb": r["size_gb"], "size_bytes": size, "shards": runs[0]["shards"]}
+        entry["runs"] = len(runs)
+        entry["plan"] = _op([run["plan"] for run in runs], size)
         for op in ("store", "gather"):
-            entry[op] = _op(r[op], size)
-            entry[f"raw_{op}"] = _op(r[f"raw_{op}"], size)
-            entry[f"{op}_vs_raw"] = round(r[op]["seconds"] / r[f"raw_{op}"]["seconds"], 2)
-        if "celery" in r:
-            entry["celery"] = {op: _celery(r["celery"], r, size, op) for op in ("store", "gather")}
+            entry[op] = _op([run[op] for run in runs], size)
+            entry[f"raw_{op}"] = _op([run[f"raw_{op}"] for run in runs], size)
+            entry[f"{op}_vs_raw"] = round(entry[op]["seconds"] / entry[f"raw_{op}"]["seconds"], 2)
+        if "celery" in runs[0]:
+            entry["celery"] = _celery([run["celery"] for run in runs], entry, size)
         sizes.append(entry)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -62,6 +76,7 @@ def summarize(rows: list[dict], args, command: str) -> dict:
             "dropped; node and output files are fsynced",
         },
         "command": command,
+        "code": _code_version(),
         "nodes": args.nodes,
         "replicas": args.replicas,
         "sizes": sizes,
@@ -73,6 +88,20 @@ def summarize(rows: list[dict], args, command: str) -> dict:
         },
         "checks": _checks(sizes),
     }
+
+
+def _code_version() -> str:
+    """The commit measured, and whether engine code had uncommitted edits at the time."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "coordinator", "worker_server", "smoltorrent"],
+        capture_output=True,
+        text=True,
+    )
+    changed = len(dirty.stdout.splitlines())
+    return head.stdout.strip() + (f" + {changed} uncommitted engine file(s)" if changed else "")
 
 
 def _checks(sizes: list[dict]) -> dict:
@@ -96,46 +125,25 @@ def _checks(sizes: list[dict]) -> dict:
 def table(summary: dict) -> str:
     head = ("size", "operation", "seconds", "MB/s", "x raw", "peak RSS MB")
     lines = []
+
+    def line(size: str, label: str, m: dict, ratio: str, rss: bool = True) -> None:
+        peak = f"{m['peak_rss_mb']:.0f}" if rss else "-"
+        lines.append((size, label, f"{m['seconds']:.2f}", f"{m['mb_s']:.0f}", ratio, peak))
+
     for s in summary["sizes"]:
         size = f"{s['size_gb']:g} GB"
         for op in ("store", "gather"):
-            d, r = s[op], s[f"raw_{op}"]
-            lines.append(
-                (
-                    size,
-                    f"{op} (engine)",
-                    f"{d['seconds']:.2f}",
-                    f"{d['mb_s']:.0f}",
-                    f"{s[f'{op}_vs_raw']:.2f}",
-                    f"{d['peak_rss_mb']:.0f}",
-                )
-            )
-            lines.append(
-                (
-                    size,
-                    f"{op} (raw sendfile)",
-                    f"{r['seconds']:.2f}",
-                    f"{r['mb_s']:.0f}",
-                    "1.00",
-                    f"{r['peak_rss_mb']:.0f}",
-                )
-            )
+            line(size, f"{op} (engine)", s[op], f"{s[f'{op}_vs_raw']:.2f}")
+            if op == "store":
+                line(size, "  of which plan + hash", s["plan"], "")
+            line(size, f"{op} (raw sendfile)", s[f"raw_{op}"], "1.00")
             if "celery" in s:
                 c = s["celery"][op]
-                lines.append(
-                    (
-                        size,
-                        f"{op} (Celery + CLI)",
-                        f"{c['seconds']:.2f}",
-                        f"{c['mb_s']:.0f}",
-                        f"{c['vs_direct']:.2f} x engine",
-                        "-",
-                    )
-                )
+                line(size, f"{op} (Celery + CLI)", c, f"{c['vs_direct']:.2f} x engine", False)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = " | ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
     out = [fmt.format(*head), "-+-".join("-" * w for w in widths)]
-    out += [fmt.format(*line) for line in lines]
+    out += [fmt.format(*row) for row in lines]
     checks = ", ".join(f"{k}={'ok' if v else 'MISS'}" for k, v in summary["checks"].items())
-    out.append(f"targets: {checks}")
+    out.append(f"medians of {summary['sizes'][0]['runs']} run(s); targets: {checks}")
     return "\n".join(out)

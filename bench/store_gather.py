@@ -5,6 +5,8 @@
 For each size: build a synthetic LLM-like checkpoint, start N shard servers
 (separate processes, loopback), then time in fresh child processes (so the
 peak RSS read with wait4 is the coordinator's alone):
+  plan    prepare_store alone (header, plan, SHA-256 of every shard): the part
+          of the store that reads the source before any byte is sent
   store   store_checkpoint (plan, hash, send, chain-replicate, manifest)
   gather  gather_checkpoint (pull, hash, pwrite, fsync, rename)
   raw     the same ranges x replicas moved by plain sendfile into N raw socket
@@ -141,6 +143,12 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
     try:
         addresses = [str(n.address) for n in nodes]
         index_of = {NodeClient(n.address).ping(): i for i, n in enumerate(nodes)}
+        phase("plan + hash only (the store's first phase)")
+        out["plan"] = run_child(
+            {"op": "plan", "source": str(source), "nodes": args.nodes, "replicas": args.replicas},
+            root,
+            timeout,
+        )
         phase("store (direct engine)")
         store = run_child(
             {
@@ -274,17 +282,18 @@ def measure_size(size_gb: float, args, root: Path) -> dict:
     size = write_checkpoint(source, int(size_gb * GB))
     digest = sha256_file(source)
     timeout = 600 + 300 * size / GB
+    runs = []
     try:
-        row = {
-            "size_gb": size_gb,
-            "size_bytes": size,
-            **measure_direct(source, digest, args, root, timeout),
-        }
-        if args.celery:
-            row["celery"] = measure_celery(source, digest, args, root, timeout)
+        # Fresh nodes every run: a second store of the same bytes would move nothing.
+        for run in range(args.repeat):
+            log(f"{size_gb:g} GB, run {run + 1} of {args.repeat}")
+            row = measure_direct(source, digest, args, root, timeout)
+            if args.celery:
+                row["celery"] = measure_celery(source, digest, args, root, timeout)
+            runs.append(row)
     finally:
         source.unlink()
-    return row
+    return {"size_gb": size_gb, "size_bytes": size, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         "--celery",
         action="store_true",
         help="also store and gather through a LocalCluster and the CLI",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per size; the table shows medians"
     )
     parser.add_argument("--json", action="store_true", help="a JSON summary on stdout")
     parser.add_argument("--workdir", type=Path, help="parent of the scratch dir (default /tmp)")
