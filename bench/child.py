@@ -1,10 +1,10 @@
 """One measured operation in a fresh process: `python -m bench.child SPEC.json`.
 
-Each store or gather runs alone in its own interpreter so that the peak RSS
-the parent reads with wait4 belongs to that operation and nothing else (no
+Each store or gather runs alone in its own interpreter so that its peak RSS
+(VmHWM, read here at the end) belongs to that operation and nothing else (no
 bench bookkeeping, no node process). The time is taken around the operation
 only; interpreter start-up and imports are outside it. One JSON line on stdout:
-seconds, and VmRSS before / VmHWM after as a cross-check of the parent's figure.
+seconds, VmRSS before the operation and VmHWM after it.
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ def summarize(rows: list[dict], args, command: str) -> dict:
             "cores": os.cpu_count(),
             "ram_gb": _ram_gb(),
             "network": "loopback",
+            # Other work on the 2 cores (a test run) slows every figure: note the load.
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
             "page_cache": "warm: the source was just written and caches were not "
             "dropped; node and output files are fsynced",
         },

@@ -4,7 +4,7 @@
 
 For each size: build a synthetic LLM-like checkpoint, start N shard servers
 (separate processes, loopback), then time in fresh child processes (so the
-peak RSS read with wait4 is the coordinator's alone):
+peak RSS, the child's VmHWM, is the coordinator's alone):
   plan    prepare_store alone (header, plan, SHA-256 of every shard): the part
           of the store that reads the source before any byte is sent
   store   store_checkpoint (plan, hash, send, chain-replicate, manifest)
@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -58,7 +57,13 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_child(spec: dict, scratch: Path, timeout: float) -> dict:
-    """Run bench.child on spec; its timing, its peak RSS (wait4) and its result."""
+    """Run bench.child on spec; its timing, its own peak RSS and its result.
+
+    The peak RSS is the child's VmHWM, read by the child itself at the end. Not
+    wait4/RUSAGE_CHILDREN: on Linux a child's ru_maxrss starts from the RSS of
+    the process it was forked (vforked, for subprocess) from, so it would report
+    this bench's own footprint whenever that is the larger one.
+    """
     spec_path, result_path = scratch / f"{spec['op']}.spec.json", scratch / f"{spec['op']}.out"
     spec_path.write_text(json.dumps({**spec, "result": str(result_path)}))
     start = time.perf_counter()
@@ -68,17 +73,12 @@ def run_child(spec: dict, scratch: Path, timeout: float) -> dict:
         env=child_env(),
         cwd=ROOT,
     )
-    watchdog = threading.Timer(timeout, proc.kill)
-    watchdog.start()
     try:
-        line = proc.stdout.read()
-        # wait4 instead of proc.wait(): the rusage of this one child, not of every child
-        # (RUSAGE_CHILDREN would also count node processes reaped earlier).
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    finally:
-        watchdog.cancel()
-        proc.stdout.close()
+        line, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"bench child {spec['op']} failed (exit {proc.returncode})")
@@ -89,7 +89,7 @@ def run_child(spec: dict, scratch: Path, timeout: float) -> dict:
     return {
         "seconds": timing["seconds"],
         "process_wall_s": wall,  # with interpreter start-up and imports
-        "peak_rss_mb": usage.ru_maxrss / 1024,  # KiB on Linux
+        "peak_rss_mb": timing["hwm_kb"] / 1024,
         "rss_before_mb": timing["rss_before_kb"] / 1024,
         "result": result,
     }
@@ -138,7 +138,7 @@ def phase(label: str) -> None:
 
 def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) -> dict:
     out: dict = {}
-    nodes = [NodeProcess(root / f"node{i}", child_env()).start() for i in range(args.nodes)]
+    nodes = [NodeProcess(root / f"node{i}", env=child_env()).start() for i in range(args.nodes)]
     raw: list[tuple[subprocess.Popen, int]] = []
     try:
         addresses = [str(n.address) for n in nodes]
