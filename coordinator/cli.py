@@ -45,8 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run a shard server (on each storage node)")
     s.add_argument("--data-dir", required=True, help="where blobs and manifests are kept")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
-    s.add_argument("--port", type=int, default=defaults.DEFAULT_PORT,
-                   help=f"TCP port (default {defaults.DEFAULT_PORT}; 0 picks a free one)")
+    s.add_argument(
+        "--port",
+        type=int,
+        default=defaults.DEFAULT_PORT,
+        help=f"TCP port (default {defaults.DEFAULT_PORT}; 0 picks a free one)",
+    )
     s.add_argument("--cluster-key", help="shared secret (or SMOLTORRENT_CLUSTER_KEY)")
 
     n = sub.add_parser("nodes", help="register, list and remove storage nodes")
@@ -66,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("store", help="store a checkpoint (waits for the commit)")
     st.add_argument("path", help="a .safetensors file on this machine")
     st.add_argument("--name", help="checkpoint name (default: the file name)")
-    st.add_argument("--replicas", type=int, default=defaults.DEFAULT_REPLICAS,
-                    help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS})")
+    st.add_argument(
+        "--replicas",
+        type=int,
+        default=defaults.DEFAULT_REPLICAS,
+        help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS})",
+    )
     st.add_argument("--shards", type=int, help="shard count (default: number of live nodes)")
     st.add_argument("--no-wait", action="store_true", help="return once the store is queued")
     st.add_argument("--json", action="store_true")
@@ -98,8 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--all", action="store_true")
 
     rb = sub.add_parser("rebuild", help="rebuild the metadata from the manifests on the nodes")
-    rb.add_argument("addresses", nargs="*", metavar="HOST:PORT",
-                    help="nodes to read (default: the registered ones)")
+    rb.add_argument(
+        "addresses",
+        nargs="*",
+        metavar="HOST:PORT",
+        help="nodes to read (default: the registered ones)",
+    )
     rb.add_argument("--json", action="store_true")
 
     f = sub.add_parser("flower", help="run Flower (Celery monitoring) on the same broker")
@@ -107,8 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a complete local cluster, end to end, then cleaned up")
     demo.add_argument("--checkpoint", help="a .safetensors file to use (default: a built one)")
-    demo.add_argument("--size-mb", type=int, default=defaults.DEMO_CHECKPOINT_MB,
-                      help="size of the built checkpoint")
+    demo.add_argument(
+        "--size-mb",
+        type=int,
+        default=defaults.DEMO_CHECKPOINT_MB,
+        help="size of the built checkpoint",
+    )
     demo.add_argument("--keep", action="store_true", help="leave the cluster's files behind")
     demo.add_argument("--json", action="store_true")
     return p

@@ -47,9 +47,16 @@ def _require_worker(queue: str) -> None:
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=console,
-                    transient=True, disable=not console.is_terminal)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
 
 
 # --- nodes ---------------------------------------------------------------------
@@ -61,38 +68,63 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         rows = []
         for text in args.addresses:
             address = NodeAddress.parse(text)
-            stat = NodeClient(address, cluster_key=config.cluster_key(),
-                              timeout=defaults.CONNECT_TIMEOUT_S).stat()
+            stat = NodeClient(
+                address, cluster_key=config.cluster_key(), timeout=defaults.CONNECT_TIMEOUT_S
+            ).stat()
             md.add_node(stat.node_id, address)
             md.mark_alive(stat.node_id, stat.__dict__)
-            rows.append({"node_id": stat.node_id, "address": str(address),
-                         "free_bytes": stat.free_bytes, "blobs": stat.blob_count})
+            rows.append(
+                {
+                    "node_id": stat.node_id,
+                    "address": str(address),
+                    "free_bytes": stat.free_bytes,
+                    "blobs": stat.blob_count,
+                }
+            )
         if args.json:
             emit_json(rows)
         else:
             for r in rows:
-                console.print(f"added node {r['node_id'][:12]} at {r['address']} "
-                              f"({human_bytes(r['free_bytes'])} free, {r['blobs']} blobs)")
+                console.print(
+                    f"added node {r['node_id'][:12]} at {r['address']} "
+                    f"({human_bytes(r['free_bytes'])} free, {r['blobs']} blobs)"
+                )
         return 0
     if args.nodes_command == "ls":
         nodes = reports.status(md, config.cluster_key())["nodes"]
         if args.json:
             emit_json(nodes)
         else:
-            table("nodes", ["id", "address", "state", "free", "used", "blobs"], [
-                (n["node_id"][:12], n["address"], "up" if n["up"] else "DOWN",
-                 human_bytes(n["free_bytes"]) if n["up"] else "-",
-                 human_bytes(n["used_bytes"]) if n["up"] else "-",
-                 n["blobs"] if n["up"] else "-") for n in nodes])
+            table(
+                "nodes",
+                ["id", "address", "state", "free", "used", "blobs"],
+                [
+                    (
+                        n["node_id"][:12],
+                        n["address"],
+                        "up" if n["up"] else "DOWN",
+                        human_bytes(n["free_bytes"]) if n["up"] else "-",
+                        human_bytes(n["used_bytes"]) if n["up"] else "-",
+                        n["blobs"] if n["up"] else "-",
+                    )
+                    for n in nodes
+                ],
+            )
         return 0
-    matches = [nid for nid, rec in md.nodes().items()
-               if nid.startswith(args.node) or str(rec.address) == args.node]
+    matches = [
+        nid
+        for nid, rec in md.nodes().items()
+        if nid.startswith(args.node) or str(rec.address) == args.node
+    ]
     if len(matches) != 1:
-        raise NotFoundError(f"{'no' if not matches else 'several'} registered nodes match "
-                            f"'{args.node}'; see `smoltorrent nodes ls`.")
+        raise NotFoundError(
+            f"{'no' if not matches else 'several'} registered nodes match "
+            f"'{args.node}'; see `smoltorrent nodes ls`."
+        )
     md.remove_node(matches[0])
-    console.print(f"removed node {matches[0][:12]}; its shards count as missing until "
-                  "they are re-replicated.")
+    console.print(
+        f"removed node {matches[0][:12]}; its shards count as missing until they are re-replicated."
+    )
     return 0
 
 
@@ -104,8 +136,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     host = config.host_id()
     queues = ",".join([config.CONTROL_QUEUE, config.host_queue(host), config.transfer_queue(host)])
-    app.worker_main(["worker", "-Q", queues, "-n", f"smoltorrent@{host}", "-P", "prefork",
-                     "-c", str(args.concurrency), "--loglevel", args.loglevel, "-E"])
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            queues,
+            "-n",
+            f"smoltorrent@{host}",
+            "-P",
+            "prefork",
+            "-c",
+            str(args.concurrency),
+            "--loglevel",
+            args.loglevel,
+            "-E",
+        ]
+    )
     return 0
 
 
@@ -113,8 +159,10 @@ def cmd_flower(args: argparse.Namespace) -> int:
     from tasks.app import REDIS_URL
 
     env = dict(os.environ, SMOLTORRENT_REDIS_URL=REDIS_URL)
-    return subprocess.call([sys.executable, "-m", "celery", "-A", "tasks.app", "flower",
-                            f"--port={args.port}"], env=env)
+    return subprocess.call(
+        [sys.executable, "-m", "celery", "-A", "tasks.app", "flower", f"--port={args.port}"],
+        env=env,
+    )
 
 
 # --- store, gather -----------------------------------------------------------------
@@ -133,8 +181,9 @@ def cmd_store(args: argparse.Namespace) -> int:
     from tasks.store import store
 
     name = args.name or os.path.basename(path)
-    res = store.apply_async(args=(path, name, args.replicas, args.shards),
-                            queue=config.host_queue(host))
+    res = store.apply_async(
+        args=(path, name, args.replicas, args.shards), queue=config.host_queue(host)
+    )
     if args.no_wait:
         if args.json:
             emit_json({"task_id": res.id, "name": name})
@@ -151,12 +200,16 @@ def cmd_store(args: argparse.Namespace) -> int:
         emit_json({**row, "new": out["new"]})
     else:
         verb = "stored" if out["new"] else "already stored (no bytes moved)"
-        console.print(f"{verb}: {name} version {row['version_id'][:12]}, "
-                      f"{human_bytes(row['size'])} in {row['shards']} shards x "
-                      f"{row['replicas']} replicas")
+        console.print(
+            f"{verb}: {name} version {row['version_id'][:12]}, "
+            f"{human_bytes(row['size'])} in {row['shards']} shards x "
+            f"{row['replicas']} replicas"
+        )
         if row["under_replicated"]:
-            warn(f"shards {row['under_replicated']} have fewer than {row['replicas']} copies; "
-                 "see `smoltorrent status`.")
+            warn(
+                f"shards {row['under_replicated']} have fewer than {row['replicas']} copies; "
+                "see `smoltorrent status`."
+            )
     return 0 if state == COMMITTED else 1
 
 
@@ -211,9 +264,11 @@ def cmd_gather(args: argparse.Namespace) -> int:
         emit_json(report)
     else:
         rate = report["size"] / max(report["seconds"], 1e-9)
-        console.print(f"gathered {args.name} version {report['version_id'][:12]} -> {out} "
-                      f"({human_bytes(report['size'])} in {report['seconds']:.2f} s, "
-                      f"{human_bytes(rate)}/s)")
+        console.print(
+            f"gathered {args.name} version {report['version_id'][:12]} -> {out} "
+            f"({human_bytes(report['size'])} in {report['seconds']:.2f} s, "
+            f"{human_bytes(rate)}/s)"
+        )
         for line in report["fallbacks"]:
             warn(f"fell back to another replica: {line}")
     return 0
@@ -230,12 +285,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         console.print("no checkpoints stored yet; store one with `smoltorrent store PATH`.")
         return 0
-    table("checkpoints", ["name", "version", "state", "size", "shards", "copies", "created"], [
-        (r["name"] + (" *" if r["current"] else ""), r["version_id"][:12], r["state"],
-         human_bytes(r["size"]), r["shards"],
-         f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
-         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])))
-        for r in rows])
+    table(
+        "checkpoints",
+        ["name", "version", "state", "size", "shards", "copies", "created"],
+        [
+            (
+                r["name"] + (" *" if r["current"] else ""),
+                r["version_id"][:12],
+                r["state"],
+                human_bytes(r["size"]),
+                r["shards"],
+                f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])),
+            )
+            for r in rows
+        ],
+    )
     console.print("* current version   ! under-replicated")
     return 0
 
@@ -245,23 +310,41 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(s)
         return 0
-    table("nodes", ["id", "address", "state", "free", "blobs"], [
-        (n["node_id"][:12], n["address"], "up" if n["up"] else "DOWN",
-         human_bytes(n["free_bytes"]) if n["up"] else "-", n["blobs"] if n["up"] else "-")
-        for n in s["nodes"]])
+    table(
+        "nodes",
+        ["id", "address", "state", "free", "blobs"],
+        [
+            (
+                n["node_id"][:12],
+                n["address"],
+                "up" if n["up"] else "DOWN",
+                human_bytes(n["free_bytes"]) if n["up"] else "-",
+                n["blobs"] if n["up"] else "-",
+            )
+            for n in s["nodes"]
+        ],
+    )
     up = sum(n["up"] for n in s["nodes"])
     console.print(f"{up}/{len(s['nodes'])} nodes up")
     if s["under_replicated"]:
-        table("under-replicated shards", ["name", "version", "shard", "live copies"], [
-            (u["name"], u["version_id"][:12], u["shard"],
-             f"{u['live_copies']}/{u['replicas']}") for u in s["under_replicated"]])
+        table(
+            "under-replicated shards",
+            ["name", "version", "shard", "live copies"],
+            [
+                (u["name"], u["version_id"][:12], u["shard"], f"{u['live_copies']}/{u['replicas']}")
+                for u in s["under_replicated"]
+            ],
+        )
     else:
         console.print("every shard of every committed version has all its live copies")
     if s["pending"]:
-        console.print(f"{len(s['pending'])} version(s) pending: "
-                      + ", ".join(p["name"] for p in s["pending"]))
-    console.print(f"dead letters: {s['dead_letters']}"
-                  + (" (see `smoltorrent dlq ls`)" if s["dead_letters"] else ""))
+        console.print(
+            f"{len(s['pending'])} version(s) pending: " + ", ".join(p["name"] for p in s["pending"])
+        )
+    console.print(
+        f"dead letters: {s['dead_letters']}"
+        + (" (see `smoltorrent dlq ls`)" if s["dead_letters"] else "")
+    )
     return 0
 
 
@@ -281,8 +364,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
         emit_json(results)
     else:
         deleted = sum(r["blobs_deleted"] for r in results)
-        console.print(f"removed {len(results)} version(s) of {args.name}; "
-                      f"{deleted} blob copies deleted")
+        console.print(
+            f"removed {len(results)} version(s) of {args.name}; {deleted} blob copies deleted"
+        )
         for r in results:
             for line in r.get("left_behind", []):
                 warn(f"left behind (collected later): {line}")
@@ -298,10 +382,21 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         elif not records:
             console.print("no dead letters")
         else:
-            table("dead letters", ["task id", "task", "checkpoint", "shard", "node", "error"], [
-                (r["task_id"], r["task"], r.get("checkpoint") or "-",
-                 "-" if r.get("shard") is None else r["shard"],
-                 (r.get("node") or "-")[:12], r["error"][:80]) for r in records])
+            table(
+                "dead letters",
+                ["task id", "task", "checkpoint", "shard", "node", "error"],
+                [
+                    (
+                        r["task_id"],
+                        r["task"],
+                        r.get("checkpoint") or "-",
+                        "-" if r.get("shard") is None else r["shard"],
+                        (r.get("node") or "-")[:12],
+                        r["error"][:80],
+                    )
+                    for r in records
+                ],
+            )
         return 0
     from tasks.dead_letters import replay
 
@@ -318,18 +413,24 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     from coordinator.rebuild import rebuild_metadata
 
     md = _md()
-    addresses = ([NodeAddress.parse(a) for a in args.addresses] if args.addresses
-                 else [rec.address for rec in md.nodes().values()])
+    addresses = (
+        [NodeAddress.parse(a) for a in args.addresses]
+        if args.addresses
+        else [rec.address for rec in md.nodes().values()]
+    )
     if not addresses:
-        raise SmoltorrentError("no nodes to read: give their addresses, "
-                               "`smoltorrent rebuild HOST:PORT ...`")
+        raise SmoltorrentError(
+            "no nodes to read: give their addresses, `smoltorrent rebuild HOST:PORT ...`"
+        )
     summary = rebuild_metadata(md, addresses, config.cluster_key())
     if args.json:
         emit_json(summary)
     else:
-        console.print(f"rebuilt from {summary['nodes_read']} node(s): "
-                      f"{summary['versions']} versions of {summary['names']} checkpoints, "
-                      f"{summary['placements']} blob copies")
+        console.print(
+            f"rebuilt from {summary['nodes_read']} node(s): "
+            f"{summary['versions']} versions of {summary['names']} checkpoints, "
+            f"{summary['placements']} blob copies"
+        )
         for line in summary["unreachable"]:
             warn(f"not read: {line}")
     return 0

@@ -57,14 +57,21 @@ def run_demo(args: argparse.Namespace) -> int:
         # Every in-process command from here on talks to this cluster's Redis.
         os.environ.update({k: v for k, v in cluster.env().items() if k.startswith("SMOLTORRENT")})
         step("start worker", cluster.start_worker)
-        say(f"cluster up: redis :{cluster.redis_port}, nodes "
-            + ", ".join(str(n.address) for n in cluster.node_procs) + ", 1 Celery worker")
+        say(
+            f"cluster up: redis :{cluster.redis_port}, nodes "
+            + ", ".join(str(n.address) for n in cluster.node_procs)
+            + ", 1 Celery worker"
+        )
         size = source.stat().st_size
         say(f"checkpoint: {source.name}, {human_bytes(size)}")
 
         quiet = ["--json"] if args.json else []
-        _run(step, "register nodes", main,
-             ["nodes", "add", *(str(n.address) for n in cluster.node_procs), *quiet])
+        _run(
+            step,
+            "register nodes",
+            main,
+            ["nodes", "add", *(str(n.address) for n in cluster.node_procs), *quiet],
+        )
         _run(step, "store", main, ["store", str(source), "--replicas", "2", *quiet])
         victim = random.Random(size).randrange(len(cluster.node_procs))
         cluster.node_procs[victim].kill()
@@ -83,13 +90,17 @@ def run_demo(args: argparse.Namespace) -> int:
         if args.json:
             emit_json(report)
         else:
-            table("demo report", ["step", "seconds"],
-                  [(k, f"{v:.2f}") for k, v in timings.items()])
-            console.print(f"store {report['store_mb_s']} MB/s, gather (one node dead) "
-                          f"{report['gather_mb_s']} MB/s")
-            console.print("[bold green]SHA-256 identical: the gathered file is the stored "
-                          "checkpoint, byte for byte.[/]" if same else
-                          "[bold red]SHA-256 differs![/]")
+            table("demo report", ["step", "seconds"], [(k, f"{v:.2f}") for k, v in timings.items()])
+            console.print(
+                f"store {report['store_mb_s']} MB/s, gather (one node dead) "
+                f"{report['gather_mb_s']} MB/s"
+            )
+            console.print(
+                "[bold green]SHA-256 identical: the gathered file is the stored "
+                "checkpoint, byte for byte.[/]"
+                if same
+                else "[bold red]SHA-256 differs![/]"
+            )
         return 0 if same else 1
     finally:
         cluster.stop()

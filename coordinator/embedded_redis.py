@@ -9,7 +9,6 @@ placement metadata there would be silent.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -55,16 +54,26 @@ def start_redis(directory: Path, port: int | None = None) -> tuple[int, int]:
     subprocess.run(
         [
             redis_server_binary(),
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--dir", str(directory),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--maxmemory-policy", "noeviction",
-            "--save", "",
-            "--daemonize", "yes",
-            "--pidfile", str(pidfile),
-            "--logfile", str(directory / "redis.log"),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(directory),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--maxmemory-policy",
+            "noeviction",
+            "--save",
+            "",
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str(pidfile),
+            "--logfile",
+            str(directory / "redis.log"),
         ],
         check=True,
         stdout=subprocess.DEVNULL,
@@ -105,12 +114,3 @@ def ensure_redis_url() -> str:
             return f"redis://127.0.0.1:{port}/0"
     _, port = start_redis(directory)
     return f"redis://127.0.0.1:{port}/0"
-
-
-def stop_redis(directory: Path) -> None:
-    pidfile = directory / "redis.pid"
-    if pidfile.exists():
-        try:
-            os.kill(int(pidfile.read_text().strip()), 15)
-        except (ProcessLookupError, ValueError):
-            pass

@@ -66,8 +66,9 @@ def gather_checkpoint(
             f"{len(manifest.shards)} shards"
         )
     directory = os.path.dirname(out_path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.", suffix=".partial",
-                               dir=directory)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{os.path.basename(out_path)}.", suffix=".partial", dir=directory
+    )
     report = GatherReport(path=out_path, size=manifest.source_size)
     try:
         if manifest.source_size:
@@ -102,7 +103,8 @@ def gather_checkpoint(
                 report.fallbacks.extend(f"shard {index} {line}" for line in tried)
                 return None
             where = "; ".join(tried) or "no node holds a copy"
-            return f"shard {index} ({shard.blob_sha256[:12]}, tensors {_names(shard.tensors)}): {where}"
+            tensors = _names(shard.tensors)
+            return f"shard {index} ({shard.blob_sha256[:12]}, tensors {tensors}): {where}"
 
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             missing = [m for m in pool.map(one_shard, range(len(manifest.shards))) if m]

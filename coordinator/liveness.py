@@ -15,8 +15,9 @@ from coordinator.node_client import NodeStat
 from coordinator.store_engine import probe_nodes
 
 
-def probe_registered(md: Metadata, cluster_key: bytes | None, *,
-                     trust_recent: bool = False) -> dict[str, NodeStat]:
+def probe_registered(
+    md: Metadata, cluster_key: bytes | None, *, trust_recent: bool = False
+) -> dict[str, NodeStat]:
     """Node id -> stat of the live registered nodes. Probes every node (or, with
     trust_recent, only those not heard from lately) and refreshes the alive keys."""
     nodes = md.nodes()

@@ -6,6 +6,7 @@ the benchmarks and the tests exercise exactly what a user runs by hand.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.embedded_redis import start_redis
-from coordinator.node_client import NodeAddress
+from coordinator.node_client import NodeAddress, NodeClient
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
 
@@ -29,58 +30,109 @@ def _wait_for(predicate, timeout: float, what: str, log: Path | None = None) -> 
         time.sleep(0.05)
 
 
-@dataclass
 class NodeProcess:
-    """One `smoltorrent serve` process; restart() keeps its data dir and port."""
+    """One `python -m worker_server` child process and the data directory it serves.
 
-    data_dir: Path
-    env: dict[str, str]
-    port: int = 0
-    proc: subprocess.Popen | None = None
+    start() keeps the port of an earlier start, so a killed node comes back
+    where the cluster expects it, with the same data dir and node id.
+    """
 
-    def start(self) -> NodeProcess:
-        port_file = self.data_dir / "port"
-        if port_file.exists():
-            port_file.unlink()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker_server", "--data-dir", str(self.data_dir),
-             "--host", "127.0.0.1", "--port", str(self.port)],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
-        _wait_for(lambda: port_file.exists() or self.proc.poll() is not None,
-                  defaults.LOCAL_START_TIMEOUT_S, f"node in {self.data_dir}")
-        if self.proc.poll() is not None:
-            raise SmoltorrentError(f"node in {self.data_dir} exited at start; see "
-                                   f"{self.data_dir.parent / (self.data_dir.name + '.log')}")
-        self.port = int(port_file.read_text())
-        return self
-
-    @property
-    def address(self) -> NodeAddress:
-        return NodeAddress("127.0.0.1", self.port)
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        cluster_key: bytes | None = None,
+        *,
+        socket_timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.cluster_key = cluster_key
+        self.socket_timeout = socket_timeout
+        self.env = dict(os.environ if env is None else env)
+        self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        self.address: NodeAddress | None = None
+        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        if self._process is None:
+            raise SmoltorrentError("the node process is not running")
+        return self._process.pid
+
+    def start(self, port: int | None = None) -> NodeProcess:
+        """Spawn the node and wait until it has bound its port."""
+        if port is None:
+            port = self.address.port if self.address else 0
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        port_file = self.data_dir / "port"
+        port_file.unlink(missing_ok=True)  # a SIGKILLed node leaves its old one behind
+        env = {k: v for k, v in self.env.items() if k != "SMOLTORRENT_CLUSTER_KEY"}
+        if self.cluster_key:
+            env["SMOLTORRENT_CLUSTER_KEY"] = self.cluster_key.decode("utf-8")
+        command = [sys.executable, "-m", "worker_server", "--data-dir", str(self.data_dir)]
+        command += ["--host", "127.0.0.1", "--port", str(port)]
+        if self.socket_timeout is not None:
+            command += ["--socket-timeout", str(self.socket_timeout)]
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _wait_for(
+            lambda: port_file.exists() or self._process.poll() is not None,
+            defaults.LOCAL_START_TIMEOUT_S,
+            f"node in {self.data_dir}",
+            self.log_path,
+        )
+        if self._process.poll() is not None:
+            raise SmoltorrentError(
+                f"node exited with {self._process.returncode} at start:\n{self.log()}"
+            )
+        self.address = NodeAddress("127.0.0.1", int(port_file.read_text()))
+        return self
+
+    def log(self) -> str:
+        """Everything the node process has logged so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, *, timeout: float | None = None) -> NodeClient:
+        """A client for this node holding the node's own cluster key."""
+        if self.address is None:
+            raise SmoltorrentError("the node has not been started")
+        return NodeClient(self.address, cluster_key=self.cluster_key, timeout=timeout)
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def send_signal(self, signum: int) -> None:
+        if self._process is None:
+            raise SmoltorrentError("the node process was never started")
+        self._process.send_signal(signum)
+
+    def wait(self, timeout: float = defaults.LOCAL_STOP_TIMEOUT_S) -> int:
+        """Wait for the process to exit; its exit status."""
+        if self._process is None:
+            raise SmoltorrentError("the node process was never started")
+        return self._process.wait(timeout)
 
     def kill(self) -> None:
-        """SIGKILL: no goodbye, like a Pi losing power."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        """SIGKILL: no cleanup at all, like a power cut."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGKILL)
+            self._process.wait()
 
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def stop(self) -> int | None:
+        """SIGTERM and wait for a clean exit; the exit status (None if it was not running)."""
+        if self._process is None or self._process.poll() is not None:
+            return None if self._process is None else self._process.returncode
+        self._process.send_signal(signal.SIGTERM)
+        try:
+            return self._process.wait(defaults.LOCAL_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise SmoltorrentError(
+                f"node ignored SIGTERM for {defaults.LOCAL_STOP_TIMEOUT_S} s:\n{self.log()}"
+            ) from None
 
     def restart(self) -> NodeProcess:
+        """Stop (if running) and start again on the same data dir and port."""
         self.stop()
         return self.start()
 
@@ -106,8 +158,12 @@ class LocalCluster:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(SMOLTORRENT_REDIS_URL=self.redis_url, SMOLTORRENT_HOME=str(self.root),
-                   SMOLTORRENT_HOST_ID=self.host_id, PYTHONUNBUFFERED="1")
+        env.update(
+            SMOLTORRENT_REDIS_URL=self.redis_url,
+            SMOLTORRENT_HOME=str(self.root),
+            SMOLTORRENT_HOST_ID=self.host_id,
+            PYTHONUNBUFFERED="1",
+        )
         if self.cluster_key:
             env["SMOLTORRENT_CLUSTER_KEY"] = self.cluster_key
         env.update(self.extra_env)
@@ -118,32 +174,46 @@ class LocalCluster:
 
     def kill_redis(self) -> None:
         if self.redis_pid:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.redis_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             _wait_for(lambda: not _alive(self.redis_pid), 10, "redis shutdown")
 
     def start(self, *, worker: bool = True) -> LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.start_redis()
         for i in range(self.nodes):
-            self.node_procs.append(
-                NodeProcess(self.root / f"node{i}", self.env()).start())
+            key = self.cluster_key.encode() if self.cluster_key else None
+            self.node_procs.append(NodeProcess(self.root / f"node{i}", key, env=self.env()).start())
         if worker:
             self.start_worker()
         return self
 
     def start_worker(self) -> subprocess.Popen:
-        log = open(self.root / "worker.log", "ab")
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "worker", "--loglevel", "INFO",
-             "--concurrency", str(self.worker_concurrency)],
-            env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        command = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "worker",
+            "--loglevel",
+            "INFO",
+            "--concurrency",
+            str(self.worker_concurrency),
+        ]
+        with open(self.root / "worker.log", "ab") as log:
+            # Its own session, so kill_worker() takes the pool children down with it.
+            self.worker = subprocess.Popen(
+                command,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _wait_for(
+            lambda: self.worker.poll() is not None or self.worker_answers(),
+            defaults.LOCAL_START_TIMEOUT_S * 4,
+            "the Celery worker",
+            self.root / "worker.log",
         )
-        log.close()
-        _wait_for(lambda: self.worker.poll() is not None or self.worker_answers(),
-                  defaults.LOCAL_START_TIMEOUT_S * 4, "the Celery worker", self.root / "worker.log")
         if self.worker.poll() is not None:
             raise SmoltorrentError(f"the Celery worker exited; see {self.root / 'worker.log'}")
         return self.worker
@@ -154,8 +224,7 @@ class LocalCluster:
 
         app = Celery(broker=self.redis_url)
         try:
-            return bool(app.control.ping(destination=[f"smoltorrent@{self.host_id}"],
-                                         timeout=0.5))
+            return bool(app.control.ping(destination=[f"smoltorrent@{self.host_id}"], timeout=0.5))
         except Exception:  # any broker error means "not answering yet"
             return False
         finally:

@@ -51,9 +51,12 @@ class NodeRecord:
 class Metadata:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.r = redis.Redis.from_url(url, decode_responses=True,
-                                      socket_timeout=defaults.REDIS_TIMEOUT_S,
-                                      socket_connect_timeout=defaults.REDIS_TIMEOUT_S)
+        self.r = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=defaults.REDIS_TIMEOUT_S,
+            socket_connect_timeout=defaults.REDIS_TIMEOUT_S,
+        )
         self._barrier = self.r.register_script(_BARRIER)
 
     def ping(self) -> None:
@@ -68,8 +71,9 @@ class Metadata:
     # --- nodes ---------------------------------------------------------------
 
     def add_node(self, node_id: str, address: NodeAddress) -> None:
-        self.r.hset(K.NODES, node_id,
-                    json.dumps({"address": str(address), "added_at": time.time()}))
+        self.r.hset(
+            K.NODES, node_id, json.dumps({"address": str(address), "added_at": time.time()})
+        )
 
     def remove_node(self, node_id: str) -> bool:
         self.r.delete(K.NODE_ALIVE.format(node_id=node_id))
@@ -79,13 +83,13 @@ class Metadata:
         out = {}
         for node_id, raw in self.r.hgetall(K.NODES).items():
             data = json.loads(raw)
-            out[node_id] = NodeRecord(node_id, NodeAddress.parse(data["address"]),
-                                      data["added_at"])
+            out[node_id] = NodeRecord(node_id, NodeAddress.parse(data["address"]), data["added_at"])
         return out
 
     def mark_alive(self, node_id: str, stat: dict) -> None:
-        self.r.set(K.NODE_ALIVE.format(node_id=node_id), json.dumps(stat),
-                   ex=defaults.NODE_ALIVE_TTL_S)
+        self.r.set(
+            K.NODE_ALIVE.format(node_id=node_id), json.dumps(stat), ex=defaults.NODE_ALIVE_TTL_S
+        )
 
     def mark_down(self, node_id: str) -> None:
         self.r.delete(K.NODE_ALIVE.format(node_id=node_id))
@@ -100,8 +104,9 @@ class Metadata:
 
     # --- versions ------------------------------------------------------------
 
-    def create_pending(self, manifest: Manifest, vkey: str, fields: dict,
-                       plan: list[tuple[str, ...]]) -> bool:
+    def create_pending(
+        self, manifest: Manifest, vkey: str, fields: dict, plan: list[tuple[str, ...]]
+    ) -> bool:
         """Record a new pending version; False if it already exists (pending or committed),
         so two stores of the same bytes make one version. An aborted one starts afresh."""
         vk = K.VERSION.format(vkey=vkey)
@@ -120,41 +125,54 @@ class Metadata:
                     continue
 
     @staticmethod
-    def _write_pending(p, manifest: Manifest, vkey: str, fields: dict,
-                       plan: list[tuple[str, ...]]) -> None:
+    def _write_pending(
+        p, manifest: Manifest, vkey: str, fields: dict, plan: list[tuple[str, ...]]
+    ) -> None:
         vk = K.VERSION.format(vkey=vkey)
-        p.delete(vk, K.PLAN.format(vkey=vkey), K.SETTLED.format(vkey=vkey),
-                 K.READY.format(vkey=vkey), K.ATTEMPTS.format(vkey=vkey))
-        p.hset(vk, mapping={
-            **{k: str(v) for k, v in fields.items()},
-            "name": manifest.name,
-            "version_id": manifest.version_id,
-            "state": PENDING,
-            "size": manifest.source_size,
-            "shards": len(manifest.shards),
-            "replicas": manifest.replicas,
-            "transfers": sum(len(t) for t in plan),
-            "created_at": manifest.created_at,
-        })
+        p.delete(
+            vk,
+            K.PLAN.format(vkey=vkey),
+            K.SETTLED.format(vkey=vkey),
+            K.READY.format(vkey=vkey),
+            K.ATTEMPTS.format(vkey=vkey),
+        )
+        p.hset(
+            vk,
+            mapping={
+                **{k: str(v) for k, v in fields.items()},
+                "name": manifest.name,
+                "version_id": manifest.version_id,
+                "state": PENDING,
+                "size": manifest.source_size,
+                "shards": len(manifest.shards),
+                "replicas": manifest.replicas,
+                "transfers": sum(len(t) for t in plan),
+                "created_at": manifest.created_at,
+            },
+        )
         p.set(K.MANIFEST.format(vkey=vkey), manifest.to_json())
         if plan:
-            p.hset(K.PLAN.format(vkey=vkey),
-                   mapping={str(i): json.dumps(list(t)) for i, t in enumerate(plan)})
+            p.hset(
+                K.PLAN.format(vkey=vkey),
+                mapping={str(i): json.dumps(list(t)) for i, t in enumerate(plan)},
+            )
         p.sadd(K.NAMES, manifest.name)
         p.zadd(K.VERSIONS.format(name=manifest.name), {vkey: manifest.created_at})
 
     def version(self, vkey: str) -> dict[str, str]:
         data = self.r.hgetall(K.VERSION.format(vkey=vkey))
         if not data:
-            raise NotFoundError(f"no version {vkey} in the metadata; list them with "
-                                "`smoltorrent ls`.")
+            raise NotFoundError(
+                f"no version {vkey} in the metadata; list them with `smoltorrent ls`."
+            )
         return data
 
     def manifest(self, vkey: str) -> Manifest:
         raw = self.r.get(K.MANIFEST.format(vkey=vkey))
         if raw is None:
-            raise NotFoundError(f"no manifest for version {vkey}; if Redis was lost, run "
-                                "`smoltorrent rebuild`.")
+            raise NotFoundError(
+                f"no manifest for version {vkey}; if Redis was lost, run `smoltorrent rebuild`."
+            )
         return Manifest.from_json(raw)
 
     def plan(self, vkey: str) -> list[tuple[str, ...]]:
@@ -174,22 +192,34 @@ class Metadata:
     def attempts(self, vkey: str) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(K.ATTEMPTS.format(vkey=vkey), 0, -1)]
 
-    def settle(self, vkey: str, shard: int, replica: int, node_id: str | None,
-               digest: str) -> bool:
+    def settle(self, vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> bool:
         """Record a finished transfer (node_id None when it failed for good); True when this
         call completed the set and the caller must enqueue the commit."""
         v = self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
-        return bool(self._barrier(
-            keys=[K.SETTLED.format(vkey=vkey), K.READY.format(vkey=vkey),
-                  K.VERSION.format(vkey=vkey), K.PLACEMENT.format(digest=digest)],
-            args=[f"{shard}:{replica}", "" if node_id is None else str(shard),
-                  node_id or "", v[0] or 0, v[1] or 0],
-        ))
+        return bool(
+            self._barrier(
+                keys=[
+                    K.SETTLED.format(vkey=vkey),
+                    K.READY.format(vkey=vkey),
+                    K.VERSION.format(vkey=vkey),
+                    K.PLACEMENT.format(digest=digest),
+                ],
+                args=[
+                    f"{shard}:{replica}",
+                    "" if node_id is None else str(shard),
+                    node_id or "",
+                    v[0] or 0,
+                    v[1] or 0,
+                ],
+            )
+        )
 
     def progress(self, vkey: str) -> tuple[int, int]:
         """(transfers settled, transfers planned)."""
-        return (self.r.scard(K.SETTLED.format(vkey=vkey)),
-                int(self.r.hget(K.VERSION.format(vkey=vkey), "transfers") or 0))
+        return (
+            self.r.scard(K.SETTLED.format(vkey=vkey)),
+            int(self.r.hget(K.VERSION.format(vkey=vkey), "transfers") or 0),
+        )
 
     def ready_shards(self, vkey: str) -> set[int]:
         return {int(x) for x in self.r.smembers(K.READY.format(vkey=vkey))}
@@ -200,8 +230,10 @@ class Metadata:
     def commit(self, vkey: str, name: str) -> None:
         """Flip the name's current version and mark this one committed, atomically."""
         with self.r.pipeline() as p:
-            p.hset(K.VERSION.format(vkey=vkey),
-                   mapping={"state": COMMITTED, "committed_at": time.time(), "reason": ""})
+            p.hset(
+                K.VERSION.format(vkey=vkey),
+                mapping={"state": COMMITTED, "committed_at": time.time(), "reason": ""},
+            )
             p.hset(K.CURRENT, name, vkey)
             p.execute()
 
@@ -211,13 +243,17 @@ class Metadata:
             return False
         with self.r.pipeline() as p:
             self._write_pending(p, manifest, vkey, {"rebuilt": 1}, [])
-            p.hset(K.VERSION.format(vkey=vkey),
-                   mapping={"state": COMMITTED, "committed_at": manifest.created_at})
+            p.hset(
+                K.VERSION.format(vkey=vkey),
+                mapping={"state": COMMITTED, "committed_at": manifest.created_at},
+            )
             p.execute()
         current = self.current(manifest.name)
-        if current is None or float(
-            self.r.hget(K.VERSION.format(vkey=current), "created_at") or 0
-        ) < manifest.created_at:
+        if (
+            current is None
+            or float(self.r.hget(K.VERSION.format(vkey=current), "created_at") or 0)
+            < manifest.created_at
+        ):
             self.r.hset(K.CURRENT, manifest.name, vkey)
         return True
 
@@ -255,12 +291,18 @@ class Metadata:
                 known = self.versions(name)
                 raise NotFoundError(
                     f"{name} has no committed version"
-                    + (f" ({len(known)} pending or aborted; see `smoltorrent ls`)." if known
-                       else "; list stored checkpoints with `smoltorrent ls`.")
+                    + (
+                        f" ({len(known)} pending or aborted; see `smoltorrent ls`)."
+                        if known
+                        else "; list stored checkpoints with `smoltorrent ls`."
+                    )
                 )
             return vkey
-        matches = [v for v in self.versions(name)
-                   if self.r.hget(K.VERSION.format(vkey=v), "version_id").startswith(version)]
+        matches = [
+            v
+            for v in self.versions(name)
+            if self.r.hget(K.VERSION.format(vkey=v), "version_id").startswith(version)
+        ]
         if len(matches) != 1:
             raise NotFoundError(
                 f"{name} has {'no' if not matches else 'several'} versions matching "
@@ -276,14 +318,22 @@ class Metadata:
         raw = self.r.get(K.MANIFEST.format(vkey=vkey))
         name = data["name"]
         with self.r.pipeline() as p:
-            p.delete(K.VERSION.format(vkey=vkey), K.MANIFEST.format(vkey=vkey),
-                     K.PLAN.format(vkey=vkey), K.SETTLED.format(vkey=vkey),
-                     K.READY.format(vkey=vkey), K.ATTEMPTS.format(vkey=vkey))
+            p.delete(
+                K.VERSION.format(vkey=vkey),
+                K.MANIFEST.format(vkey=vkey),
+                K.PLAN.format(vkey=vkey),
+                K.SETTLED.format(vkey=vkey),
+                K.READY.format(vkey=vkey),
+                K.ATTEMPTS.format(vkey=vkey),
+            )
             p.zrem(K.VERSIONS.format(name=name), vkey)
             p.execute()
         if self.r.hget(K.CURRENT, name) == vkey:
-            rest = [v for v in self.versions(name)
-                    if self.r.hget(K.VERSION.format(vkey=v), "state") == COMMITTED]
+            rest = [
+                v
+                for v in self.versions(name)
+                if self.r.hget(K.VERSION.format(vkey=v), "state") == COMMITTED
+            ]
             if rest:
                 self.r.hset(K.CURRENT, name, rest[-1])
             else:
@@ -305,8 +355,7 @@ class Metadata:
 
     def add_dead_letter(self, task_id: str, record: dict) -> None:
         with self.r.pipeline() as p:
-            p.hset(K.DLQ, task_id, json.dumps({**record, "task_id": task_id,
-                                                "at": time.time()}))
+            p.hset(K.DLQ, task_id, json.dumps({**record, "task_id": task_id, "at": time.time()}))
             p.xadd(K.DLQ_STREAM, {"task_id": task_id}, maxlen=defaults.DLQ_STREAM_MAXLEN)
             p.execute()
 
@@ -317,8 +366,7 @@ class Metadata:
     def dead_letter(self, task_id: str) -> dict:
         raw = self.r.hget(K.DLQ, task_id)
         if raw is None:
-            raise NotFoundError(f"no dead letter {task_id}; list them with "
-                                "`smoltorrent dlq ls`.")
+            raise NotFoundError(f"no dead letter {task_id}; list them with `smoltorrent dlq ls`.")
         return json.loads(raw)
 
     def remove_dead_letter(self, task_id: str) -> None:

@@ -16,8 +16,9 @@ from coordinator.node_client import NodeAddress, NodeClient
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 
 
-def rebuild_metadata(md: Metadata, addresses: Sequence[NodeAddress],
-                     cluster_key: bytes | None) -> dict:
+def rebuild_metadata(
+    md: Metadata, addresses: Sequence[NodeAddress], cluster_key: bytes | None
+) -> dict:
     manifests: dict[str, Manifest] = {}
     unreachable: list[str] = []
     placements = 0

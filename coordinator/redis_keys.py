@@ -44,4 +44,3 @@ PLACEMENT = PREFIX + "blob:{digest}:nodes"
 # hash task_id -> JSON dead-letter record; stream as a time-ordered index
 DLQ = PREFIX + "dlq"
 DLQ_STREAM = PREFIX + "dlq:stream"
-

@@ -51,7 +51,9 @@ EMBEDDED_REDIS_START_S = 10.0  # seconds to wait for our own redis-server to ans
 TRANSFER_RETRIES = 6  # retries of a failed transfer: 1+2+4+8+16+32 s = about a minute of outage
 RETRY_BACKOFF_BASE_S = 1  # seconds; retry n waits base * 2^n, no jitter (predictable)
 RETRY_BACKOFF_MAX_S = 600  # seconds; cap on one backoff step if retries are raised
-MIN_TRANSFER_RATE_BPS = 2 * 1024 * 1024  # bytes/s; a Pi on an SD card over 100 Mbit still beats this
+MIN_TRANSFER_RATE_BPS = (
+    2 * 1024 * 1024
+)  # bytes/s; a Pi on an SD card over 100 Mbit still beats this
 TRANSFER_TIME_BASE_S = 120  # seconds added to every transfer's limit: connect, handshake, fsync
 MAX_TRANSFER_TIME_S = 12 * 3600  # seconds; cap so the visibility timeout stays finite
 # The Redis transport redelivers any unacked message after this, including
@@ -63,3 +65,8 @@ STABLE_AFTER_S = 2.0  # seconds a file's mtime must be in the past before it is 
 STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 min)
 GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task
 CLI_POLL_INTERVAL_S = 0.2  # seconds between CLI polls of a task's progress
+LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to come up
+FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
+DEMO_CHECKPOINT_MB = 64  # MB; big enough to show parallel shards, small enough for a laptop
+WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
+LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)

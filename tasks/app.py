@@ -23,8 +23,14 @@ app = Celery(
     "smoltorrent",
     broker=REDIS_URL,
     backend=REDIS_URL,
-    include=["tasks.store", "tasks.transfer", "tasks.commit", "tasks.gather",
-             "tasks.remove", "tasks.dead_letters"],
+    include=[
+        "tasks.store",
+        "tasks.transfer",
+        "tasks.commit",
+        "tasks.gather",
+        "tasks.remove",
+        "tasks.dead_letters",
+    ],
 )
 
 _transport = {"visibility_timeout": defaults.VISIBILITY_TIMEOUT_S}

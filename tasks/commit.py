@@ -33,8 +33,9 @@ def commit(self, vkey: str) -> str:
             "stays pending. Replay its dead letters (`smoltorrent dlq ls`) once nodes are back."
         )
     registered = md.nodes()
-    holders = sorted({n for s in manifest.shards for n in md.placement(s.blob_sha256)
-                      if n in registered})
+    holders = sorted(
+        {n for s in manifest.shards for n in md.placement(s.blob_sha256) if n in registered}
+    )
     # Every node holding a blob also keeps the manifest: Redis can be rebuilt from them.
     write_manifest(manifest, [node_client(n) for n in holders])
     md.commit(vkey, manifest.name)

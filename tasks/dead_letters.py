@@ -24,10 +24,13 @@ NOT_DEAD_LETTERS = (CheckpointFormatError, GatherError, NotFoundError)
 
 
 @task_failure.connect
-def record_dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=None,
-                       einfo=None, **_) -> None:
-    if sender is None or not sender.name.startswith("smoltorrent.") or isinstance(
-        exception, NOT_DEAD_LETTERS
+def record_dead_letter(
+    sender=None, task_id=None, exception=None, args=None, kwargs=None, einfo=None, **_
+) -> None:
+    if (
+        sender is None
+        or not sender.name.startswith("smoltorrent.")
+        or isinstance(exception, NOT_DEAD_LETTERS)
     ):
         return
     kwargs = kwargs or {}
@@ -35,17 +38,20 @@ def record_dead_letter(sender=None, task_id=None, exception=None, args=None, kwa
     delivery = (getattr(request, "delivery_info", None) or {}) if request else {}
     queue = delivery.get("routing_key") or config.CONTROL_QUEUE
     md = metadata()
-    md.add_dead_letter(task_id, {
-        "task": sender.name,
-        "args": list(args or ()),
-        "kwargs": kwargs,
-        "queue": queue,
-        "error": f"{type(exception).__name__}: {exception}",
-        "traceback": str(einfo) if einfo else "",
-        "checkpoint": kwargs.get("name"),
-        "shard": kwargs.get("shard"),
-        "node": kwargs.get("node_id"),
-    })
+    md.add_dead_letter(
+        task_id,
+        {
+            "task": sender.name,
+            "args": list(args or ()),
+            "kwargs": kwargs,
+            "queue": queue,
+            "error": f"{type(exception).__name__}: {exception}",
+            "traceback": str(einfo) if einfo else "",
+            "checkpoint": kwargs.get("name"),
+            "shard": kwargs.get("shard"),
+            "node": kwargs.get("node_id"),
+        },
+    )
     log.error("dead letter %s (%s): %s", task_id, sender.name, exception)
     if sender.name == "smoltorrent.transfer":
         from tasks.transfer import settle
@@ -58,8 +64,13 @@ def replay(task_id: str) -> str:
     md = metadata()
     record = md.dead_letter(task_id)
     md.remove_dead_letter(task_id)
-    app.send_task(record["task"], args=record["args"], kwargs=record["kwargs"],
-                  queue=record["queue"], task_id=task_id)
+    app.send_task(
+        record["task"],
+        args=record["args"],
+        kwargs=record["kwargs"],
+        queue=record["queue"],
+        task_id=task_id,
+    )
     return task_id
 
 

@@ -47,8 +47,11 @@ def gather(self, vkey: str, out_path: str) -> dict:
             now = time.monotonic()
             if now - last >= defaults.GATHER_PROGRESS_INTERVAL_S:
                 last = now
-                self.update_state(task_id=task_id, state="PROGRESS",
-                                  meta={"done": done, "total": manifest.source_size})
+                self.update_state(
+                    task_id=task_id,
+                    state="PROGRESS",
+                    meta={"done": done, "total": manifest.source_size},
+                )
 
     started = time.monotonic()
     report = gather_checkpoint(manifest, sources, out_path, progress=progress)

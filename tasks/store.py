@@ -27,8 +27,9 @@ def transfer_time_limit(blob_size: int) -> int:
 
 
 @app.task(name="smoltorrent.store", bind=True, max_retries=defaults.STABLE_RETRIES)
-def store(self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS,
-          shards: int | None = None) -> dict:
+def store(
+    self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS, shards: int | None = None
+) -> dict:
     """Store the checkpoint at `path` (on this host) as a new version of `name`."""
     age = time.time() - os.stat(path).st_mtime
     if age < defaults.STABLE_AFTER_S:
@@ -43,19 +44,29 @@ def store(self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS,
             + ". Start nodes with `smoltorrent serve` and register them with "
             "`smoltorrent nodes add HOST:PORT`."
         )
-    prepared = prepare_store(path, name, {n: s.free_bytes for n, s in live.items()},
-                             replicas=replicas, shards=shards or len(live),
-                             place_replicas=min(replicas, len(live)))
+    prepared = prepare_store(
+        path,
+        name,
+        {n: s.free_bytes for n, s in live.items()},
+        replicas=replicas,
+        shards=shards or len(live),
+        place_replicas=min(replicas, len(live)),
+    )
     manifest, vkey = prepared.manifest, prepared.vkey
     targets = prefer_holders(prepared.targets, manifest, md, set(live))
     host = config.host_id()
-    created = md.create_pending(manifest, vkey, {
-        "path": path,
-        "host": host,
-        "task_id": self.request.id,
-        "requested_shards": shards or 0,
-        "identity": json.dumps(prepared.identity.to_dict()),
-    }, targets)
+    created = md.create_pending(
+        manifest,
+        vkey,
+        {
+            "path": path,
+            "host": host,
+            "task_id": self.request.id,
+            "requested_shards": shards or 0,
+            "identity": json.dumps(prepared.identity.to_dict()),
+        },
+        targets,
+    )
     if not created:
         v = md.version(vkey)
         resumed = v["state"] == PENDING and v.get("task_id") == self.request.id
@@ -63,8 +74,12 @@ def store(self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS,
             log.info("%s: version %s already %s", name, manifest.version_id[:12], v["state"])
             return {"vkey": vkey, "state": v["state"], "new": False}
     fan_out(vkey, manifest, targets, host)
-    return {"vkey": vkey, "state": PENDING, "new": True,
-            "under_replicated_at_plan": replicas > len(live)}
+    return {
+        "vkey": vkey,
+        "state": PENDING,
+        "new": True,
+        "under_replicated_at_plan": replicas > len(live),
+    }
 
 
 def prefer_holders(targets, manifest, md, live: set[str]) -> list[tuple[str, ...]]:
@@ -90,8 +105,14 @@ def fan_out(vkey: str, manifest, targets, host: str, skip: set[str] = frozenset(
             if f"{index}:{replica}" in skip:
                 continue
             transfer.apply_async(
-                kwargs={"vkey": vkey, "name": manifest.name, "shard": index,
-                        "replica": replica, "node_id": node_id, "digest": shard.blob_sha256},
+                kwargs={
+                    "vkey": vkey,
+                    "name": manifest.name,
+                    "shard": index,
+                    "replica": replica,
+                    "node_id": node_id,
+                    "digest": shard.blob_sha256,
+                },
                 task_id=f"transfer-{vkey}-{index}-{replica}",
                 queue=config.transfer_queue(host),
                 time_limit=limit,
@@ -115,10 +136,8 @@ def resume_pending(host: str) -> list[str]:
             continue
         manifest = md.manifest(vkey)
         settled = md.settled(vkey)
-        if fan_out(vkey, manifest, md.plan(vkey), host, skip=settled) == 0:
-            if len(md.ready_shards(vkey)) == len(manifest.shards):
-                commit.apply_async(args=(vkey,), queue=config.CONTROL_QUEUE,
-                                   task_id=f"commit-{vkey}")
+        sent = fan_out(vkey, manifest, md.plan(vkey), host, skip=settled)
+        if not sent and len(md.ready_shards(vkey)) == len(manifest.shards):
+            commit.apply_async(args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"commit-{vkey}")
         resumed.append(vkey)
     return resumed
-

@@ -37,8 +37,9 @@ RETRYABLE = (NodeUnavailableError, NodeError, ProtocolError)
     retry_jitter=False,
     max_retries=config.transfer_retries(),
 )
-def transfer(self, vkey: str, name: str, shard: int, replica: int, node_id: str,
-             digest: str) -> str:
+def transfer(
+    self, vkey: str, name: str, shard: int, replica: int, node_id: str, digest: str
+) -> str:
     """Make node `node_id` hold shard `shard` of version `vkey`; settle it in the barrier."""
     md = metadata()
     try:
@@ -48,15 +49,22 @@ def transfer(self, vkey: str, name: str, shard: int, replica: int, node_id: str,
     if v["state"] == ABORTED:
         return "version abandoned"
     manifest = md.manifest(vkey)
-    attempt = {"shard": shard, "replica": replica, "node": node_id,
-               "attempt": self.request.retries}
+    attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
     try:
         target = node_client(node_id)
         registered = md.nodes()
-        holders = [node_client(h) for h in sorted(md.placement(digest))
-                   if h != node_id and h in registered]
-        how = send_shard(v["path"], SourceIdentity.from_dict(json.loads(v["identity"])),
-                         manifest, shard, blob_prefixes(manifest)[shard], target, holders)
+        holders = [
+            node_client(h) for h in sorted(md.placement(digest)) if h != node_id and h in registered
+        ]
+        how = send_shard(
+            v["path"],
+            SourceIdentity.from_dict(json.loads(v["identity"])),
+            manifest,
+            shard,
+            blob_prefixes(manifest)[shard],
+            target,
+            holders,
+        )
     except SourceChangedError as exc:
         md.record_attempt(vkey, {**attempt, "error": str(exc)})
         abandon(vkey, v, str(exc))

@@ -14,7 +14,10 @@ def test_demo_end_to_end(tmp_path):
     env["TMPDIR"] = str(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "demo", "--size-mb", "16", "--json"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)

@@ -237,8 +237,9 @@ class Session:
         wire.send_frame(self.sock, {"ok": True}, self.store.get_manifest(request["key"]))
 
     def op_manifest_delete(self, request: dict[str, Any]) -> None:
-        wire.send_frame(self.sock, {"ok": True,
-                                    "deleted": self.store.delete_manifest(request["key"])})
+        wire.send_frame(
+            self.sock, {"ok": True, "deleted": self.store.delete_manifest(request["key"])}
+        )
 
     def op_auth(self, request: dict[str, Any]) -> None:
         if self.cluster_key:

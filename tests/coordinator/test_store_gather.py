@@ -69,7 +69,8 @@ def test_llm_like_round_trip_is_byte_identical_and_blobs_are_safetensors(nodes, 
                     got, want = f.get_tensor(name), tensors[name]
                     assert got.dtype == want.dtype and got.shape == want.shape, name
                     assert got.reshape(-1).view(torch.uint8).tolist() == (
-                        want.reshape(-1).view(torch.uint8).tolist()), name
+                        want.reshape(-1).view(torch.uint8).tolist()
+                    ), name
                     seen.add(name)
     assert seen == set(tensors)
 
@@ -112,8 +113,9 @@ def test_node_killed_before_and_during_gather_falls_back(nodes, tmp_path):
             victim.kill()
 
     out2 = tmp_path / "during.safetensors"
-    report = gather_checkpoint(result.manifest, sources_for(result, by_id, victim), out2,
-                               progress=kill_on_first_bytes)
+    report = gather_checkpoint(
+        result.manifest, sources_for(result, by_id, victim), out2, progress=kill_on_first_bytes
+    )
     assert killed and sha(out2) == sha(src)
     assert any(str(victim.address) in line for line in report.fallbacks)
 
@@ -157,12 +159,14 @@ BAD_FILES = {
     "empty": b"",
     "header beyond file": (10**12).to_bytes(8, "little") + b"{}",
     "truncated data": None,
-    "overlapping offsets": {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+    "overlapping offsets": {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    },
     "unknown dtype": {"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}},
     "shape/size mismatch": {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
     "duplicate names": b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
-                       b'"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}',
+    b'"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}',
 }
 
 

@@ -19,12 +19,21 @@ from coordinator.metadata import Metadata
 
 
 class Cluster(LocalCluster):
-    def cli(self, *argv: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "coordinator.cli", *argv], env=self.env(),
-                              capture_output=True, text=True, timeout=timeout)
+    def cli(
+        self, *argv: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", *argv],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"smoltorrent {' '.join(argv)} exited {proc.returncode}:\n"
-                                 f"{proc.stdout}\n{proc.stderr}")
+            raise AssertionError(
+                f"smoltorrent {' '.join(argv)} exited {proc.returncode}:\n"
+                f"{proc.stdout}\n{proc.stderr}"
+            )
         return proc
 
     def cli_json(self, *argv: str):
@@ -56,11 +65,16 @@ def wait_until(predicate, timeout: float = 60, interval: float = 0.05, what: str
 def make_cluster(tmp_path: Path):
     clusters: list[Cluster] = []
 
-    def make(nodes: int = 4, *, worker: bool = True, retries: int = 2, concurrency: int = 4,
-             **env) -> Cluster:
-        cluster = Cluster(tmp_path / f"cluster{len(clusters)}", nodes=nodes,
-                          host_id=f"test{len(clusters)}", worker_concurrency=concurrency,
-                          extra_env={"SMOLTORRENT_TRANSFER_RETRIES": str(retries), **env})
+    def make(
+        nodes: int = 4, *, worker: bool = True, retries: int = 2, concurrency: int = 4, **env
+    ) -> Cluster:
+        cluster = Cluster(
+            tmp_path / f"cluster{len(clusters)}",
+            nodes=nodes,
+            host_id=f"test{len(clusters)}",
+            worker_concurrency=concurrency,
+            extra_env={"SMOLTORRENT_TRANSFER_RETRIES": str(retries), **env},
+        )
         clusters.append(cluster)
         cluster.start(worker=worker)
         cluster.register_nodes()

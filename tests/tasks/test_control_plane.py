@@ -36,12 +36,14 @@ def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path
     first = c.cli_json("store", str(src))
     assert first["state"] == COMMITTED and first["new"] is True
     assert first["shards"] == 4 and first["min_copies"] == 2
-    blobs_before = {n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(),
-                                                          c.node_procs)}
+    blobs_before = {
+        n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(), c.node_procs)
+    }
     again = c.cli_json("store", str(src))
     assert again["new"] is False and again["version_id"] == first["version_id"]
-    blobs_after = {n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(),
-                                                         c.node_procs)}
+    blobs_after = {
+        n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(), c.node_procs)
+    }
     assert blobs_after == blobs_before
     out = tmp_path / "out.safetensors"
     report = c.cli_json("gather", "a.safetensors", "-o", str(out))
@@ -146,7 +148,7 @@ def test_worker_killed_mid_store_resumes_to_one_clean_version(make_cluster, tmp_
     c.cli("store", str(src), "--shards", "16", "--no-wait")
     md = c.md
     vkey = wait_until(lambda: next(iter(md.pending_versions()), None), what="pending version")
-    wait_until(lambda: 1 <= md.progress(vkey)[0], interval=0.005, what="a first transfer")
+    wait_until(lambda: md.progress(vkey)[0] >= 1, interval=0.005, what="a first transfer")
     settled, total = md.progress(vkey)
     assert settled < total, "the store finished before the kill; the test proves nothing"
     os.killpg(c.worker.pid, signal.SIGKILL)
@@ -186,7 +188,10 @@ def test_concurrent_stores_and_gather(make_cluster, tmp_path):
     rows = c.cli_json("ls")
     assert len([r for r in rows if r["name"] == "twice"]) == 1
     assert {r["name"] for r in rows if r["state"] == COMMITTED} == {
-        "a.safetensors", "b.safetensors", "twice"}
+        "a.safetensors",
+        "b.safetensors",
+        "twice",
+    }
 
 
 def test_redis_restart_and_rebuild_after_flush(make_cluster, tmp_path):
@@ -219,8 +224,10 @@ def test_rm_keeps_shared_blobs_until_their_last_version_goes(make_cluster, tmp_p
     c.cli("store", str(src), "--name", "copy.safetensors")  # same blobs, second manifest
 
     def inventory():
-        return [(NodeClient(n.address).list_blobs(), NodeClient(n.address).list_manifests())
-                for n in c.node_procs]
+        return [
+            (NodeClient(n.address).list_blobs(), NodeClient(n.address).list_manifests())
+            for n in c.node_procs
+        ]
 
     c.cli("rm", "copy.safetensors")
     assert sum(len(blobs) for blobs, _ in inventory()) == 8  # 4 shards x 2, still used by a

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.node_client import NodeAddress, NodeClient
-from tests.nodeproc import REPO_ROOT, NodeProcess, start_node
+from tests.nodeproc import NodeProcess, start_node
 from worker_server.server import ShardServer, serve
 
 EXIT_TIMEOUT_S = 15.0  # seconds; a failing start must exit well within this
@@ -21,7 +21,6 @@ EXIT_TIMEOUT_S = 15.0  # seconds; a failing start must exit well within this
 def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "worker_server", *args],
-        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=EXIT_TIMEOUT_S,
