@@ -66,13 +66,20 @@ def make_cluster(tmp_path: Path):
     clusters: list[Cluster] = []
 
     def make(
-        nodes: int = 4, *, worker: bool = True, retries: int = 2, concurrency: int = 4, **env
+        nodes: int = 4,
+        *,
+        worker: bool = True,
+        retries: int = 2,
+        concurrency: int = 4,
+        cluster_key: str | None = None,
+        **env,
     ) -> Cluster:
         cluster = Cluster(
             tmp_path / f"cluster{len(clusters)}",
             nodes=nodes,
             host_id=f"test{len(clusters)}",
             worker_concurrency=concurrency,
+            cluster_key=cluster_key,
             extra_env={"SMOLTORRENT_TRANSFER_RETRIES": str(retries), **env},
         )
         clusters.append(cluster)

@@ -8,9 +8,12 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from coordinator.metadata import COMMITTED
 from coordinator.node_client import NodeClient
 from coordinator.synthetic import write_checkpoint
+from smoltorrent.errors import AuthenticationError
 from tests.tasks.conftest import wait_until
 
 
@@ -239,3 +242,41 @@ def test_rm_keeps_shared_blobs_until_their_last_version_goes(make_cluster, tmp_p
     assert c.cli_json("ls") == []
     proc = c.cli("gather", "a.safetensors", "-o", str(out), check=False)
     assert proc.returncode == 1 and "smoltorrent ls" in proc.stderr
+
+
+def test_source_rewritten_mid_store_is_abandoned_then_new_bytes_stored(make_cluster, tmp_path):
+    c = make_cluster(4, concurrency=1)
+    src = make_ckpt(tmp_path / "latest.safetensors", 16_000_000)
+    old_sha = sha(src)
+    c.cli("store", str(src), "--shards", "16", "--no-wait")
+    md = c.md
+    vkey = wait_until(lambda: next(iter(md.pending_versions()), None), what="pending version")
+    wait_until(lambda: md.progress(vkey)[0] >= 1, interval=0.005, what="a first transfer")
+    assert md.progress(vkey)[0] < md.progress(vkey)[1], "store finished before the rewrite"
+    make_ckpt(src, 16_000_000, settled=False)  # training re-saves the same path
+    new_sha = sha(src)
+    assert new_sha != old_sha
+
+    def new_version_committed():
+        rows = [r for r in c.cli_json("ls") if r["name"] == "latest.safetensors"]
+        return rows if any(r["state"] == COMMITTED for r in rows) else None
+
+    rows = wait_until(new_version_committed, timeout=90, what="the new content to commit")
+    states = {r["vkey"]: r["state"] for r in rows}
+    assert states[vkey] == "aborted"
+    assert "rewritten" in md.version(vkey)["reason"]
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "latest.safetensors", "-o", str(out))
+    assert sha(out) == new_sha
+
+
+def test_cluster_key_end_to_end(make_cluster, tmp_path):
+    c = make_cluster(3, cluster_key="s3cret-cluster-key")
+    src = make_ckpt(tmp_path / "k.safetensors")
+    c.cli("store", str(src))
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "k.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+    # Without the key, a node refuses to talk at all.
+    with pytest.raises(AuthenticationError):
+        NodeClient(c.node_procs[0].address, cluster_key=None).list_blobs()
