@@ -38,6 +38,11 @@ def transfer_retries() -> int:
     return int(os.environ.get("SMOLTORRENT_TRANSFER_RETRIES", defaults.TRANSFER_RETRIES))
 
 
+def transfer_time_base() -> int:
+    """Seconds every transfer's time limit starts from (SMOLTORRENT_TRANSFER_TIME_BASE_S)."""
+    return int(os.environ.get("SMOLTORRENT_TRANSFER_TIME_BASE_S", defaults.TRANSFER_TIME_BASE_S))
+
+
 def host_queue(host: str) -> str:
     return f"host.{host}"
 

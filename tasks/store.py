@@ -22,7 +22,7 @@ log = get_task_logger(__name__)
 
 def transfer_time_limit(blob_size: int) -> int:
     """Hard limit for one transfer, sized from its bytes at the slowest rate we accept."""
-    seconds = defaults.TRANSFER_TIME_BASE_S + blob_size // defaults.MIN_TRANSFER_RATE_BPS
+    seconds = config.transfer_time_base() + blob_size // defaults.MIN_TRANSFER_RATE_BPS
     return int(min(seconds, defaults.MAX_TRANSFER_TIME_S))
 
 
@@ -116,7 +116,8 @@ def fan_out(vkey: str, manifest, targets, host: str, skip: set[str] = frozenset(
                 task_id=f"transfer-{vkey}-{index}-{replica}",
                 queue=config.transfer_queue(host),
                 time_limit=limit,
-                soft_time_limit=max(1, limit - defaults.TRANSFER_TIME_BASE_S // 2),
+                # The soft limit lets the task close its sockets; the hard one kills it.
+                soft_time_limit=max(1, limit - config.transfer_time_base() // 2),
             )
             sent += 1
     if not manifest.shards:

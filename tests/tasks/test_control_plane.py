@@ -280,3 +280,52 @@ def test_cluster_key_end_to_end(make_cluster, tmp_path):
     # Without the key, a node refuses to talk at all.
     with pytest.raises(AuthenticationError):
         NodeClient(c.node_procs[0].address, cluster_key=None).list_blobs()
+
+
+def active_transfers(c) -> list[dict]:
+    from celery import Celery
+
+    app = Celery(broker=c.redis_url)
+    try:
+        active = app.control.inspect(timeout=1).active() or {}
+    finally:
+        app.close()
+    return [t for tasks in active.values() for t in tasks if t["name"] == "smoltorrent.transfer"]
+
+
+def stalled_store(c, tmp_path):
+    """A store whose transfer to node 1 hangs: the node is frozen (SIGSTOP), so its kernel
+    accepts the connection but nothing ever answers."""
+    src = make_ckpt(tmp_path / "s.safetensors")
+    frozen = c.node_procs[1]
+    frozen.send_signal(signal.SIGSTOP)
+    c.cli("store", str(src), "--shards", "1", "--no-wait")
+    hung = wait_until(lambda: active_transfers(c), timeout=30, what="a hanging transfer")
+    return src, frozen, hung[0]
+
+
+def test_worker_lost_past_its_retries_is_a_dead_letter(make_cluster, tmp_path):
+    c = make_cluster(2, retries=0)
+    src, frozen, hung = stalled_store(c, tmp_path)
+    os.kill(hung["worker_pid"], signal.SIGKILL)  # the pool child running the transfer
+    letters = wait_until(lambda: c.cli_json("dlq", "ls"), timeout=30, what="a dead letter")
+    assert letters[0]["task_id"] == hung["id"]
+    assert "WorkerLostError" in letters[0]["error"]
+    row = wait_until(lambda: committed(c, "s.safetensors"), timeout=30, what="commit")[0]
+    assert row["under_replicated"] == [0]  # the other replica landed; this one is missing
+    frozen.send_signal(signal.SIGCONT)
+    c.cli("dlq", "replay", hung["id"])
+    wait_until(
+        lambda: committed(c, "s.safetensors")[0]["min_copies"] == 2,
+        timeout=60,
+        what="the replayed replica",
+    )
+
+
+def test_hard_time_limit_is_a_dead_letter(make_cluster, tmp_path):
+    c = make_cluster(2, retries=0, SMOLTORRENT_TRANSFER_TIME_BASE_S="4")
+    src, frozen, hung = stalled_store(c, tmp_path)
+    letters = wait_until(lambda: c.cli_json("dlq", "ls"), timeout=40, what="a dead letter")
+    assert letters[0]["task_id"] == hung["id"]
+    assert "TimeLimitExceeded" in letters[0]["error"]
+    frozen.send_signal(signal.SIGCONT)
