@@ -9,6 +9,7 @@ placement metadata there would be silent.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -41,57 +42,68 @@ def redis_server_binary() -> str:
 
 
 def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range: no outgoing connection can
+    be given it while our server restarts on it (as one from port 0 could)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = defaults.EPHEMERAL_PORT_LOW
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(defaults.EMBEDDED_PORT_LOW, max(ephemeral_low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _server_command(directory: Path, port: int) -> list[str]:
+    return [
+        redis_server_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(directory),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--maxmemory-policy", "noeviction",
+        "--save", "",
+        "--daemonize", "yes",
+        "--pidfile", str(directory / "redis.pid"),
+        "--logfile", str(directory / "redis.log"),
+    ]  # fmt: skip
+
+
 def start_redis(directory: Path, port: int | None = None) -> tuple[int, int]:
-    """Start a daemonized redis-server with AOF in `directory`; returns (pid, port)."""
+    """Start a daemonized redis-server with AOF in `directory`; returns (pid, port).
+
+    A restart on the same port can find it still held for a moment by the
+    process that just died, so the start is retried until the deadline.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    pidfile = directory / "redis.pid"
-    subprocess.run(
-        [
-            redis_server_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(directory),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--maxmemory-policy",
-            "noeviction",
-            "--save",
-            "",
-            "--daemonize",
-            "yes",
-            "--pidfile",
-            str(pidfile),
-            "--logfile",
-            str(directory / "redis.log"),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
     deadline = time.monotonic() + defaults.EMBEDDED_REDIS_START_S
     while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise MetadataError(
-                    f"the embedded redis-server did not start; see {directory / 'redis.log'}"
-                ) from None
-            time.sleep(0.05)
-    (directory / "port").write_text(str(port))
-    return int(pidfile.read_text().strip()), port
+        subprocess.run(_server_command(directory, port), check=True, stdout=subprocess.DEVNULL)
+        attempt_end = min(deadline, time.monotonic() + defaults.EMBEDDED_REDIS_ATTEMPT_S)
+        while time.monotonic() < attempt_end:
+            try:
+                client.ping()
+                (directory / "port").write_text(str(port))
+                return int((directory / "redis.pid").read_text().strip()), port
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        if time.monotonic() >= deadline:
+            raise MetadataError(
+                f"the embedded redis-server did not start on port {port}; see "
+                f"{directory / 'redis.log'}"
+            )
 
 
 def _answers(port: int) -> bool:

@@ -70,3 +70,6 @@ FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
 DEMO_CHECKPOINT_MB = 64  # MB; big enough to show parallel shards, small enough for a laptop
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
 LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)
+EMBEDDED_REDIS_ATTEMPT_S = 2.0  # seconds one redis-server start may take before trying again
+EMBEDDED_PORT_LOW = 20000  # lowest port picked for our own Redis: above common services
+EPHEMERAL_PORT_LOW = 32768  # Linux's default start of outgoing ports, if /proc does not say
