@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         error("interrupted")
         return 130
+    except BrokenPipeError:
+        # Output piped into `head` and closed early: not an error worth a traceback.
+        sys.stderr.close()
+        return 0
 
 
 def dispatch(args: argparse.Namespace) -> int:
