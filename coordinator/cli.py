@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 failure (the message says what to do next),
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from coordinator.cli_output import error
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # Output piped into `head` and closed early: not an error worth a traceback.
-        sys.stderr.close()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 
