@@ -69,6 +69,16 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
 
 
+def unlink_durably(path: Path) -> bool:
+    """Remove a file and fsync its directory; False if it was not there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_directory(path.parent)
+    return True
+
+
 class BlobStore:
     """The blobs and manifests of one node, rooted at its data directory."""
 
@@ -192,13 +202,7 @@ class BlobStore:
         fsync_directory(target.parent)
 
     def delete(self, digest: str) -> bool:
-        path = self.blob_path(digest)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        fsync_directory(path.parent)
-        return True
+        return unlink_durably(self.blob_path(digest))
 
     def verify(self, digests: list[str] | None = None) -> list[str]:
         """Re-hash blobs (all if None); the digests that are missing or hash to something else."""
@@ -242,13 +246,7 @@ class BlobStore:
         return sorted(keys)
 
     def delete_manifest(self, key: str) -> bool:
-        path = self._manifest_path(key)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        fsync_directory(path.parent)
-        return True
+        return unlink_durably(self._manifest_path(key))
 
     def get_manifest(self, key: str) -> bytes:
         try:
