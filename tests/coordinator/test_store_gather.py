@@ -199,3 +199,15 @@ def test_manifest_is_kept_on_the_nodes(nodes, tmp_path):
     assert len(holding) >= 2
     stored = json.loads(NodeClient(holding[0].address).get_manifest(key))
     assert stored["version_id"] == result.manifest.version_id
+
+
+def test_gather_onto_a_full_disk_fails_cleanly(nodes, tmp_path, small_fs):
+    src = tmp_path / "big.safetensors"
+    write_llm_like(src, layers=4, hidden=384)  # ~9 MB: more than the 4 MiB file system
+    result = store_checkpoint(src, [n.address for n in nodes])
+    dest = small_fs / "restored.safetensors"
+    dest.write_bytes(b"previous")
+    with pytest.raises(GatherError, match="not enough free space"):
+        gather_checkpoint(result.manifest, sources_for(result, ids_of(nodes)), dest)
+    assert [p.name for p in small_fs.iterdir()] == ["restored.safetensors"]
+    assert dest.read_bytes() == b"previous"

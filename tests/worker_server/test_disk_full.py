@@ -3,38 +3,19 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from smoltorrent.errors import DiskFullError, NodeError
+from tests.conftest import SMALL_FS_BYTES
 from tests.nodeproc import NodeProcess, start_node
 from tests.worker_server.conftest import CLUSTER_KEY, SourceBlob
 from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore
 
-SMALL_FS_BYTES = 4 * 1024 * 1024  # small enough to fill in a blink
 READ_TIMEOUT_S = 5.0  # seconds; generous for loopback
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A size-limited tmpfs, mounted for one test."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS_BYTES}", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 @pytest.fixture
