@@ -223,7 +223,10 @@ def _wait_commit(md: Metadata, vkey: str, name: str) -> str:
         while True:
             v = md.version(vkey)
             done = sum(sizes[int(m.split(":")[0])] for m in md.settled(vkey))
-            bar.update(task, completed=done)
+            ready = len(md.ready_shards(vkey))
+            bar.update(
+                task, completed=done, description=f"storing {name} ({ready}/{len(sizes)} shards)"
+            )
             if v["state"] == COMMITTED:
                 return COMMITTED
             if v["state"] == ABORTED:
