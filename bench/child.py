@@ -68,7 +68,7 @@ def _raw_store(spec: dict) -> dict:
 def _raw_gather(spec: dict) -> dict:
     from bench.raw_reference import raw_gather
 
-    moved = raw_gather(
+    return raw_gather(
         spec["source"],
         spec["out"],
         spec["size"],
@@ -77,7 +77,6 @@ def _raw_gather(spec: dict) -> dict:
         spec["served_by"],
         spec["ports"],
     )
-    return {"bytes": moved}
 
 
 OPS = {

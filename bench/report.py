@@ -67,6 +67,10 @@ def summarize(rows: list[dict], args, command: str) -> dict:
             ratios = [run[op]["seconds"] / run[f"raw_{op}"]["seconds"] for run in runs]
             entry[f"{op}_vs_raw"] = round(statistics.median(ratios), 2)
             entry[f"{op}_vs_raw_runs"] = [round(x, 2) for x in ratios]
+        entry["raw_gather"]["steps_s"] = {
+            step: round(statistics.median(run["raw_gather"]["result"][step] for run in runs), 3)
+            for step in ("preallocate_s", "transfer_s", "fsync_s")
+        }
         if "celery" in runs[0]:
             entry["celery"] = _celery([run["celery"] for run in runs], entry, size)
         sizes.append(entry)

@@ -136,6 +136,13 @@ def phase(label: str) -> None:
     log(label)
 
 
+def rotate(holders: list[int], index: int) -> list[int]:
+    """Shard i tries its replicas starting from the (i mod R)-th, as tasks/gather.py does, so
+    the reads spread over all nodes (placement pairs equal nodes: shards 0 and 3 on A, B)."""
+    k = index % len(holders)
+    return holders[k:] + holders[:k]
+
+
 def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) -> dict:
     out: dict = {}
     nodes = [NodeProcess(root / f"node{i}", env=child_env()).start() for i in range(args.nodes)]
@@ -178,7 +185,7 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
                 "op": "gather",
                 "manifest": str(manifest_path),
                 "out": str(gathered),
-                "sources": [[addresses[n] for n in h] for h in holders],
+                "sources": [[addresses[n] for n in rotate(h, i)] for i, h in enumerate(holders)],
             },
             root,
             timeout,
@@ -194,6 +201,7 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
         ranges = [
             (manifest.data_start + s.data_start, s.data_end - s.data_start) for s in manifest.shards
         ]
+        log(f"placement {holders}, gather served by {served_by}")
         raw = start_raw_nodes(root, args.nodes)
         ports = [port for _, port in raw]
         phase("raw reference store (sendfile -> recv, write, fsync)")
