@@ -143,6 +143,21 @@ def rotate(holders: list[int], index: int) -> list[int]:
     return holders[k:] + holders[:k]
 
 
+def twice(label: str, spec: dict, out: Path, digest: str, root: Path, timeout: float):
+    """A gather, then the same gather again: (cold, warm).
+
+    This machine is a Firecracker VM: the first run that fills fresh page cache
+    can spend seconds in the kernel (first touch of guest memory, no disk I/O),
+    an immediate repeat does not. Both are reported; ratios use the warm runs.
+    """
+    runs = []
+    for attempt in ("cold", "warm"):
+        phase(f"{label}, {attempt}")
+        runs.append(run_child(spec, root, timeout))
+        check_same(out, digest, label)
+    return runs
+
+
 def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) -> dict:
     out: dict = {}
     nodes = [NodeProcess(root / f"node{i}", env=child_env()).start() for i in range(args.nodes)]
@@ -178,19 +193,16 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
         manifest_path.write_text(store["result"]["manifest"])
         out["store"] = store
 
-        phase("gather (direct engine)")
         gathered = root / "gathered.safetensors"
-        gather = run_child(
-            {
-                "op": "gather",
-                "manifest": str(manifest_path),
-                "out": str(gathered),
-                "sources": [[addresses[n] for n in rotate(h, i)] for i, h in enumerate(holders)],
-            },
-            root,
-            timeout,
+        spec = {
+            "op": "gather",
+            "manifest": str(manifest_path),
+            "out": str(gathered),
+            "sources": [[addresses[n] for n in rotate(h, i)] for i, h in enumerate(holders)],
+        }
+        out["gather_cold"], gather = twice(
+            "gather (direct engine)", spec, gathered, digest, root, timeout
         )
-        check_same(gathered, digest, "gather")
         out["gather"] = gather
         served = {a: i for i, a in enumerate(addresses)}
         served_by = [
@@ -216,23 +228,20 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
             root,
             timeout,
         )
-        phase("raw reference gather (sendfile -> recv, pwrite)")
         raw_out = root / "raw-gathered.safetensors"
-        out["raw_gather"] = run_child(
-            {
-                "op": "raw_gather",
-                "source": str(source),
-                "out": str(raw_out),
-                "size": manifest.source_size,
-                "header_len": manifest.data_start,
-                "ranges": ranges,
-                "served_by": served_by,
-                "ports": ports,
-            },
-            root,
-            timeout,
+        spec = {
+            "op": "raw_gather",
+            "source": str(source),
+            "out": str(raw_out),
+            "size": manifest.source_size,
+            "header_len": manifest.data_start,
+            "ranges": ranges,
+            "served_by": served_by,
+            "ports": ports,
+        }
+        out["raw_gather_cold"], out["raw_gather"] = twice(
+            "raw reference gather (sendfile -> recv, pwrite)", spec, raw_out, digest, root, timeout
         )
-        check_same(raw_out, digest, "raw gather")
         out["shards"] = len(manifest.shards)
     finally:
         stop([p for p, _ in raw])
