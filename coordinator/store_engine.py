@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +58,8 @@ class StoreResult:
     manifest: Manifest
     holders: dict[int, list[str]] = field(default_factory=dict)  # shard -> node ids
     errors: list[str] = field(default_factory=list)
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # blob bytes that moved, from the source or node to node
+    bytes_from_source: int = 0  # of those, the ones the coordinator's own link carried
 
     def under_replicated(self) -> list[int]:
         return [i for i, nodes in self.holders.items() if len(nodes) < self.manifest.replicas]
@@ -193,14 +195,17 @@ def store_checkpoint(
     replicas: int = defaults.DEFAULT_REPLICAS,
     shards: int | None = None,
     cluster_key: bytes | None = None,
+    chain: bool = False,
     threads: int = defaults.TRANSFER_THREADS,
     progress: Progress | None = None,
 ) -> StoreResult:
     """Store a checkpoint on the given nodes without Celery; returns what landed where.
 
-    Each shard goes from the source to its first node, then node to node to
-    the others (chain replication). The manifest is written to every node
-    that holds a blob of this version.
+    By default every (shard, replica) is sent from the source at once, as the
+    Celery path does. With `chain`, a shard goes to its first node and from
+    there node to node: the coordinator's own link then carries every byte
+    once, which wins when that link, not the nodes, is the bottleneck. The
+    manifest is written to every node that holds a blob of this version.
     """
     path = os.fspath(path)
     by_address = {str(a): a for a in addresses}
@@ -214,36 +219,46 @@ def store_checkpoint(
         shards=shards or len(ids),
     )
     manifest = prepared.manifest
-    result = StoreResult(manifest=manifest)
+    result = StoreResult(manifest=manifest, holders={i: [] for i in range(len(manifest.shards))})
+    lock = threading.Lock()
 
     def client(node_id: str) -> NodeClient:
         return NodeClient(ids[node_id], cluster_key=cluster_key)
 
-    def one_shard(index: int) -> None:
-        holders: list[str] = []
-        for node_id in prepared.targets[index]:
-            try:
-                how = send_shard(
-                    path,
-                    prepared.identity,
-                    manifest,
-                    index,
-                    prepared.prefixes[index],
-                    client(node_id),
-                    [client(h) for h in holders],
-                )
-            except (NodeUnavailableError, NodeError) as exc:
+    def send(index: int, node_id: str, holders: Sequence[str]) -> bool:
+        try:
+            how = send_shard(
+                path,
+                prepared.identity,
+                manifest,
+                index,
+                prepared.prefixes[index],
+                client(node_id),
+                [client(h) for h in holders],
+            )
+        except (NodeUnavailableError, NodeError, ProtocolError) as exc:
+            with lock:
                 result.errors.append(f"shard {index} -> node {node_id}: {exc}")
-                continue
-            holders.append(node_id)
-            if how != "exists":
-                result.bytes_sent += manifest.shards[index].blob_size
-            if progress:
-                progress(manifest.shards[index].blob_size)
-        result.holders[index] = holders
+            return False
+        size = manifest.shards[index].blob_size
+        with lock:
+            result.holders[index].append(node_id)
+            result.bytes_sent += 0 if how == "exists" else size
+            result.bytes_from_source += size if how == "sent" else 0
+        if progress:
+            progress(size)
+        return True
+
+    def chained(index: int) -> None:
+        for node_id in prepared.targets[index]:
+            send(index, node_id, list(result.holders[index]))
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(one_shard, range(len(manifest.shards))))
+        if chain:
+            list(pool.map(chained, range(len(manifest.shards))))
+        else:
+            jobs = [(i, n) for i, nodes in enumerate(prepared.targets) for n in nodes]
+            list(pool.map(lambda job: send(job[0], job[1], ()), jobs))
 
     missing = [i for i, h in result.holders.items() if not h]
     if missing:

@@ -211,3 +211,19 @@ def test_gather_onto_a_full_disk_fails_cleanly(nodes, tmp_path, small_fs):
         gather_checkpoint(result.manifest, sources_for(result, ids_of(nodes)), dest)
     assert [p.name for p in small_fs.iterdir()] == ["restored.safetensors"]
     assert dest.read_bytes() == b"previous"
+
+
+def test_chain_replication_moves_each_byte_once_from_the_source(nodes, tmp_path):
+    src = tmp_path / "chain.safetensors"
+    write_llm_like(src)
+    result = store_checkpoint(src, [n.address for n in nodes], chain=True)
+    assert all(len(h) == 2 for h in result.holders.values())
+    out = tmp_path / "out.safetensors"
+    gather_checkpoint(result.manifest, sources_for(result, ids_of(nodes)), out)
+    assert sha(out) == sha(src)
+    # The second copy of every shard came from a node: the source sent each blob once.
+    blob_bytes = sum(s.blob_size for s in result.manifest.shards)
+    assert result.bytes_sent == 2 * blob_bytes
+    assert result.bytes_from_source == blob_bytes
+    parallel = store_checkpoint(src, [n.address for n in nodes], name="again")
+    assert parallel.bytes_sent == 0  # content addressing: every blob is already in place
