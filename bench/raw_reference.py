@@ -123,22 +123,22 @@ def raw_store(
     ports: Sequence[int],
     threads: int = defaults.TRANSFER_THREADS,
 ) -> int:
-    """Send range i to every node in targets[i], shards in parallel and replicas in
-    turn, like store_checkpoint; returns the bytes moved."""
+    """Send range i to every node in targets[i], every (shard, replica) at once from the
+    source, like store_checkpoint's default (no chain); returns the bytes moved."""
 
-    def one_shard(index: int) -> int:
+    def one_copy(job: tuple[int, int]) -> int:
+        index, node = job
         offset, length = ranges[index]
-        with open(source, "rb") as f:
-            for node in targets[index]:
-                with socket.create_connection(("127.0.0.1", ports[node])) as sock:
-                    _send_header(sock, {"op": "put", "name": f"shard{index}", "length": length})
-                    _sendfile_all(sock, f.fileno(), offset, length)
-                    if _recv_exact(sock, 2) != b"ok":
-                        raise ConnectionError(f"raw node {node} did not confirm shard {index}")
-        return length * len(targets[index])
+        with open(source, "rb") as f, socket.create_connection(("127.0.0.1", ports[node])) as sock:
+            _send_header(sock, {"op": "put", "name": f"shard{index}", "length": length})
+            _sendfile_all(sock, f.fileno(), offset, length)
+            if _recv_exact(sock, 2) != b"ok":
+                raise ConnectionError(f"raw node {node} did not confirm shard {index}")
+        return length
 
+    jobs = [(index, node) for index, nodes in enumerate(targets) for node in nodes]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return sum(pool.map(one_shard, range(len(ranges))))
+        return sum(pool.map(one_copy, jobs))
 
 
 def raw_gather(

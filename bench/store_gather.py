@@ -7,7 +7,7 @@ For each size: build a synthetic LLM-like checkpoint, start N shard servers
 peak RSS, the child's VmHWM, is the coordinator's alone):
   plan    prepare_store alone (header, plan, SHA-256 of every shard): the part
           of the store that reads the source before any byte is sent
-  store   store_checkpoint (plan, hash, send, chain-replicate, manifest)
+  store   store_checkpoint (plan, hash, send every replica, manifest)
   gather  gather_checkpoint (pull, hash, pwrite, fsync, rename)
   raw     the same ranges x replicas moved by plain sendfile into N raw socket
           servers that write and fsync (bench/raw_reference.py), and back.
@@ -210,6 +210,7 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
         ]
 
         # The same byte ranges, the same nodes, the same parallelism, nothing else.
+        # (A node gets each shard file once: raw files are named by shard index.)
         ranges = [
             (manifest.data_start + s.data_start, s.data_end - s.data_start) for s in manifest.shards
         ]
