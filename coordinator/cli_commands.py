@@ -34,14 +34,19 @@ def _md() -> Metadata:
     return md
 
 
-def _require_worker(queue: str) -> None:
-    """Fail fast, with the fix, when no worker would ever run the task."""
+def _require_worker() -> None:
+    """Fail fast, with the fix, when no worker would ever run the task. This host's worker
+    serves its host queue and the shared control queue; asking it by name returns as soon
+    as it answers instead of waiting out the whole timeout."""
     from tasks.app import app
 
-    active = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S).active_queues() or {}
-    if not any(q["name"] == queue for queues in active.values() for q in queues):
+    host = config.host_id()
+    name = f"smoltorrent@{host}"
+    inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
+    queues = {q["name"] for q in (inspect.active_queues() or {}).get(name, [])}
+    if config.host_queue(host) not in queues:
         raise SmoltorrentError(
-            f"no smoltorrent worker is serving this host (queue {queue}); start one with "
+            f"no smoltorrent worker is serving this host ({host}); start one with "
             "`smoltorrent worker` (or run `smoltorrent demo` for a complete local cluster)."
         )
 
@@ -177,7 +182,7 @@ def cmd_store(args: argparse.Namespace) -> int:
         raise SmoltorrentError("--replicas must be at least 1")
     md = _md()
     host = config.host_id()
-    _require_worker(config.host_queue(host))
+    _require_worker()
     from tasks.store import store
 
     name = args.name or os.path.basename(path)
@@ -249,7 +254,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
     if not os.path.isdir(os.path.dirname(out)):
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
     host = config.host_id()
-    _require_worker(config.host_queue(host))
+    _require_worker()
     from tasks.gather import gather
 
     res = gather.apply_async(args=(vkey, out), queue=config.host_queue(host))
@@ -359,7 +364,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         vkeys = md.versions(args.name)
         if not vkeys:
             raise NotFoundError(f"no checkpoint named {args.name}; see `smoltorrent ls`.")
-    _require_worker(config.CONTROL_QUEUE)
+    _require_worker()
     from tasks.remove import remove
 
     results = [remove.apply_async(args=(v,), queue=config.CONTROL_QUEUE).get() for v in vkeys]

@@ -64,7 +64,7 @@ WORKER_CONCURRENCY = 4  # prefork children per worker; transfers are I/O bound
 STABLE_AFTER_S = 2.0  # seconds a file's mtime must be in the past before it is stored
 STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 min)
 GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task
-CLI_POLL_INTERVAL_S = 0.2  # seconds between CLI polls of a task's progress
+CLI_POLL_INTERVAL_S = 0.1  # seconds between CLI polls of a task's progress
 LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to come up
 FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
 DEMO_CHECKPOINT_MB = 64  # MB; big enough to show parallel shards, small enough for a laptop

@@ -329,3 +329,12 @@ def test_hard_time_limit_is_a_dead_letter(make_cluster, tmp_path):
     assert letters[0]["task_id"] == hung["id"]
     assert "TimeLimitExceeded" in letters[0]["error"]
     frozen.send_signal(signal.SIGCONT)
+
+
+def test_store_without_a_worker_says_how_to_start_one(make_cluster, tmp_path):
+    c = make_cluster(2, worker=False)
+    src = make_ckpt(tmp_path / "w.safetensors")
+    proc = c.cli("store", str(src), check=False)
+    assert proc.returncode == 1
+    assert "smoltorrent worker" in proc.stderr
+    assert c.md.names() == []  # nothing was queued or recorded
