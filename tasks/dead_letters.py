@@ -27,36 +27,43 @@ NOT_DEAD_LETTERS = (CheckpointFormatError, GatherError, NotFoundError)
 def record_dead_letter(
     sender=None, task_id=None, exception=None, args=None, kwargs=None, einfo=None, **_
 ) -> None:
-    if (
-        sender is None
-        or not sender.name.startswith("smoltorrent.")
-        or isinstance(exception, NOT_DEAD_LETTERS)
-    ):
+    if sender is None or not sender.name.startswith("smoltorrent."):
         return
     kwargs = kwargs or {}
-    request = getattr(sender, "request", None)
-    delivery = (getattr(request, "delivery_info", None) or {}) if request else {}
-    queue = delivery.get("routing_key") or config.CONTROL_QUEUE
-    md = metadata()
-    md.add_dead_letter(
-        task_id,
-        {
-            "task": sender.name,
-            "args": list(args or ()),
-            "kwargs": kwargs,
-            "queue": queue,
-            "error": f"{type(exception).__name__}: {exception}",
-            "traceback": str(einfo) if einfo else "",
-            "checkpoint": kwargs.get("name"),
-            "shard": kwargs.get("shard"),
-            "node": kwargs.get("node_id"),
-        },
-    )
-    log.error("dead letter %s (%s): %s", task_id, sender.name, exception)
+    if not isinstance(exception, NOT_DEAD_LETTERS):
+        metadata().add_dead_letter(
+            task_id,
+            {
+                "task": sender.name,
+                "args": list(args or ()),
+                "kwargs": kwargs,
+                "queue": _queue_of(sender, kwargs),
+                "error": f"{type(exception).__name__}: {exception}",
+                "traceback": str(einfo) if einfo else "",
+                "checkpoint": kwargs.get("name"),
+                "shard": kwargs.get("shard"),
+                "node": kwargs.get("node_id"),
+            },
+        )
+        log.error("dead letter %s (%s): %s", task_id, sender.name, exception)
     if sender.name == "smoltorrent.transfer":
+        # Settled even when not replayable (its node was removed): the version must not
+        # wait forever for a transfer that will never run again.
         from tasks.transfer import settle
 
         settle(kwargs["vkey"], kwargs["shard"], kwargs["replica"], None, kwargs["digest"])
+
+
+def _queue_of(sender, kwargs: dict) -> str:
+    """Where a replay must go: transfers read the source, so they go back to its host."""
+    if sender.name == "smoltorrent.transfer":
+        try:
+            return config.transfer_queue(metadata().version(kwargs["vkey"])["host"])
+        except NotFoundError:
+            pass
+    request = getattr(sender, "request", None)
+    delivery = (getattr(request, "delivery_info", None) or {}) if request else {}
+    return delivery.get("routing_key") or config.CONTROL_QUEUE
 
 
 def replay(task_id: str) -> str:
