@@ -41,6 +41,21 @@ return 0
 """
 
 
+# Marks a version committed and makes it current unless a newer one already is
+# (two rewrites of one name can commit out of order).
+# KEYS: version hash, current hash; ARGV: name, vkey, now, version-key prefix
+_COMMIT = """
+redis.call('HSET', KEYS[1], 'state', 'committed', 'committed_at', ARGV[3], 'reason', '')
+local current = redis.call('HGET', KEYS[2], ARGV[1])
+if current and current ~= ARGV[2] then
+  local theirs = tonumber(redis.call('HGET', ARGV[4] .. current, 'created_at') or '0')
+  if theirs > tonumber(redis.call('HGET', KEYS[1], 'created_at')) then return 0 end
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     node_id: str
@@ -58,6 +73,7 @@ class Metadata:
             socket_connect_timeout=defaults.REDIS_TIMEOUT_S,
         )
         self._barrier = self.r.register_script(_BARRIER)
+        self._commit = self.r.register_script(_COMMIT)
 
     def ping(self) -> None:
         try:
@@ -227,15 +243,15 @@ class Metadata:
     def settled(self, vkey: str) -> set[str]:
         return set(self.r.smembers(K.SETTLED.format(vkey=vkey)))
 
-    def commit(self, vkey: str, name: str) -> None:
-        """Flip the name's current version and mark this one committed, atomically."""
-        with self.r.pipeline() as p:
-            p.hset(
-                K.VERSION.format(vkey=vkey),
-                mapping={"state": COMMITTED, "committed_at": time.time(), "reason": ""},
+    def commit(self, vkey: str, name: str) -> bool:
+        """Mark a version committed and, unless a newer one is current, flip the name's
+        current version to it, atomically; True if it became current."""
+        return bool(
+            self._commit(
+                keys=[K.VERSION.format(vkey=vkey), K.CURRENT],
+                args=[name, vkey, time.time(), K.VERSION.format(vkey="")],
             )
-            p.hset(K.CURRENT, name, vkey)
-            p.execute()
+        )
 
     def restore_committed(self, manifest: Manifest, vkey: str) -> bool:
         """Record a version read back from a node's manifest (rebuild); False if known."""
