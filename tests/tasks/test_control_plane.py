@@ -338,3 +338,15 @@ def test_store_without_a_worker_says_how_to_start_one(make_cluster, tmp_path):
     assert proc.returncode == 1
     assert "smoltorrent worker" in proc.stderr
     assert c.md.names() == []  # nothing was queued or recorded
+
+
+def test_worker_lost_with_retries_left_is_retried_and_commits(make_cluster, tmp_path):
+    c = make_cluster(2, retries=3)
+    src, frozen, hung = stalled_store(c, tmp_path)
+    frozen_id = NodeClient(c.node_procs[0].address).ping()  # the other node, for contrast
+    os.kill(hung["worker_pid"], signal.SIGKILL)
+    frozen.send_signal(signal.SIGCONT)
+    row = wait_until(lambda: committed(c, "s.safetensors"), timeout=60, what="commit")[0]
+    assert row["min_copies"] == 2 and c.cli_json("dlq", "ls") == []
+    done = [a for a in c.md.attempts(row["vkey"]) if a.get("result") and a["node"] != frozen_id]
+    assert done and done[-1]["attempt"] >= 1  # it ran again as a counted retry
