@@ -19,6 +19,7 @@ from tasks.context import metadata, node_client
     retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
     retry_jitter=False,
     max_retries=config.transfer_retries(),
+    default_retry_delay=defaults.RETRY_BACKOFF_BASE_S,  # after worker loss; see transfer
 )
 def commit(self, vkey: str) -> str:
     md = metadata()
