@@ -244,6 +244,12 @@ def _wait_commit(md: Metadata, vkey: str, name: str) -> str:
                     "transfers are dead letters (`smoltorrent dlq ls`); fix the nodes, then "
                     "`smoltorrent dlq replay --all` completes it."
                 )
+            if md.has_dead_letter(f"commit-{vkey}"):
+                raise SmoltorrentError(
+                    f"store of {name}: every shard landed but the commit failed for good "
+                    f"({md.dead_letter(f'commit-{vkey}')['error']}). Fix the cause, then "
+                    f"`smoltorrent dlq replay commit-{vkey}` commits it."
+                )
             time.sleep(defaults.CLI_POLL_INTERVAL_S)
 
 

@@ -385,6 +385,9 @@ class Metadata:
             raise NotFoundError(f"no dead letter {task_id}; list them with `smoltorrent dlq ls`.")
         return json.loads(raw)
 
+    def has_dead_letter(self, task_id: str) -> bool:
+        return bool(self.r.hexists(K.DLQ, task_id))
+
     def remove_dead_letter(self, task_id: str) -> None:
         self.r.hdel(K.DLQ, task_id)
 
