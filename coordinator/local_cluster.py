@@ -122,6 +122,7 @@ class NodeProcess:
         """SIGTERM and wait for a clean exit; the exit status (None if it was not running)."""
         if self._process is None or self._process.poll() is not None:
             return None if self._process is None else self._process.returncode
+        self._process.send_signal(signal.SIGCONT)  # a frozen (SIGSTOPped) node cannot exit
         self._process.send_signal(signal.SIGTERM)
         try:
             return self._process.wait(defaults.LOCAL_STOP_TIMEOUT_S)

@@ -295,12 +295,17 @@ def active_transfers(c) -> list[dict]:
 
 def stalled_store(c, tmp_path):
     """A store whose transfer to node 1 hangs: the node is frozen (SIGSTOP), so its kernel
-    accepts the connection but nothing ever answers."""
+    accepts the connection but nothing ever answers. Returns that transfer's active task."""
     src = make_ckpt(tmp_path / "s.safetensors")
     frozen = c.node_procs[1]
+    frozen_id = NodeClient(frozen.address).ping()
     frozen.send_signal(signal.SIGSTOP)
     c.cli("store", str(src), "--shards", "1", "--no-wait")
-    hung = wait_until(lambda: active_transfers(c), timeout=30, what="a hanging transfer")
+
+    def hung_transfer():
+        return [t for t in active_transfers(c) if t["kwargs"]["node_id"] == frozen_id]
+
+    hung = wait_until(hung_transfer, timeout=30, what="the transfer to the frozen node")
     return src, frozen, hung[0]
 
 
@@ -343,10 +348,10 @@ def test_store_without_a_worker_says_how_to_start_one(make_cluster, tmp_path):
 def test_worker_lost_with_retries_left_is_retried_and_commits(make_cluster, tmp_path):
     c = make_cluster(2, retries=3)
     src, frozen, hung = stalled_store(c, tmp_path)
-    frozen_id = NodeClient(c.node_procs[0].address).ping()  # the other node, for contrast
     os.kill(hung["worker_pid"], signal.SIGKILL)
     frozen.send_signal(signal.SIGCONT)
     row = wait_until(lambda: committed(c, "s.safetensors"), timeout=60, what="commit")[0]
     assert row["min_copies"] == 2 and c.cli_json("dlq", "ls") == []
-    done = [a for a in c.md.attempts(row["vkey"]) if a.get("result") and a["node"] != frozen_id]
+    frozen_id = hung["kwargs"]["node_id"]
+    done = [a for a in c.md.attempts(row["vkey"]) if a.get("result") and a["node"] == frozen_id]
     assert done and done[-1]["attempt"] >= 1  # it ran again as a counted retry
