@@ -96,7 +96,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
                 )
         return 0
     if args.nodes_command == "ls":
-        nodes = reports.status(md, config.cluster_key())["nodes"]
+        nodes, _ = reports.node_rows(md, config.cluster_key())
         if args.json:
             emit_json(nodes)
         else:

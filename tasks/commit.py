@@ -38,6 +38,6 @@ def commit(self, vkey: str) -> str:
         {n for s in manifest.shards for n in md.placement(s.blob_sha256) if n in registered}
     )
     # Every node holding a blob also keeps the manifest: Redis can be rebuilt from them.
-    write_manifest(manifest, [node_client(n) for n in holders])
+    write_manifest(manifest, [node_client(n, registered) for n in holders])
     md.commit(vkey, manifest.name)
     return COMMITTED

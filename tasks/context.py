@@ -5,8 +5,9 @@ from __future__ import annotations
 from functools import cache
 
 from coordinator import config
-from coordinator.metadata import Metadata
+from coordinator.metadata import Metadata, NodeRecord
 from coordinator.node_client import NodeAddress, NodeClient
+from smoltorrent.errors import NotFoundError
 from tasks.app import REDIS_URL
 
 
@@ -19,11 +20,9 @@ def client(address: NodeAddress) -> NodeClient:
     return NodeClient(address, cluster_key=config.cluster_key())
 
 
-def node_client(node_id: str) -> NodeClient:
-    """A client for a registered node; NotFoundError if it was removed."""
-    from smoltorrent.errors import NotFoundError
-
-    nodes = metadata().nodes()
+def node_client(node_id: str, nodes: dict[str, NodeRecord]) -> NodeClient:
+    """A client for a node of the registry `nodes` (read once per task by the caller);
+    NotFoundError if it was removed."""
     if node_id not in nodes:
         raise NotFoundError(f"node {node_id} is not registered; see `smoltorrent nodes ls`.")
     return client(nodes[node_id].address)

@@ -25,14 +25,14 @@ def remove(self, vkey: str) -> dict:
             if node_id not in registered:
                 continue
             try:
-                node_client(node_id).delete(shard.blob_sha256)
+                node_client(node_id, registered).delete(shard.blob_sha256)
                 md.remove_placement(shard.blob_sha256, node_id)
                 deleted += 1
             except (NodeUnavailableError, NodeError) as exc:
                 kept.append(f"{shard.blob_sha256[:12]} on {node_id}: {exc}")
     for node_id in holders_of_manifest & set(registered):
         try:
-            node_client(node_id).delete_manifest(vkey)
+            node_client(node_id, registered).delete_manifest(vkey)
         except (NodeUnavailableError, NodeError) as exc:
             kept.append(f"manifest on {node_id}: {exc}")
     return {"vkey": vkey, "removed": True, "blobs_deleted": deleted, "left_behind": kept}

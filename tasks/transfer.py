@@ -53,10 +53,12 @@ def transfer(
     manifest = md.manifest(vkey)
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
     try:
-        target = node_client(node_id)
         registered = md.nodes()
+        target = node_client(node_id, registered)
         holders = [
-            node_client(h) for h in sorted(md.placement(digest)) if h != node_id and h in registered
+            node_client(h, registered)
+            for h in sorted(md.placement(digest))
+            if h != node_id and h in registered
         ]
         how = send_shard(
             v["path"],
