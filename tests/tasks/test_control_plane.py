@@ -145,15 +145,22 @@ def test_store_with_a_dead_node_commits_under_replicated(make_cluster, tmp_path)
     assert sha(out) == sha(src)
 
 
-def test_worker_killed_mid_store_resumes_to_one_clean_version(make_cluster, tmp_path):
-    c = make_cluster(4, concurrency=1)
-    src = make_ckpt(tmp_path / "k.safetensors", 16_000_000)
+def store_until_first_transfer(c, src: Path) -> str:
+    """Start a 16-shard store and return its vkey once one transfer, not all, has settled."""
     c.cli("store", str(src), "--shards", "16", "--no-wait")
     md = c.md
     vkey = wait_until(lambda: next(iter(md.pending_versions()), None), what="pending version")
     wait_until(lambda: md.progress(vkey)[0] >= 1, interval=0.005, what="a first transfer")
     settled, total = md.progress(vkey)
-    assert settled < total, "the store finished before the kill; the test proves nothing"
+    assert settled < total, "the store finished before the fault; the test proves nothing"
+    return vkey
+
+
+def test_worker_killed_mid_store_resumes_to_one_clean_version(make_cluster, tmp_path):
+    c = make_cluster(4, concurrency=1)
+    src = make_ckpt(tmp_path / "k.safetensors", 16_000_000)
+    vkey = store_until_first_transfer(c, src)
+    md = c.md
     os.killpg(c.worker.pid, signal.SIGKILL)
     c.worker.wait()
     c.start_worker()
@@ -248,11 +255,8 @@ def test_source_rewritten_mid_store_is_abandoned_then_new_bytes_stored(make_clus
     c = make_cluster(4, concurrency=1)
     src = make_ckpt(tmp_path / "latest.safetensors", 16_000_000)
     old_sha = sha(src)
-    c.cli("store", str(src), "--shards", "16", "--no-wait")
+    vkey = store_until_first_transfer(c, src)
     md = c.md
-    vkey = wait_until(lambda: next(iter(md.pending_versions()), None), what="pending version")
-    wait_until(lambda: md.progress(vkey)[0] >= 1, interval=0.005, what="a first transfer")
-    assert md.progress(vkey)[0] < md.progress(vkey)[1], "store finished before the rewrite"
     make_ckpt(src, 16_000_000, settled=False)  # training re-saves the same path
     new_sha = sha(src)
     assert new_sha != old_sha
