@@ -23,8 +23,8 @@ def _status_kb(field: str) -> int:
 
 
 def _store(spec: dict) -> dict:
-    from coordinator.node_client import NodeAddress
-    from coordinator.store_engine import store_checkpoint
+    from coordinator.dataplane.node_client import NodeAddress
+    from coordinator.dataplane.store_engine import store_checkpoint
 
     result = store_checkpoint(
         spec["source"],
@@ -41,7 +41,7 @@ def _store(spec: dict) -> dict:
 
 def _plan(spec: dict) -> dict:
     """Only the store's first phase (header, plan, hash every shard): no byte sent."""
-    from coordinator.store_engine import prepare_store
+    from coordinator.dataplane.store_engine import prepare_store
 
     free = {f"node{i}": 1 << 40 for i in range(spec["nodes"])}
     prepared = prepare_store(spec["source"], "bench", free, replicas=spec["replicas"])
@@ -49,9 +49,9 @@ def _plan(spec: dict) -> dict:
 
 
 def _gather(spec: dict) -> dict:
-    from coordinator.gather_engine import gather_checkpoint
-    from coordinator.manifest import Manifest
-    from coordinator.node_client import NodeAddress, NodeClient
+    from coordinator.dataplane.gather_engine import gather_checkpoint
+    from coordinator.dataplane.node_client import NodeAddress, NodeClient
+    from coordinator.plan.manifest import Manifest
 
     manifest = Manifest.from_json(Path(spec["manifest"]).read_text())
     sources = [[NodeClient(NodeAddress.parse(a)) for a in shard] for shard in spec["sources"]]
@@ -93,8 +93,8 @@ def main() -> None:
     op = OPS[spec["op"]]
     # Import everything before the clock and the RSS baseline start.
     import bench.raw_reference  # noqa: F401
-    import coordinator.gather_engine  # noqa: F401
-    import coordinator.store_engine  # noqa: F401
+    import coordinator.dataplane.gather_engine  # noqa: F401
+    import coordinator.dataplane.store_engine  # noqa: F401
 
     rss_before = _status_kb("VmRSS")
     start = time.perf_counter()

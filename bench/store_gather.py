@@ -37,10 +37,10 @@ if __package__ in (None, ""):  # run as `python bench/store_gather.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import report  # noqa: E402
-from coordinator.local_cluster import LocalCluster, NodeProcess  # noqa: E402
-from coordinator.manifest import Manifest  # noqa: E402
-from coordinator.node_client import NodeClient  # noqa: E402
-from coordinator.synthetic import write_checkpoint  # noqa: E402
+from coordinator.dataplane.node_client import NodeClient  # noqa: E402
+from coordinator.local.cluster import LocalCluster, NodeProcess  # noqa: E402
+from coordinator.local.synthetic import write_checkpoint  # noqa: E402
+from coordinator.plan.manifest import Manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1_000_000_000  # decimal, like the MB/s figures

@@ -34,12 +34,12 @@ CLOSE_DRAIN_BYTES = 1024 * 1024  # bytes read and dropped at most before closing
 DEFAULT_REPLICAS = 2  # R: survives any one node loss, doubles the bytes stored
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1000 * 1000  # bytes; the limit the safetensors spec sets
 
-# --- engines (coordinator/store_engine.py, coordinator/gather_engine.py) ----
+# --- engines (coordinator/dataplane/store_engine.py, coordinator/dataplane/gather_engine.py) ----
 
 TRANSFER_THREADS = 8  # parallel transfers per store/gather; saturates a few links, not the CPU
 HASH_THREADS = 2  # threads hashing shards at plan time; hashlib releases the GIL, 2 cores here
 
-# --- metadata (coordinator/metadata.py) -------------------------------------
+# --- metadata (coordinator/state/metadata.py) -------------------------------------
 
 REDIS_TIMEOUT_S = 10.0  # seconds; a local or LAN Redis answers in milliseconds
 NODE_ALIVE_TTL_S = 30  # seconds a node counts as up after it last answered a probe

@@ -14,7 +14,7 @@ from __future__ import annotations
 from celery import Celery
 
 from coordinator import config
-from coordinator.embedded_redis import ensure_redis_url
+from coordinator.state.embedded_redis import ensure_redis_url
 from smoltorrent import defaults
 
 REDIS_URL = ensure_redis_url()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from coordinator import config
-from coordinator.metadata import ABORTED, COMMITTED
-from coordinator.store_engine import write_manifest
+from coordinator.dataplane.store_engine import write_manifest
+from coordinator.state.metadata import ABORTED, COMMITTED
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 from tasks.app import app

@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import cache
 
 from coordinator import config
-from coordinator.metadata import Metadata, NodeRecord
-from coordinator.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.state.metadata import Metadata, NodeRecord
 from smoltorrent.errors import NotFoundError
 from tasks.app import REDIS_URL
 

@@ -16,6 +16,7 @@ from coordinator import config
 from smoltorrent.errors import CheckpointFormatError, GatherError, NotFoundError
 from tasks.app import app
 from tasks.context import metadata
+from tasks.enqueue import resume_pending, settle
 
 log = get_task_logger(__name__)
 
@@ -49,8 +50,6 @@ def record_dead_letter(
     if sender.name == "smoltorrent.transfer":
         # Settled even when not replayable (its node was removed): the version must not
         # wait forever for a transfer that will never run again.
-        from tasks.transfer import settle
-
         settle(kwargs["vkey"], kwargs["shard"], kwargs["replica"], None, kwargs["digest"])
 
 
@@ -85,8 +84,6 @@ def replay(task_id: str) -> str:
 def resume_on_start(sender=None, **_) -> None:
     """A worker killed mid-store left unacked messages Redis only redelivers after the
     visibility timeout (hours): resume this host's pending versions now instead."""
-    from tasks.store import resume_pending
-
     resumed = resume_pending(config.host_id())
     if resumed:
         log.warning("resumed %d pending version(s) of this host", len(resumed))

@@ -6,8 +6,8 @@ import threading
 import time
 
 from coordinator import config
-from coordinator.gather_engine import gather_checkpoint
-from coordinator.metadata import COMMITTED
+from coordinator.dataplane.gather_engine import gather_checkpoint
+from coordinator.state.metadata import COMMITTED
 from smoltorrent import defaults
 from smoltorrent.errors import GatherError
 from tasks.app import app

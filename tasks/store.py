@@ -9,21 +9,16 @@ import time
 from celery.utils.log import get_task_logger
 
 from coordinator import config
-from coordinator.liveness import probe_registered
-from coordinator.metadata import PENDING
-from coordinator.store_engine import prepare_store
+from coordinator.dataplane.store_engine import prepare_store
+from coordinator.state.liveness import probe_registered
+from coordinator.state.metadata import PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import NotEnoughNodesError
 from tasks.app import app
 from tasks.context import metadata
+from tasks.enqueue import send_transfers
 
 log = get_task_logger(__name__)
-
-
-def transfer_time_limit(blob_size: int) -> int:
-    """Hard limit for one transfer, sized from its bytes at the slowest rate we accept."""
-    seconds = config.transfer_time_base() + blob_size // defaults.MIN_TRANSFER_RATE_BPS
-    return int(min(seconds, defaults.MAX_TRANSFER_TIME_S))
 
 
 @app.task(name="smoltorrent.store", bind=True, max_retries=defaults.STABLE_RETRIES)
@@ -73,7 +68,7 @@ def store(
         if not resumed:
             log.info("%s: version %s already %s", name, manifest.version_id[:12], v["state"])
             return {"vkey": vkey, "state": v["state"], "new": False}
-    fan_out(vkey, manifest, targets, host)
+    send_transfers(vkey, manifest, targets, host)
     return {
         "vkey": vkey,
         "state": PENDING,
@@ -90,55 +85,3 @@ def prefer_holders(targets, manifest, md, live: set[str]) -> list[tuple[str, ...
         rest = [n for n in planned if n not in holders]
         out.append(tuple(holders + rest[: len(planned) - len(holders)]))
     return out
-
-
-def fan_out(vkey: str, manifest, targets, host: str, skip: set[str] = frozenset()) -> int:
-    """One transfer task per (shard, replica), deterministic ids; returns how many sent."""
-    from tasks.commit import commit
-    from tasks.transfer import transfer
-
-    sent = 0
-    for index, nodes in enumerate(targets):
-        shard = manifest.shards[index]
-        limit = transfer_time_limit(shard.blob_size)
-        for replica, node_id in enumerate(nodes):
-            if f"{index}:{replica}" in skip:
-                continue
-            transfer.apply_async(
-                kwargs={
-                    "vkey": vkey,
-                    "name": manifest.name,
-                    "shard": index,
-                    "replica": replica,
-                    "node_id": node_id,
-                    "digest": shard.blob_sha256,
-                },
-                task_id=f"transfer-{vkey}-{index}-{replica}",
-                queue=config.transfer_queue(host),
-                time_limit=limit,
-                # The soft limit lets the task close its sockets; the hard one kills it.
-                soft_time_limit=max(1, limit - config.transfer_time_base() // 2),
-            )
-            sent += 1
-    if not manifest.shards:
-        commit.apply_async(args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"commit-{vkey}")
-    return sent
-
-
-def resume_pending(host: str) -> list[str]:
-    """Re-send what a killed worker of this host left undone; idempotent by design."""
-    from tasks.commit import commit
-
-    md = metadata()
-    resumed = []
-    for vkey in md.pending_versions():
-        v = md.version(vkey)
-        if v.get("host") != host:
-            continue
-        manifest = md.manifest(vkey)
-        settled = md.settled(vkey)
-        sent = fan_out(vkey, manifest, md.plan(vkey), host, skip=settled)
-        if not sent and len(md.ready_shards(vkey)) == len(manifest.shards):
-            commit.apply_async(args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"commit-{vkey}")
-        resumed.append(vkey)
-    return resumed

@@ -7,10 +7,10 @@ import json
 from celery.utils.log import get_task_logger
 
 from coordinator import config
-from coordinator.manifest import blob_prefixes
-from coordinator.metadata import ABORTED
-from coordinator.source_file import SourceIdentity
-from coordinator.store_engine import send_shard
+from coordinator.dataplane.store_engine import send_shard
+from coordinator.plan.manifest import blob_prefixes
+from coordinator.plan.source_file import SourceIdentity
+from coordinator.state.metadata import ABORTED
 from smoltorrent import defaults
 from smoltorrent.errors import (
     NodeError,
@@ -21,6 +21,7 @@ from smoltorrent.errors import (
 )
 from tasks.app import app
 from tasks.context import metadata, node_client
+from tasks.enqueue import send_store, settle
 
 log = get_task_logger(__name__)
 
@@ -81,25 +82,18 @@ def transfer(
     return how
 
 
-def settle(vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> None:
-    """Record a finished transfer; the one that completes the set enqueues the commit."""
-    from tasks.commit import commit
-
-    if metadata().settle(vkey, shard, replica, node_id, digest):
-        commit.apply_async(args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"commit-{vkey}")
-
-
 def abandon(vkey: str, version: dict, reason: str) -> None:
     """Abort a version whose source was rewritten, and store the new bytes once stable."""
-    from tasks.store import store
-
     md = metadata()
     md.set_state(vkey, ABORTED, reason)
     if md.claim(vkey, "restore_enqueued"):
         log.warning("%s: %s", version["name"], reason)
         shards = int(version.get("requested_shards") or 0) or None
-        store.apply_async(
-            args=(version["path"], version["name"], int(version["replicas"]), shards),
-            queue=config.host_queue(version["host"]),
+        send_store(
+            version["path"],
+            version["name"],
+            int(version["replicas"]),
+            shards,
+            version["host"],
             countdown=defaults.STABLE_AFTER_S,
         )

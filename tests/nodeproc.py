@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from coordinator.local_cluster import NodeProcess
+from coordinator.local.cluster import NodeProcess
 
 __all__ = ["NodeProcess", "start_node"]
 

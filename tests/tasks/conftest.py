@@ -1,7 +1,7 @@
 """A real cluster per test: redis-server on a free port, node processes, a Celery worker.
 
 CLI commands run as subprocesses against it, exactly as a user runs them;
-assertions read Redis through coordinator.metadata.
+assertions read Redis through coordinator.state.metadata.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster
-from coordinator.metadata import Metadata
+from coordinator.local.cluster import LocalCluster
+from coordinator.state.metadata import Metadata
 
 
 class Cluster(LocalCluster):

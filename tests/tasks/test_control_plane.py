@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.metadata import COMMITTED
-from coordinator.node_client import NodeClient
-from coordinator.synthetic import write_checkpoint
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.local.synthetic import write_checkpoint
+from coordinator.state.metadata import COMMITTED
 from smoltorrent.errors import AuthenticationError
 from tests.tasks.conftest import wait_until
 

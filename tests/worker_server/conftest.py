@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.node_client import NodeClient
+from coordinator.dataplane.node_client import NodeClient
 from tests.nodeproc import NodeProcess, start_node
 
 CLUSTER_KEY = b"test-cluster-key"

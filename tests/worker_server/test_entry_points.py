@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from tests.nodeproc import NodeProcess, start_node
 from worker_server.server import ShardServer, serve
 

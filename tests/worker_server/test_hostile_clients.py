@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.node_client import NodeClient
+from coordinator.dataplane.node_client import NodeClient
 from smoltorrent import defaults
 from smoltorrent.errors import AuthenticationError
 from tests.nodeproc import NodeProcess

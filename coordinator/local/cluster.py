@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.embedded_redis import start_redis
-from coordinator.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.state.embedded_redis import start_redis
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
 

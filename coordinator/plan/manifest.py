@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from coordinator.checkpoint_format import LENGTH_PREFIX_BYTES, CheckpointHeader, parse_header
-from coordinator.planner import ShardPlan, blob_prefix
+from coordinator.plan.planner import ShardPlan, blob_prefix
+from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, CheckpointHeader, parse_header
 from smoltorrent.errors import CheckpointFormatError, ManifestError
 
 SCHEMA_VERSION = 1

@@ -1,6 +1,6 @@
 """Placement metadata in Redis: nodes, versions, manifests, placement, dead letters.
 
-Every key comes from coordinator/redis_keys.py. Writes that must be atomic
+Every key comes from coordinator/state/redis_keys.py. Writes that must be atomic
 (the commit barrier, the commit flip) are Lua scripts or MULTI blocks, so a
 retry, a redelivery or two workers racing leave the same state.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import redis
 
-from coordinator import redis_keys as K
-from coordinator.manifest import Manifest
-from coordinator.node_client import NodeAddress
+from coordinator.dataplane.node_client import NodeAddress
+from coordinator.plan.manifest import Manifest
+from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 from smoltorrent.errors import MetadataError, NotFoundError
 

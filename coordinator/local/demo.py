@@ -7,7 +7,6 @@ checkpoint is gathered back and compared by SHA-256.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import io
@@ -16,11 +15,11 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.cli_output import console, emit_json, human_bytes, table
-from coordinator.local_cluster import LocalCluster
-from coordinator.synthetic import write_checkpoint
+from coordinator.local.cluster import LocalCluster
+from coordinator.local.synthetic import write_checkpoint
 from smoltorrent.errors import SmoltorrentError
 
 
@@ -32,13 +31,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from coordinator.cli import main
-
+def run_demo(
+    run_command: Callable[[list[str]], int],
+    *,
+    checkpoint: str | None = None,
+    size_mb: int,
+    keep: bool = False,
+    quiet: bool = False,
+    say: Callable[[str], None] = lambda _: None,
+) -> dict:
+    """Run the scenario through `run_command` (the command line's own entry point, passed
+    in so this module never imports the CLI) and return its report."""
     root = Path(tempfile.mkdtemp(prefix="smoltorrent-demo-"))
     cluster = LocalCluster(root, nodes=4, host_id=f"demo-{os.getpid()}")
     timings: dict[str, float] = {}
-    say = (lambda *a: None) if args.json else console.print
 
     def step(label: str, fn):
         t = time.monotonic()
@@ -48,11 +54,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
     try:
         say(f"[bold]smoltorrent demo[/] in {root}")
-        if args.checkpoint:
-            source = Path(args.checkpoint).resolve()
+        if checkpoint:
+            source = Path(checkpoint).resolve()
         else:
             source = root / "demo-model.safetensors"
-            step("build checkpoint", lambda: write_checkpoint(source, args.size_mb * 1_000_000))
+            step("build checkpoint", lambda: write_checkpoint(source, size_mb * 1_000_000))
         step("start cluster", lambda: cluster.start(worker=False))
         # Every in-process command from here on talks to this cluster's Redis.
         os.environ.update({k: v for k, v in cluster.env().items() if k.startswith("SMOLTORRENT")})
@@ -63,57 +69,41 @@ def run_demo(args: argparse.Namespace) -> int:
             + ", 1 Celery worker"
         )
         size = source.stat().st_size
-        say(f"checkpoint: {source.name}, {human_bytes(size)}")
+        say(f"checkpoint: {source.name}, {size / 1e6:.1f} MB")
 
-        quiet = ["--json"] if args.json else []
+        json_flag = ["--json"] if quiet else []
         _run(
             step,
             "register nodes",
-            main,
-            ["nodes", "add", *(str(n.address) for n in cluster.node_procs), *quiet],
+            run_command,
+            ["nodes", "add", *(str(n.address) for n in cluster.node_procs), *json_flag],
         )
-        _run(step, "store", main, ["store", str(source), "--replicas", "2", *quiet])
+        _run(step, "store", run_command, ["store", str(source), "--replicas", "2", *json_flag])
         victim = random.Random(size).randrange(len(cluster.node_procs))
         cluster.node_procs[victim].kill()
         say(f"killed node {victim} ({cluster.node_procs[victim].address}) with SIGKILL")
         out = root / "gathered.safetensors"
-        _run(step, "gather", main, ["gather", source.name, "-o", str(out), *quiet])
-        same = _sha256(source) == _sha256(out)
-        report = {
+        _run(step, "gather", run_command, ["gather", source.name, "-o", str(out), *json_flag])
+        return {
             "checkpoint_bytes": size,
             "killed_node": str(cluster.node_procs[victim].address),
-            "byte_identical": same,
+            "byte_identical": _sha256(source) == _sha256(out),
             "seconds": {k: round(v, 3) for k, v in timings.items()},
             "store_mb_s": round(size / 1e6 / timings["store"], 1),
             "gather_mb_s": round(size / 1e6 / timings["gather"], 1),
         }
-        if args.json:
-            emit_json(report)
-        else:
-            table("demo report", ["step", "seconds"], [(k, f"{v:.2f}") for k, v in timings.items()])
-            console.print(
-                f"store {report['store_mb_s']} MB/s, gather (one node dead) "
-                f"{report['gather_mb_s']} MB/s"
-            )
-            console.print(
-                "[bold green]SHA-256 identical: the gathered file is the stored "
-                "checkpoint, byte for byte.[/]"
-                if same
-                else "[bold red]SHA-256 differs![/]"
-            )
-        return 0 if same else 1
     finally:
         cluster.stop()
-        if args.keep:
+        if keep:
             say(f"cluster files kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _run(step, label: str, main, argv: list[str]) -> None:
+def _run(step, label: str, run_command, argv: list[str]) -> None:
     # With --json the sub-commands' own JSON is swallowed: one document on stdout.
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink) if "--json" in argv else contextlib.nullcontext():
-        code = step(label, lambda: main(argv))
+        code = step(label, lambda: run_command(argv))
     if code != 0:
         raise SmoltorrentError(f"demo step '{label}' failed (exit {code}); see the message above")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.liveness import probe_registered
-from coordinator.metadata import COMMITTED, Metadata
+from coordinator.state.liveness import probe_registered
+from coordinator.state.metadata import COMMITTED, Metadata
 
 
 def _shard_holders(md: Metadata, vkey: str, registered: set[str]) -> list[set[str]]:

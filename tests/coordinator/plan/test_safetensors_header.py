@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from coordinator.checkpoint_format import (
+from coordinator.plan.safetensors_header import (
     DTYPE_BITS,
     CheckpointHeader,
     format_bytes,

@@ -7,10 +7,10 @@ import signal
 
 import pytest
 
-from coordinator.embedded_redis import start_redis
-from coordinator.metadata import COMMITTED, Metadata
-from coordinator.store_engine import PreparedStore, prepare_store
-from coordinator.synthetic import write_checkpoint
+from coordinator.dataplane.store_engine import PreparedStore, prepare_store
+from coordinator.local.synthetic import write_checkpoint
+from coordinator.state.embedded_redis import start_redis
+from coordinator.state.metadata import COMMITTED, Metadata
 
 FREE = {"node-a": 10**12, "node-b": 10**12}
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from coordinator.manifest import Manifest
-from coordinator.metadata import Metadata
-from coordinator.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.plan.manifest import Manifest
+from coordinator.state.metadata import Metadata
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 
 

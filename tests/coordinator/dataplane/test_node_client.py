@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from smoltorrent import defaults
 from smoltorrent.errors import (
     AuthenticationError,

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from coordinator.placement import place
+from coordinator.plan.placement import place
 from smoltorrent.errors import InsufficientSpaceError, NotEnoughNodesError, SmoltorrentError
 
 GB = 10**9

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from coordinator.checkpoint_format import CheckpointHeader, parse_header, read_header
-from coordinator.planner import ShardPlan, plan_shards
+from coordinator.plan.planner import ShardPlan, plan_shards
+from coordinator.plan.safetensors_header import CheckpointHeader, parse_header, read_header
 from tests.checkpoints import (
     llm_like_tensors,
     raw_file_bytes,

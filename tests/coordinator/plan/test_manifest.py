@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from coordinator.checkpoint_format import read_header
-from coordinator.manifest import (
+from coordinator.plan.manifest import (
     Manifest,
     blob_prefixes,
     shard_entries,
     source_prefix,
     version_id_for,
 )
-from coordinator.planner import plan_shards
+from coordinator.plan.planner import plan_shards
+from coordinator.plan.safetensors_header import read_header
 from smoltorrent.errors import ManifestError
 from tests.checkpoints import write_llm_like, write_raw
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator.metadata import Metadata
-from coordinator.node_client import NodeStat
-from coordinator.store_engine import probe_nodes
+from coordinator.dataplane.node_client import NodeStat
+from coordinator.dataplane.store_engine import probe_nodes
+from coordinator.state.metadata import Metadata
 
 
 def probe_registered(

@@ -24,7 +24,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.checkpoint_format import LENGTH_PREFIX_BYTES, CheckpointHeader, TensorInfo
+from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, CheckpointHeader, TensorInfo
 
 _HEADER_ALIGNMENT = 8  # bytes; blob data then starts 8-aligned, as safetensors writers do
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from coordinator.gather_engine import gather_checkpoint
-from coordinator.node_client import NodeClient
-from coordinator.store_engine import store_checkpoint
+from coordinator.dataplane.gather_engine import gather_checkpoint
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.store_engine import store_checkpoint
 from smoltorrent.errors import CheckpointFormatError, GatherError
 from tests.checkpoints import write_llm_like, write_mlx, write_one_giant, write_raw
 from tests.nodeproc import start_node

@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from coordinator.checkpoint_format import CheckpointHeader, read_header
-from coordinator.manifest import Manifest, shard_entries, version_id_for
-from coordinator.node_client import NodeAddress, NodeClient, NodeStat
-from coordinator.placement import place
-from coordinator.planner import ShardPlan, plan_shards
-from coordinator.source_file import SourceIdentity
+from coordinator.dataplane.node_client import NodeAddress, NodeClient, NodeStat
+from coordinator.plan.manifest import Manifest, shard_entries, version_id_for
+from coordinator.plan.placement import place
+from coordinator.plan.planner import ShardPlan, plan_shards
+from coordinator.plan.safetensors_header import CheckpointHeader, read_header
+from coordinator.plan.source_file import SourceIdentity
 from smoltorrent import defaults
 from smoltorrent.errors import (
     DigestMismatchError,

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from coordinator.cli_output import error
+from coordinator.cli.output import error
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
 
@@ -153,13 +153,10 @@ def dispatch(args: argparse.Namespace) -> int:
 
         return run_from_args(args.data_dir, args.host, args.port, args.cluster_key)
     if args.command == "demo":
-        from coordinator.demo import run_demo
+        from coordinator.cli.commands import cmd_demo
 
-        return run_demo(args)
-    from coordinator import cli_commands
+        # The demo drives this same entry point; passing it in keeps local/ free of cli/.
+        return cmd_demo(args, run_command=main)
+    from coordinator.cli import commands
 
-    return getattr(cli_commands, f"cmd_{args.command}")(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return getattr(commands, f"cmd_{args.command}")(args)

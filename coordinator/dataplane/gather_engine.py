@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from coordinator.manifest import Manifest, source_prefix
-from coordinator.node_client import NodeClient
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.plan.manifest import Manifest, source_prefix
 from smoltorrent import defaults
 from smoltorrent.errors import (
     DigestMismatchError,

@@ -17,11 +17,12 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from coordinator import config, reports
-from coordinator.checkpoint_format import read_header
-from coordinator.cli_output import console, emit_json, human_bytes, table, warn
-from coordinator.metadata import ABORTED, COMMITTED, Metadata
-from coordinator.node_client import NodeAddress, NodeClient
+from coordinator import config
+from coordinator.cli import reports
+from coordinator.cli.output import console, emit_json, human_bytes, table, warn
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.plan.safetensors_header import read_header
+from coordinator.state.metadata import ABORTED, COMMITTED, Metadata
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError, SmoltorrentError
 
@@ -424,7 +425,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from coordinator.rebuild import rebuild_metadata
+    from coordinator.state.rebuild import rebuild_metadata
 
     md = _md()
     addresses = (
@@ -448,3 +449,35 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         for line in summary["unreachable"]:
             warn(f"not read: {line}")
     return 0
+
+
+def cmd_demo(args: argparse.Namespace, run_command) -> int:
+    from coordinator.local.demo import run_demo
+
+    report = run_demo(
+        run_command,
+        checkpoint=args.checkpoint,
+        size_mb=args.size_mb,
+        keep=args.keep,
+        quiet=args.json,
+        say=(lambda _: None) if args.json else console.print,
+    )
+    if args.json:
+        emit_json(report)
+    else:
+        table(
+            "demo report",
+            ["step", "seconds"],
+            [(k, f"{v:.2f}") for k, v in report["seconds"].items()],
+        )
+        console.print(
+            f"store {report['store_mb_s']} MB/s, gather (one node dead) "
+            f"{report['gather_mb_s']} MB/s"
+        )
+        console.print(
+            "[bold green]SHA-256 identical: the gathered file is the stored "
+            "checkpoint, byte for byte.[/]"
+            if report["byte_identical"]
+            else "[bold red]SHA-256 differs![/]"
+        )
+    return 0 if report["byte_identical"] else 1

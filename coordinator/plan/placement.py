@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from coordinator.checkpoint_format import format_bytes
+from coordinator.plan.safetensors_header import format_bytes
 from smoltorrent.errors import InsufficientSpaceError, NotEnoughNodesError, SmoltorrentError
 
 _NODES_LISTED = 5  # nodes named in an error message; more would bury the sentence

@@ -27,7 +27,7 @@ VERSIONS = PREFIX + "name:{name}:versions"
 
 # hash: name, version_id, state, path, host, sizes, source identity, times
 VERSION = PREFIX + "version:{vkey}"
-# the manifest JSON (schema in coordinator/manifest.py)
+# the manifest JSON (schema in coordinator/plan/manifest.py)
 MANIFEST = PREFIX + "version:{vkey}:manifest"
 # hash shard index -> JSON list of target node ids (the placement plan)
 PLAN = PREFIX + "version:{vkey}:plan"

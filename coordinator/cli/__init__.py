@@ -1,0 +1,1 @@
+"""The `smoltorrent` command line: parser, commands, output and reports."""

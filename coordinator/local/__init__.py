@@ -1,0 +1,1 @@
+"""The embedded cluster on one machine: node and worker processes, demo, checkpoints."""

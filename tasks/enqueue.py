@@ -1,0 +1,96 @@
+"""Every message one task sends another, in one place: by task name, with its queue,
+its deterministic id and its time limits.
+
+Tasks import this module and never each other, so no two task modules form a circle.
+"""
+
+from __future__ import annotations
+
+from coordinator import config
+from coordinator.plan.manifest import Manifest
+from smoltorrent import defaults
+from tasks.app import app
+from tasks.context import metadata
+
+
+def transfer_time_limit(blob_size: int) -> int:
+    """Hard limit for one transfer, sized from its bytes at the slowest rate we accept."""
+    seconds = config.transfer_time_base() + blob_size // defaults.MIN_TRANSFER_RATE_BPS
+    return int(min(seconds, defaults.MAX_TRANSFER_TIME_S))
+
+
+def send_transfers(
+    vkey: str,
+    manifest: Manifest,
+    targets,
+    host: str,
+    skip: set[str] = frozenset(),
+) -> int:
+    """One transfer task per (shard, replica), deterministic ids; returns how many sent."""
+    sent = 0
+    for index, nodes in enumerate(targets):
+        shard = manifest.shards[index]
+        limit = transfer_time_limit(shard.blob_size)
+        for replica, node_id in enumerate(nodes):
+            if f"{index}:{replica}" in skip:
+                continue
+            app.send_task(
+                "smoltorrent.transfer",
+                kwargs={
+                    "vkey": vkey,
+                    "name": manifest.name,
+                    "shard": index,
+                    "replica": replica,
+                    "node_id": node_id,
+                    "digest": shard.blob_sha256,
+                },
+                task_id=f"transfer-{vkey}-{index}-{replica}",
+                queue=config.transfer_queue(host),
+                time_limit=limit,
+                # The soft limit lets the task close its sockets; the hard one kills it.
+                soft_time_limit=max(1, limit - config.transfer_time_base() // 2),
+            )
+            sent += 1
+    if not manifest.shards:
+        send_commit(vkey)
+    return sent
+
+
+def send_commit(vkey: str) -> None:
+    app.send_task(
+        "smoltorrent.commit", args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"commit-{vkey}"
+    )
+
+
+def send_store(
+    path: str, name: str, replicas: int, shards: int | None, host: str, countdown: float = 0
+) -> None:
+    """A store on the host that has the file (it reads the source)."""
+    app.send_task(
+        "smoltorrent.store",
+        args=(path, name, replicas, shards),
+        queue=config.host_queue(host),
+        countdown=countdown,
+    )
+
+
+def settle(vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> None:
+    """Record a finished transfer; the one that completes the set enqueues the commit."""
+    if metadata().settle(vkey, shard, replica, node_id, digest):
+        send_commit(vkey)
+
+
+def resume_pending(host: str) -> list[str]:
+    """Re-send what a killed worker of this host left undone; idempotent by design."""
+    md = metadata()
+    resumed = []
+    for vkey in md.pending_versions():
+        v = md.version(vkey)
+        if v.get("host") != host:
+            continue
+        manifest = md.manifest(vkey)
+        sent = send_transfers(vkey, manifest, md.plan(vkey), host, skip=md.settled(vkey))
+        if not sent and len(md.ready_shards(vkey)) == len(manifest.shards):
+            send_commit(vkey)
+        resumed.append(vkey)
+    return resumed
