@@ -1,0 +1,1 @@
+"""The Celery app and its tasks; enqueue.py is the one place they send each other."""
