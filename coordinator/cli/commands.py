@@ -21,35 +21,21 @@ from coordinator import config
 from coordinator.cli import reports
 from coordinator.cli.output import console, emit_json, human_bytes, table, warn
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
-from coordinator.plan.safetensors_header import read_header
-from coordinator.state.metadata import ABORTED, COMMITTED, Metadata
+from coordinator.state.metadata import COMMITTED, Metadata
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError, SmoltorrentError
 
 
 def _md() -> Metadata:
-    from tasks.context import metadata
+    from tasks.requests import connected_metadata
 
-    md = metadata()
-    md.ping()
-    return md
+    return connected_metadata()
 
 
 def _require_worker() -> None:
-    """Fail fast, with the fix, when no worker would ever run the task. This host's worker
-    serves its host queue and the shared control queue; asking it by name returns as soon
-    as it answers instead of waiting out the whole timeout."""
-    from tasks.app import app
+    from tasks.requests import require_worker
 
-    host = config.host_id()
-    name = f"smoltorrent@{host}"
-    inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
-    queues = {q["name"] for q in (inspect.active_queues() or {}).get(name, [])}
-    if config.host_queue(host) not in queues:
-        raise SmoltorrentError(
-            f"no smoltorrent worker is serving this host ({host}); start one with "
-            "`smoltorrent worker` (or run `smoltorrent demo` for a complete local cluster)."
-        )
+    require_worker()
 
 
 def _progress() -> Progress:
@@ -175,32 +161,30 @@ def cmd_flower(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    path = os.path.abspath(args.path)
-    if not os.path.isfile(path):
-        raise SmoltorrentError(f"{args.path}: no such file")
-    read_header(path)  # a bad checkpoint fails here, before anything is queued
-    if args.replicas < 1:
-        raise SmoltorrentError("--replicas must be at least 1")
-    md = _md()
-    host = config.host_id()
-    _require_worker()
-    from tasks.store import store
+    from tasks.requests import submit_store, wait_store
 
-    name = args.name or os.path.basename(path)
-    res = store.apply_async(
-        args=(path, name, args.replicas, args.shards), queue=config.host_queue(host)
-    )
+    request = submit_store(args.path, args.name, args.replicas, args.shards)
+    name = request.name
     if args.no_wait:
         if args.json:
-            emit_json({"task_id": res.id, "name": name})
+            emit_json({"task_id": request.task_id, "name": name})
         else:
-            console.print(f"queued store of {name} (task {res.id})")
+            console.print(f"queued store of {name} (task {request.task_id})")
         return 0
-    out = res.get(propagate=False, interval=defaults.CLI_POLL_INTERVAL_S)
-    if res.failed():
-        raise SmoltorrentError(f"store of {name} failed: {res.result}")
+    with _progress() as bar:
+        task = bar.add_task(f"storing {name}", total=1)
+
+        def show(p) -> None:
+            bar.update(
+                task,
+                total=p.total_bytes or 1,
+                completed=p.done_bytes,
+                description=f"storing {name} ({p.ready_shards}/{p.shards} shards)",
+            )
+
+        out = wait_store(request, show)
+    md = _md()
     vkey = out["vkey"]
-    state = _wait_commit(md, vkey, name)
     row = next(c for c in reports.checkpoints(md) if c["vkey"] == vkey)
     if args.json:
         emit_json({**row, "new": out["new"]})
@@ -216,71 +200,22 @@ def cmd_store(args: argparse.Namespace) -> int:
                 f"shards {row['under_replicated']} have fewer than {row['replicas']} copies; "
                 "see `smoltorrent status`."
             )
-    return 0 if state == COMMITTED else 1
-
-
-def _wait_commit(md: Metadata, vkey: str, name: str) -> str:
-    manifest = md.manifest(vkey)
-    sizes = [s.blob_size for s in manifest.shards]
-    plan = md.plan(vkey)
-    total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
-    with _progress() as bar:
-        task = bar.add_task(f"storing {name}", total=total or 1)
-        while True:
-            v = md.version(vkey)
-            done = sum(sizes[int(m.split(":")[0])] for m in md.settled(vkey))
-            ready = len(md.ready_shards(vkey))
-            bar.update(
-                task, completed=done, description=f"storing {name} ({ready}/{len(sizes)} shards)"
-            )
-            if v["state"] == COMMITTED:
-                return COMMITTED
-            if v["state"] == ABORTED:
-                raise SmoltorrentError(f"store of {name} abandoned: {v.get('reason')}")
-            settled, transfers = md.progress(vkey)
-            if settled >= transfers and v.get("commit_enqueued") != "1":
-                missing = sorted(set(range(len(sizes))) - md.ready_shards(vkey))
-                raise SmoltorrentError(
-                    f"store of {name} is stuck: shards {missing} reached no node. Its failed "
-                    "transfers are dead letters (`smoltorrent dlq ls`); fix the nodes, then "
-                    "`smoltorrent dlq replay --all` completes it."
-                )
-            if md.has_dead_letter(f"commit-{vkey}"):
-                raise SmoltorrentError(
-                    f"store of {name}: every shard landed but the commit failed for good "
-                    f"({md.dead_letter(f'commit-{vkey}')['error']}). Fix the cause, then "
-                    f"`smoltorrent dlq replay commit-{vkey}` commits it."
-                )
-            time.sleep(defaults.CLI_POLL_INTERVAL_S)
+    return 0 if out["state"] == COMMITTED else 1
 
 
 def cmd_gather(args: argparse.Namespace) -> int:
-    md = _md()
-    vkey = md.resolve(args.name, args.version)
-    out = os.path.abspath(args.output)
-    if not os.path.isdir(os.path.dirname(out)):
-        raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
-    host = config.host_id()
-    _require_worker()
-    from tasks.gather import gather
+    from tasks.requests import submit_gather, wait_gather
 
-    res = gather.apply_async(args=(vkey, out), queue=config.host_queue(host))
-    size = int(md.version(vkey)["size"])
+    request = submit_gather(args.name, args.output, args.version)
     with _progress() as bar:
-        task = bar.add_task(f"gathering {args.name}", total=size or 1)
-        while not res.ready():
-            if res.state == "PROGRESS" and isinstance(res.info, dict):
-                bar.update(task, completed=res.info.get("done", 0))
-            time.sleep(defaults.CLI_POLL_INTERVAL_S)
-    if res.failed():
-        raise SmoltorrentError(str(res.result))
-    report = res.result
+        task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
+        report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
     if args.json:
         emit_json(report)
     else:
         rate = report["size"] / max(report["seconds"], 1e-9)
         console.print(
-            f"gathered {args.name} version {report['version_id'][:12]} -> {out} "
+            f"gathered {args.name} version {report['version_id'][:12]} -> {request.out} "
             f"({human_bytes(report['size'])} in {report['seconds']:.2f} s, "
             f"{human_bytes(rate)}/s)"
         )

@@ -1,0 +1,167 @@
+"""The one way in for the CLI, the watcher and the Python API: submit a store or a
+gather, then follow it to its end.
+
+Callers never build task messages themselves, so what makes a request durable and
+ordered lives here and in the tasks behind it, once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator import config
+from coordinator.plan.safetensors_header import read_header
+from coordinator.state.metadata import ABORTED, COMMITTED, Metadata
+from smoltorrent import defaults
+from smoltorrent.errors import SmoltorrentError
+from tasks.app import app
+from tasks.context import metadata
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    task_id: str
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class GatherRequest:
+    task_id: str
+    name: str
+    vkey: str
+    out: str
+    size: int
+
+
+@dataclass(frozen=True)
+class StoreProgress:
+    done_bytes: int
+    total_bytes: int
+    ready_shards: int
+    shards: int
+
+
+def connected_metadata() -> Metadata:
+    """The metadata store, checked to answer (a clear error if Redis is not there)."""
+    md = metadata()
+    md.ping()
+    return md
+
+
+def require_worker(host: str | None = None) -> None:
+    """Fail fast, with the fix, when no worker would ever run the task. This host's worker
+    serves its host queue and the shared control queue; asking it by name returns as soon
+    as it answers instead of waiting out the whole timeout."""
+    host = host or config.host_id()
+    name = f"smoltorrent@{host}"
+    inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
+    queues = {q["name"] for q in (inspect.active_queues() or {}).get(name, [])}
+    if config.host_queue(host) not in queues:
+        raise SmoltorrentError(
+            f"no smoltorrent worker is serving this host ({host}); start one with "
+            "`smoltorrent worker` (or run `smoltorrent demo` for a complete local cluster)."
+        )
+
+
+def submit_store(
+    path: str,
+    name: str | None = None,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    shards: int | None = None,
+) -> StoreRequest:
+    """Queue a store of the checkpoint at `path` (on this host) as a version of `name`
+    (default: the file name). A bad checkpoint fails here, before anything is queued."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise SmoltorrentError(f"{path}: no such file")
+    read_header(path)
+    if replicas < 1:
+        raise SmoltorrentError("--replicas must be at least 1")
+    connected_metadata()
+    host = config.host_id()
+    require_worker(host)
+    name = name or os.path.basename(path)
+    res = app.send_task(
+        "smoltorrent.store", args=(path, name, replicas, shards), queue=config.host_queue(host)
+    )
+    return StoreRequest(task_id=res.id, name=name, path=path)
+
+
+def wait_store(
+    request: StoreRequest, on_progress: Callable[[StoreProgress], None] | None = None
+) -> dict:
+    """Follow a store to its commit: {"vkey", "state", "new"}; SmoltorrentError when it is
+    abandoned, stuck on dead letters, or its task failed."""
+    res = app.AsyncResult(request.task_id)
+    out = res.get(propagate=False, interval=defaults.CLI_POLL_INTERVAL_S)
+    if res.failed():
+        raise SmoltorrentError(f"store of {request.name} failed: {res.result}")
+    state = _wait_commit(metadata(), out["vkey"], request.name, on_progress)
+    return {"vkey": out["vkey"], "state": state, "new": out["new"]}
+
+
+def _wait_commit(
+    md: Metadata, vkey: str, name: str, on_progress: Callable[[StoreProgress], None] | None
+) -> str:
+    manifest = md.manifest(vkey)
+    sizes = [s.blob_size for s in manifest.shards]
+    plan = md.plan(vkey)
+    total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
+    while True:
+        v = md.version(vkey)
+        if on_progress:
+            done = sum(sizes[int(m.split(":")[0])] for m in md.settled(vkey))
+            on_progress(StoreProgress(done, total, len(md.ready_shards(vkey)), len(sizes)))
+        if v["state"] == COMMITTED:
+            return COMMITTED
+        if v["state"] == ABORTED:
+            raise SmoltorrentError(f"store of {name} abandoned: {v.get('reason')}")
+        settled, transfers = md.progress(vkey)
+        if settled >= transfers and v.get("commit_enqueued") != "1":
+            missing = sorted(set(range(len(sizes))) - md.ready_shards(vkey))
+            raise SmoltorrentError(
+                f"store of {name} is stuck: shards {missing} reached no node. Its failed "
+                "transfers are dead letters (`smoltorrent dlq ls`); fix the nodes, then "
+                "`smoltorrent dlq replay --all` completes it."
+            )
+        if md.has_dead_letter(f"commit-{vkey}"):
+            raise SmoltorrentError(
+                f"store of {name}: every shard landed but the commit failed for good "
+                f"({md.dead_letter(f'commit-{vkey}')['error']}). Fix the cause, then "
+                f"`smoltorrent dlq replay commit-{vkey}` commits it."
+            )
+        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+
+
+def submit_gather(name: str, out: str, version: str | None = None) -> GatherRequest:
+    """Queue a gather of `name` (its current version, or a version id prefix) into the
+    file `out` on this host."""
+    md = connected_metadata()
+    vkey = md.resolve(name, version)
+    out = os.path.abspath(out)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
+    host = config.host_id()
+    require_worker(host)
+    res = app.send_task("smoltorrent.gather", args=(vkey, out), queue=config.host_queue(host))
+    size = int(md.version(vkey)["size"])
+    return GatherRequest(task_id=res.id, name=name, vkey=vkey, out=out, size=size)
+
+
+def wait_gather(
+    request: GatherRequest, on_progress: Callable[[int, int], None] | None = None
+) -> dict:
+    """Follow a gather to its end; its report, or SmoltorrentError naming what failed.
+    on_progress(done_bytes, total_bytes) is called as bytes arrive."""
+    res = app.AsyncResult(request.task_id)
+    while not res.ready():
+        if on_progress and res.state == "PROGRESS" and isinstance(res.info, dict):
+            on_progress(res.info.get("done", 0), request.size)
+        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+    if res.failed():
+        raise SmoltorrentError(str(res.result))
+    return res.result
