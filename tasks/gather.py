@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from coordinator import config
-from coordinator.dataplane.gather_engine import gather_checkpoint
-from coordinator.state.metadata import COMMITTED
+from coordinator.dataplane.gather_engine import BadCopy, gather_checkpoint
+from coordinator.state.metadata import COMMITTED, Metadata, NodeRecord
 from smoltorrent import defaults
 from smoltorrent.errors import GatherError
 from tasks.app import app
@@ -54,7 +55,9 @@ def gather(self, vkey: str, out_path: str) -> dict:
                 )
 
     started = time.monotonic()
-    report = gather_checkpoint(manifest, sources, out_path, progress=progress)
+    report = gather_checkpoint(
+        manifest, sources, out_path, progress=progress, on_bad_copy=bad_copy_recorder(md, nodes)
+    )
     return {
         "path": report.path,
         "name": manifest.name,
@@ -63,5 +66,18 @@ def gather(self, vkey: str, out_path: str) -> dict:
         "seconds": round(time.monotonic() - started, 3),
         "served_by": {str(k): v for k, v in report.served_by.items()},
         "fallbacks": report.fallbacks,
+        "bad_copies": [
+            {"shard": b.shard, "node": b.address, "reason": b.reason} for b in report.bad_copies
+        ],
         "host": config.host_id(),
     }
+
+
+def bad_copy_recorder(md: Metadata, nodes: dict[str, NodeRecord]) -> Callable[[BadCopy], None]:
+    """Every copy a gather finds corrupt goes on record, so the integrity sweep repairs it."""
+    by_address = {str(n.address): node_id for node_id, n in nodes.items()}
+
+    def record(bad: BadCopy) -> None:
+        md.record_bad_copy(bad.digest, by_address.get(bad.address, bad.address), bad.reason)
+
+    return record

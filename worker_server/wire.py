@@ -112,9 +112,14 @@ def recv_to_file(
     offset: int,
     *,
     skip: int = 0,
+    limit: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> str:
-    """Stream a body to fd at offset (after hashing-only its first `skip` bytes); its SHA-256."""
+    """Stream a body to fd at offset (after hashing-only its first `skip` bytes); its SHA-256.
+
+    With `limit`, nothing is written at or past offset + limit: a body longer than
+    announced raises ProtocolError before its excess reaches the file.
+    """
     hasher = hashlib.sha256()
     position = 0  # bytes of the body seen so far
 
@@ -122,6 +127,10 @@ def recv_to_file(
         nonlocal position
         hasher.update(chunk)
         start = max(skip - position, 0)
+        if limit is not None and position + len(chunk) - skip > limit:
+            raise ProtocolError(
+                f"body of {length} bytes runs past the {limit} bytes its range may hold"
+            )
         if start < len(chunk):
             try:
                 _pwrite_all(fd, chunk[start:], offset + position + start - skip)

@@ -3,8 +3,12 @@
 A temp file beside the destination is preallocated to the source size, the
 original header is written at offset 0, and every shard's data range is
 pulled in parallel straight to its offset (pwrite), hashed as it arrives
-together with the blob's own header. A failure or a digest mismatch moves
-to the next replica. Only a complete, verified file is fsynced and renamed
+together with the blob's own header. A copy whose length is not the
+manifest's blob size is refused before any of it is written, and no write
+leaves the shard's range, so a bad copy can only dirty bytes its own
+fallback rewrites. A failure or a digest mismatch moves to the next
+replica; a copy that proved corrupt is listed in the report's bad_copies.
+Only a complete, verified file of the source's size is fsynced and renamed
 onto the destination; on failure the temp file is removed and an existing
 destination is untouched.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,12 +38,23 @@ from smoltorrent.errors import (
 Progress = Callable[[int], None]
 
 
+@dataclass(frozen=True)
+class BadCopy:
+    """A replica that answered with bytes that are not its blob: wrong size or wrong hash."""
+
+    shard: int
+    digest: str
+    address: str
+    reason: str
+
+
 @dataclass
 class GatherReport:
     path: str
     size: int
     served_by: dict[int, str] = field(default_factory=dict)  # shard -> node address
     fallbacks: list[str] = field(default_factory=list)  # one line per replica that failed
+    bad_copies: list[BadCopy] = field(default_factory=list)  # copies that proved corrupt
 
 
 def _fsync_dir(path: str) -> None:
@@ -56,9 +72,11 @@ def gather_checkpoint(
     *,
     threads: int = defaults.TRANSFER_THREADS,
     progress: Progress | None = None,
+    on_bad_copy: Callable[[BadCopy], None] | None = None,
 ) -> GatherReport:
     """Write the checkpoint of `manifest` to out_path; sources[i] lists shard i's replicas
-    in the order to try them."""
+    in the order to try them. on_bad_copy(copy) runs for every corrupt copy met, whether
+    the gather then succeeds or fails."""
     out_path = os.path.abspath(os.fspath(out_path))
     if len(sources) != len(manifest.shards):
         raise SmoltorrentError(
@@ -70,6 +88,7 @@ def gather_checkpoint(
         prefix=f".{os.path.basename(out_path)}.", suffix=".partial", dir=directory
     )
     report = GatherReport(path=out_path, size=manifest.source_size)
+    lock = threading.Lock()
     try:
         if manifest.source_size:
             try:
@@ -93,10 +112,19 @@ def gather_checkpoint(
                         shard.blob_sha256,
                         fd,
                         manifest.data_start + shard.data_start,
+                        size=shard.blob_size,
                         skip=shard.blob_data_offset,
                         progress=progress,
                     )
-                except (NodeUnavailableError, NodeError, DigestMismatchError, ProtocolError) as exc:
+                except DigestMismatchError as exc:
+                    tried.append(f"{client.address}: {exc}")
+                    bad = BadCopy(index, shard.blob_sha256, str(client.address), str(exc))
+                    with lock:
+                        report.bad_copies.append(bad)
+                    if on_bad_copy:
+                        on_bad_copy(bad)
+                    continue
+                except (NodeUnavailableError, NodeError, ProtocolError) as exc:
                     tried.append(f"{client.address}: {exc}")
                     continue
                 report.served_by[index] = str(client.address)
@@ -115,6 +143,13 @@ def gather_checkpoint(
                 + " | ".join(missing)
                 + f". Nothing was written to {out_path}. Bring a node holding them back "
                 "(`smoltorrent status`) and gather again."
+            )
+        written = os.fstat(fd).st_size
+        if written != manifest.source_size:
+            raise GatherError(
+                f"the rebuilt {manifest.name} is {written} bytes, not the {manifest.source_size}"
+                f" of its source; nothing was written to {out_path}. Gather again, and report"
+                " this if it repeats."
             )
         os.fsync(fd)
         os.close(fd)

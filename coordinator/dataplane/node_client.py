@@ -164,17 +164,35 @@ class NodeClient:
         out_fd: int,
         out_offset: int,
         *,
+        size: int | None = None,
         skip: int = 0,
         progress: Callable[[int], None] | None = None,
     ) -> str:
         """Stream the whole blob: the first `skip` bytes are hashed only, the rest hashed and
         pwritten at out_offset. Returns the SHA-256 hex of everything received, which is
-        `digest`: DigestMismatchError otherwise. progress(nbytes) is called as data arrives."""
+        `digest`: DigestMismatchError otherwise. progress(nbytes) is called as data arrives.
+
+        With `size` (the blob size the manifest promises), a copy of any other length is
+        refused before one byte of it is written, and no write goes past out_offset +
+        size - skip: an oversized copy cannot spill into the neighbouring shard's range.
+        """
         with self._connection() as sock:
             wire.send_frame(sock, {"op": "get", "digest": digest, "offset": 0, "length": None})
             _, body_len = wire.recv_response(sock, str(self.address))
+            if size is not None and body_len != size:
+                raise DigestMismatchError(
+                    f"blob {digest[:12]} on node {self.address} is {body_len} bytes, not the"
+                    f" {size} its manifest promises: that copy is corrupt; fetch it from"
+                    " another replica"
+                )
             received = wire.recv_to_file(
-                sock, body_len, out_fd, out_offset, skip=skip, progress=progress
+                sock,
+                body_len,
+                out_fd,
+                out_offset,
+                skip=skip,
+                limit=None if size is None else size - skip,
+                progress=progress,
             )
         if received != digest:
             raise DigestMismatchError(

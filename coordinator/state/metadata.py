@@ -367,6 +367,12 @@ class Metadata:
                     return True
         return False
 
+    def record_bad_copy(self, digest: str, node_id: str, reason: str) -> None:
+        """Note a copy that served wrong bytes, for the integrity sweep to repair."""
+        self.r.hset(
+            K.BAD_COPIES, f"{digest}:{node_id}", json.dumps({"reason": reason, "at": time.time()})
+        )
+
     # --- dead letters ----------------------------------------------------------
 
     def add_dead_letter(self, task_id: str, record: dict) -> None:

@@ -40,6 +40,8 @@ ATTEMPTS = PREFIX + "version:{vkey}:attempts"
 
 # set of node ids holding a verified copy of a blob
 PLACEMENT = PREFIX + "blob:{digest}:nodes"
+# hash "digest:node_id" -> JSON {reason, at}: copies a reader found corrupt, to repair
+BAD_COPIES = PREFIX + "bad_copies"
 
 # hash task_id -> JSON dead-letter record; stream as a time-ordered index
 DLQ = PREFIX + "dlq"

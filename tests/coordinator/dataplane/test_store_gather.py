@@ -227,3 +227,64 @@ def test_chain_replication_moves_each_byte_once_from_the_source(nodes, tmp_path)
     assert result.bytes_from_source == blob_bytes
     parallel = store_checkpoint(src, [n.address for n in nodes], name="again")
     assert parallel.bytes_sent == 0  # content addressing: every blob is already in place
+
+
+def blob_file(node, digest: str) -> Path:
+    return node.data_dir / "blobs" / digest[:2] / digest
+
+
+GARBAGE_BYTES = 3 * 1024 * 1024  # a few MiB: more than any neighbouring shard's range here
+
+
+def test_oversized_copies_never_spill_into_a_neighbouring_shard(nodes, tmp_path):
+    src = tmp_path / "spill.safetensors"
+    write_llm_like(src, layers=4, hidden=256)
+    result = store_checkpoint(src, [n.address for n in nodes])
+    by_id = ids_of(nodes)
+    sources = []
+    for index, shard in enumerate(result.manifest.shards):
+        first, second = (by_id[h] for h in result.holders[index])
+        with open(blob_file(first, shard.blob_sha256), "ab") as blob:
+            blob.write(os.urandom(GARBAGE_BYTES))  # a foreign tool, a bad disk
+        sources.append([NodeClient(first.address), NodeClient(second.address)])
+    out = tmp_path / "out.safetensors"
+    met = []
+    report = gather_checkpoint(result.manifest, sources, out, on_bad_copy=met.append)
+    assert sha(out) == sha(src)
+    assert out.stat().st_size == src.stat().st_size
+    bad = sorted((b.shard, b.address) for b in report.bad_copies)
+    assert bad == sorted((i, str(s[0].address)) for i, s in enumerate(sources))
+    assert met == report.bad_copies
+    assert all("not the" in b.reason for b in report.bad_copies)
+
+
+def test_only_oversized_copies_left_fails_cleanly(nodes, tmp_path):
+    src = tmp_path / "spill.safetensors"
+    write_llm_like(src, layers=4, hidden=256)
+    result = store_checkpoint(src, [n.address for n in nodes])
+    by_id = ids_of(nodes)
+    shard = result.manifest.shards[0]
+    for node_id in result.holders[0]:
+        with open(blob_file(by_id[node_id], shard.blob_sha256), "ab") as blob:
+            blob.write(os.urandom(GARBAGE_BYTES))
+    dest = tmp_path / "existing.safetensors"
+    dest.write_bytes(b"precious")
+    with pytest.raises(GatherError, match=r"shard 0 \("):
+        gather_checkpoint(result.manifest, sources_for(result, by_id), dest)
+    assert dest.read_bytes() == b"precious"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_truncated_copy_is_a_bad_copy(nodes, tmp_path):
+    src = tmp_path / "short.safetensors"
+    write_llm_like(src)
+    result = store_checkpoint(src, [n.address for n in nodes])
+    by_id = ids_of(nodes)
+    last = len(result.manifest.shards) - 1
+    shard = result.manifest.shards[last]
+    node = by_id[result.holders[last][0]]
+    os.truncate(blob_file(node, shard.blob_sha256), shard.blob_size - 100)
+    out = tmp_path / "out.safetensors"
+    report = gather_checkpoint(result.manifest, sources_for(result, by_id, node), out)
+    assert sha(out) == sha(src)
+    assert [(b.shard, b.address) for b in report.bad_copies] == [(last, str(node.address))]
