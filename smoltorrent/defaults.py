@@ -6,7 +6,7 @@ saying why it has that value.
 
 # --- wire protocol (worker_server/protocol.py, worker_server/wire.py) -------
 
-PROTOCOL_VERSION = 1  # bumped on any incompatible frame or operation change
+PROTOCOL_VERSION = 2  # bumped on any incompatible frame or operation change
 DEFAULT_PORT = 7411  # TCP; unassigned by IANA, easy to remember
 MAX_HEADER_BYTES = 64 * 1024  # bytes; JSON headers carry names and digests, never data
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024  # bytes; inventories and manifests, bounded per request

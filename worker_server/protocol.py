@@ -4,6 +4,13 @@ Pure: no sockets, no files. A frame is a fixed 20-byte prefix (magic, protocol
 version, flags, reserved, header length, body length), a UTF-8 JSON object
 header, then a raw body of the declared length. Anything that does not follow
 the protocol raises ProtocolError (or a subclass) with a sentence saying why.
+
+With a cluster key, the handshake binds both nonces and the node id into the
+proofs and derives one key per direction; after it, every frame carries a tag
+(HMAC-SHA256 over an implicit sequence number, the prefix and the header) right
+after its header, and a body not covered by a content digest carries a second
+tag after it (flag FLAG_BODY_TAG). A changed, dropped, replayed or reordered
+frame fails its tag.
 """
 
 from __future__ import annotations
@@ -31,8 +38,15 @@ PREFIX_BYTES = PREFIX.size
 
 AUTH_HMAC = "hmac-sha256"
 AUTH_NONE = "none"
-# Prepended to the client's nonce so the server's proof can never be replayed as a client's.
-SERVER_PROOF_CONTEXT = b"server"
+FLAG_BODY_TAG = 0x01  # a tag follows the body: it is not covered by a content digest
+KNOWN_FLAGS = FLAG_BODY_TAG
+TAG_BYTES = 32  # HMAC-SHA256 output
+# Distinct labels so no proof or key can ever be replayed as another one.
+CLIENT_PROOF_LABEL = b"smoltorrent/2 client proof"
+SERVER_PROOF_LABEL = b"smoltorrent/2 server proof"
+CLIENT_TO_SERVER_LABEL = b"smoltorrent/2 client to server"
+SERVER_TO_CLIENT_LABEL = b"smoltorrent/2 server to client"
+SEQUENCE = struct.Struct(">Q")
 
 ERROR_CODES = frozenset(
     {
@@ -78,7 +92,7 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
 }
 
 
-def encode_frame(header: dict[str, Any], body_len: int = 0) -> bytes:
+def encode_frame(header: dict[str, Any], body_len: int = 0, flags: int = 0) -> bytes:
     """The prefix and JSON header of a frame; the caller sends body_len body bytes after it."""
     header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
     if len(header_bytes) > defaults.MAX_HEADER_BYTES:
@@ -90,12 +104,18 @@ def encode_frame(header: dict[str, Any], body_len: int = 0) -> bytes:
         raise FrameTooLargeError(
             f"frame body of {body_len} bytes is outside 0..{defaults.MAX_BLOB_BYTES}"
         )
-    prefix = PREFIX.pack(MAGIC, defaults.PROTOCOL_VERSION, 0, 0, len(header_bytes), body_len)
+    prefix = PREFIX.pack(MAGIC, defaults.PROTOCOL_VERSION, flags, 0, len(header_bytes), body_len)
     return prefix + header_bytes
 
 
 def decode_prefix(data: bytes) -> tuple[int, int]:
     """The 20-byte prefix -> (header_len, body_len), both checked against the protocol limits."""
+    header_len, body_len, _ = decode_prefix_flags(data)
+    return header_len, body_len
+
+
+def decode_prefix_flags(data: bytes) -> tuple[int, int, int]:
+    """The 20-byte prefix -> (header_len, body_len, flags), checked against the protocol."""
     if len(data) != PREFIX_BYTES:
         raise ProtocolError(f"frame prefix must be {PREFIX_BYTES} bytes, got {len(data)}")
     magic, version, flags, reserved, header_len, body_len = PREFIX.unpack(data)
@@ -109,8 +129,8 @@ def decode_prefix(data: bytes) -> tuple[int, int]:
             f"peer speaks wire protocol version {version}, this side speaks"
             f" {defaults.PROTOCOL_VERSION}: run the same smoltorrent release on both sides"
         )
-    if flags != 0 or reserved != 0:
-        raise ProtocolError(f"frame flags {flags} and reserved {reserved} must both be 0")
+    if flags & ~KNOWN_FLAGS or reserved != 0:
+        raise ProtocolError(f"frame flags {flags} and reserved {reserved} are not in use")
     if header_len == 0 or header_len > defaults.MAX_HEADER_BYTES:
         raise FrameTooLargeError(
             f"frame header length {header_len} is outside 1..{defaults.MAX_HEADER_BYTES} bytes"
@@ -119,7 +139,7 @@ def decode_prefix(data: bytes) -> tuple[int, int]:
         raise FrameTooLargeError(
             f"frame declares a {body_len} byte body, over the {defaults.MAX_BLOB_BYTES} byte limit"
         )
-    return header_len, body_len
+    return header_len, body_len, flags
 
 
 def decode_header(data: bytes) -> dict[str, Any]:
@@ -293,14 +313,46 @@ def check_response(header: dict[str, Any], peer: str) -> dict[str, Any]:
     raise NodeError(code, text)
 
 
-def client_proof(key: bytes, server_nonce: bytes) -> str:
-    """What the client sends to prove it holds the cluster key."""
-    return hmac.new(key, server_nonce, hashlib.sha256).hexdigest()
+def _transcript(server_nonce: bytes, client_nonce: bytes, node_id: str) -> bytes:
+    """What both proofs and both session keys are bound to: fixed-size fields, no ambiguity."""
+    return server_nonce + client_nonce + node_id.encode("ascii")
 
 
-def server_proof(key: bytes, client_nonce: bytes) -> str:
+def client_proof(key: bytes, server_nonce: bytes, client_nonce: bytes, node_id: str) -> str:
+    """What the client sends to prove it holds the cluster key, for this one handshake."""
+    message = CLIENT_PROOF_LABEL + _transcript(server_nonce, client_nonce, node_id)
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def server_proof(key: bytes, server_nonce: bytes, client_nonce: bytes, node_id: str) -> str:
     """What the server answers to prove it holds the cluster key too."""
-    return hmac.new(key, SERVER_PROOF_CONTEXT + client_nonce, hashlib.sha256).hexdigest()
+    message = SERVER_PROOF_LABEL + _transcript(server_nonce, client_nonce, node_id)
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def session_keys(
+    key: bytes, server_nonce: bytes, client_nonce: bytes, node_id: str
+) -> tuple[bytes, bytes]:
+    """(client-to-server, server-to-client) frame keys: fresh for every connection."""
+    transcript = _transcript(server_nonce, client_nonce, node_id)
+    return (
+        hmac.new(key, CLIENT_TO_SERVER_LABEL + transcript, hashlib.sha256).digest(),
+        hmac.new(key, SERVER_TO_CLIENT_LABEL + transcript, hashlib.sha256).digest(),
+    )
+
+
+def header_tag(key: bytes, sequence: int, frame_head: bytes) -> bytes:
+    """The tag after a frame's header: its sequence number, prefix and header under key."""
+    return hmac.new(key, SEQUENCE.pack(sequence) + frame_head, hashlib.sha256).digest()
+
+
+def body_mac(key: bytes, head_tag: bytes) -> hmac.HMAC:
+    """A running MAC of a body, chained to its frame's header tag; fed as the body streams."""
+    return hmac.new(key, head_tag, hashlib.sha256)
+
+
+def tags_match(expected: bytes, received: bytes) -> bool:
+    return hmac.compare_digest(expected, received)
 
 
 def proofs_match(expected: str, received: Any) -> bool:

@@ -69,7 +69,7 @@ class Session:
         cluster_key: bytes | None,
         socket_timeout: float,
     ) -> None:
-        self.sock = sock
+        self.sock = wire.session_socket(sock)
         self.peer = peer
         self.store = store
         self.cluster_key = cluster_key
@@ -83,7 +83,10 @@ class Session:
                 pass
         except AuthenticationError as exc:
             log.warning("rejected %s: %s", self.peer, exc)
-            wire.close_after_error(self.sock)
+            if self.sock.frame_auth is None:  # the handshake has sent its own error frame
+                wire.close_after_error(self.sock)
+            else:
+                self._send_error_then_close("unauthorized", str(exc))
         except (PeerClosedError, TimeoutError) as exc:
             log.info("dropping %s: %s", self.peer, exc or "timed out")
         except _ResponseCutShort as exc:
@@ -116,8 +119,8 @@ class Session:
             request = protocol.validate_request(header, body_len)
             handler = HANDLERS[request["op"]]
             handler(self, request)
-        except PeerClosedError:
-            raise
+        except (PeerClosedError, AuthenticationError):
+            raise  # the stream cannot be trusted any more: the connection ends
         except SmoltorrentError as exc:
             code = error_code_for(exc)
             log.info("%s %s refused (%s): %s", self.peer, header.get("op"), code, exc)
@@ -128,7 +131,7 @@ class Session:
         return True
 
     def _read_body(self) -> bytes:
-        body = wire.recv_exact(self.sock, self._unread_body)
+        body = wire.recv_body(self.sock, self._unread_body)
         self._unread_body = 0
         return body
 
@@ -165,7 +168,7 @@ class Session:
         with self.store.begin_put(digest, size) as incoming:
             wire.send_frame(self.sock, {"ok": True, "status": "continue"})
             self._unread_body = size
-            wire.recv_stream(self.sock, size, incoming.write)
+            wire.recv_stream(self.sock, size, incoming.write, digest_covered=True)
             self._unread_body = 0
             incoming.commit()
         log.info("stored blob %s (%d bytes) from %s", digest, size, self.peer)
@@ -181,9 +184,17 @@ class Session:
                     f"range {offset}+{length} is outside blob {request['digest'][:12]},"
                     f" which is {size} bytes"
                 )
-            self.sock.sendall(protocol.encode_frame({"ok": True, "length": length}, length))
+            # A whole blob is checked against its digest by the client; a range is tagged.
+            whole = offset == 0 and request["length"] is None
             try:
-                wire.send_file_range(self.sock, fd, offset, length)
+                wire.send_file_frame(
+                    self.sock,
+                    {"ok": True, "length": length},
+                    fd,
+                    offset,
+                    length,
+                    digest_covered=whole,
+                )
             except ProtocolError as exc:  # the blob file shrank under us: tampered with on disk
                 raise _ResponseCutShort(f"blob {request['digest']}: {exc}") from exc
         finally:

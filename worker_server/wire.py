@@ -3,11 +3,17 @@
 Every read has a timeout (the socket's own), every body is moved through one
 fixed buffer or with sendfile, and nothing a peer declares is allocated before
 it has been checked against the protocol limits.
+
+After a keyed handshake the socket carries its FrameAuth, and every frame
+sent or received through this module is tagged and checked (see protocol.py).
+A body may travel untagged only where the receiver checks a content digest
+(a put's blob, a whole-blob get): the receiver says so with digest_covered.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import secrets
 import selectors
@@ -26,17 +32,127 @@ from smoltorrent.errors import (
 from worker_server import protocol
 
 
-def connect(host: str, port: int, timeout: float) -> socket.socket:
+class FrameAuth:
+    """One authenticated session's frame keys and sequence numbers, one per direction."""
+
+    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
+        self._send_key, self._recv_key = send_key, recv_key
+        self._sent = 0  # frames sent so far: the next one's sequence number
+        self._received = 0
+        self._body_mac: hmac.HMAC | None = None  # the tagged body being received, if any
+
+    def seal(self, frame_head: bytes) -> bytes:
+        """The tag for the next frame sent (prefix + header bytes)."""
+        tag = protocol.header_tag(self._send_key, self._sent, frame_head)
+        self._sent += 1
+        return tag
+
+    def body_mac(self, head_tag: bytes) -> hmac.HMAC:
+        return protocol.body_mac(self._send_key, head_tag)
+
+    def open(self, frame_head: bytes, tag: bytes, flags: int, body_len: int) -> None:
+        """Check the tag of the next frame received; AuthenticationError if it fails."""
+        expected = protocol.header_tag(self._recv_key, self._received, frame_head)
+        if not protocol.tags_match(expected, tag):
+            raise AuthenticationError(
+                f"frame {self._received} of this connection failed its integrity check:"
+                " something between the two ends changed, dropped, replayed or reordered it"
+            )
+        self._received += 1
+        tagged_body = bool(flags & protocol.FLAG_BODY_TAG)
+        if tagged_body and body_len == 0:
+            raise ProtocolError("frame flags a body tag but declares no body")
+        self._body_mac = protocol.body_mac(self._recv_key, tag) if tagged_body else None
+
+    def take_body_mac(self) -> hmac.HMAC | None:
+        mac, self._body_mac = self._body_mac, None
+        return mac
+
+
+class SessionSocket(socket.socket):
+    """A TCP socket that carries its session's FrameAuth once a keyed handshake set it."""
+
+    frame_auth: FrameAuth | None = None
+
+
+def session_socket(sock: socket.socket) -> SessionSocket:
+    """The same connection as a SessionSocket (the old object is detached, not closed)."""
+    if isinstance(sock, SessionSocket):
+        return sock
+    timeout = sock.gettimeout()
+    wrapped = SessionSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
+    wrapped.settimeout(timeout)
+    return wrapped
+
+
+def _auth(sock: socket.socket) -> FrameAuth | None:
+    return getattr(sock, "frame_auth", None)
+
+
+def connect(host: str, port: int, timeout: float) -> SessionSocket:
     """A TCP connection whose every later read and write times out after `timeout` seconds."""
     sock = socket.create_connection((host, port), timeout=min(timeout, defaults.CONNECT_TIMEOUT_S))
-    sock.settimeout(timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    wrapped = session_socket(sock)
+    wrapped.settimeout(timeout)
+    wrapped.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return wrapped
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
     """A whole frame whose body is small enough to hold in memory (JSON, error frames)."""
-    sock.sendall(protocol.encode_frame(header, len(body)) + body)
+    auth = _auth(sock)
+    if auth is None:
+        sock.sendall(protocol.encode_frame(header, len(body)) + body)
+        return
+    head = protocol.encode_frame(header, len(body), protocol.FLAG_BODY_TAG if body else 0)
+    tag = auth.seal(head)
+    body_tag = auth.body_mac(tag) if body else None
+    if body_tag is None:
+        sock.sendall(head + tag)
+        return
+    body_tag.update(body)
+    sock.sendall(head + tag + body + body_tag.digest())
+
+
+def send_frame_header(sock: socket.socket, header: dict[str, Any], body_len: int) -> None:
+    """A frame whose body the caller sends next, raw and untagged: only for a body the
+    receiver checks against a content digest (a put's blob, a whole blob answering a get)."""
+    head = protocol.encode_frame(header, body_len)
+    auth = _auth(sock)
+    sock.sendall(head if auth is None else head + auth.seal(head))
+
+
+def send_file_frame(
+    sock: socket.socket,
+    header: dict[str, Any],
+    fd: int,
+    offset: int,
+    length: int,
+    *,
+    digest_covered: bool,
+) -> None:
+    """A frame whose body is `length` bytes of fd: sendfile when the receiver checks a
+    digest or there is no key, else read, tagged and sent through one buffer."""
+    auth = _auth(sock)
+    if auth is None or digest_covered or length == 0:
+        send_frame_header(sock, header, length)
+        send_file_range(sock, fd, offset, length)
+        return
+    head = protocol.encode_frame(header, length, protocol.FLAG_BODY_TAG)
+    tag = auth.seal(head)
+    mac = auth.body_mac(tag)
+    sock.sendall(head + tag)
+    position = offset
+    while position < offset + length:
+        chunk = os.pread(fd, min(defaults.IO_CHUNK_BYTES, offset + length - position), position)
+        if not chunk:
+            raise ProtocolError(
+                f"source file ended {offset + length - position} bytes before the declared length"
+            )
+        mac.update(chunk)
+        sock.sendall(chunk)
+        position += len(chunk)
+    sock.sendall(mac.digest())
 
 
 def recv_frame_header(sock: socket.socket) -> tuple[dict[str, Any], int] | None:
@@ -44,9 +160,14 @@ def recv_frame_header(sock: socket.socket) -> tuple[dict[str, Any], int] | None:
     prefix = _recv_exact_or_eof(sock, protocol.PREFIX_BYTES)
     if prefix is None:
         return None
-    header_len, body_len = protocol.decode_prefix(prefix)
-    header = protocol.decode_header(recv_exact(sock, header_len))
-    return header, body_len
+    header_len, body_len, flags = protocol.decode_prefix_flags(prefix)
+    header_bytes = recv_exact(sock, header_len)
+    auth = _auth(sock)
+    if auth is not None:
+        auth.open(prefix + header_bytes, recv_exact(sock, protocol.TAG_BYTES), flags, body_len)
+    elif flags:
+        raise ProtocolError(f"frame flags {flags} on a connection without a cluster key")
+    return protocol.decode_header(header_bytes), body_len
 
 
 def recv_response(sock: socket.socket, peer: str) -> tuple[dict[str, Any], int]:
@@ -81,17 +202,60 @@ def _recv_exact_or_eof(sock: socket.socket, length: int) -> bytes | None:
     return bytes(buffer)
 
 
+def _body_mac(sock: socket.socket, length: int, digest_covered: bool) -> hmac.HMAC | None:
+    """The running MAC a body must match, None if it carries no tag (refused unless
+    the caller checks the body against a content digest itself)."""
+    auth = _auth(sock)
+    if auth is None:
+        return None
+    mac = auth.take_body_mac()
+    if mac is None and length and not digest_covered:
+        raise AuthenticationError(
+            "a body arrived without its integrity tag on an authenticated connection"
+        )
+    return mac
+
+
+def _check_body_tag(sock: socket.socket, mac: hmac.HMAC | None) -> None:
+    if mac is not None and not protocol.tags_match(
+        mac.digest(), recv_exact(sock, protocol.TAG_BYTES)
+    ):
+        raise AuthenticationError(
+            "a frame body failed its integrity check: something between the two ends changed it"
+        )
+
+
+def recv_body(sock: socket.socket, length: int) -> bytes:
+    """A whole in-memory body (its tag checked on a keyed connection); callers bound length."""
+    mac = _body_mac(sock, length, digest_covered=False)
+    body = recv_exact(sock, length) if length else b""
+    if mac is not None:
+        mac.update(body)
+    _check_body_tag(sock, mac)
+    return body
+
+
 def recv_json_body(sock: socket.socket, body_len: int, *, what: str = "JSON body") -> Any:
     """A JSON body, refused before reading if it is larger than MAX_JSON_BODY_BYTES."""
     if body_len > defaults.MAX_JSON_BODY_BYTES:
         raise FrameTooLargeError(
             f"{what} of {body_len} bytes is over the {defaults.MAX_JSON_BODY_BYTES} byte limit"
         )
-    return protocol.decode_json(recv_exact(sock, body_len), what=what)
+    return protocol.decode_json(recv_body(sock, body_len), what=what)
 
 
-def recv_stream(sock: socket.socket, length: int, sink: Callable[[memoryview], None]) -> None:
-    """Pass `length` body bytes to sink in chunks of at most IO_CHUNK_BYTES, one buffer reused."""
+def recv_stream(
+    sock: socket.socket,
+    length: int,
+    sink: Callable[[memoryview], None],
+    *,
+    digest_covered: bool = False,
+) -> None:
+    """Pass `length` body bytes to sink in chunks of at most IO_CHUNK_BYTES, one buffer reused.
+
+    digest_covered: the caller checks the bytes against a content digest, so on a keyed
+    connection the body may come without a tag."""
+    mac = _body_mac(sock, length, digest_covered)
     buffer = bytearray(min(length, defaults.IO_CHUNK_BYTES))
     view = memoryview(buffer)
     remaining = length
@@ -101,8 +265,11 @@ def recv_stream(sock: socket.socket, length: int, sink: Callable[[memoryview], N
             raise PeerClosedError(
                 f"connection closed after {length - remaining} of {length} body bytes"
             )
+        if mac is not None:
+            mac.update(view[:count])
         sink(view[:count])
         remaining -= count
+    _check_body_tag(sock, mac)
 
 
 def recv_to_file(
@@ -143,7 +310,8 @@ def recv_to_file(
         if progress is not None:
             progress(len(chunk))
 
-    recv_stream(sock, length, write)
+    # The caller compares the result with the digest it asked for.
+    recv_stream(sock, length, write, digest_covered=True)
     return hasher.hexdigest()
 
 
@@ -197,7 +365,8 @@ def new_nonce() -> bytes:
 
 
 def server_handshake(sock: socket.socket, node_id: str, cluster_key: bytes | None) -> None:
-    """Greet the client and, with a key, run the mutual HMAC challenge-response.
+    """Greet the client and, with a key, run the mutual HMAC challenge-response, then
+    key every later frame of this connection.
 
     Raises AuthenticationError after sending an `unauthorized` error frame; the
     caller closes the connection.
@@ -227,16 +396,24 @@ def server_handshake(sock: socket.socket, node_id: str, cluster_key: bytes | Non
         send_frame(sock, protocol.error_header("unauthorized", message))
         raise AuthenticationError(f"request {header.get('op')!r} before authentication")
     request = protocol.validate_request(header, body_len)
-    if not protocol.proofs_match(protocol.client_proof(cluster_key, server_nonce), request["mac"]):
+    client_nonce = bytes.fromhex(request["nonce"])
+    expected = protocol.client_proof(cluster_key, server_nonce, client_nonce, node_id)
+    if not protocol.proofs_match(expected, request["mac"]):
         message = "wrong cluster key: use the same SMOLTORRENT_CLUSTER_KEY on every machine"
         send_frame(sock, protocol.error_header("unauthorized", message))
         raise AuthenticationError("client proof does not match the cluster key")
-    proof = protocol.server_proof(cluster_key, bytes.fromhex(request["nonce"]))
+    proof = protocol.server_proof(cluster_key, server_nonce, client_nonce, node_id)
     send_frame(sock, {"ok": True, "mac": proof})
+    to_server, to_client = protocol.session_keys(cluster_key, server_nonce, client_nonce, node_id)
+    _set_auth(sock, FrameAuth(send_key=to_client, recv_key=to_server))
 
 
 def client_handshake(sock: socket.socket, cluster_key: bytes | None, peer: str) -> str:
-    """Read the node's hello and authenticate both ways if it asks for a key; its node id."""
+    """Read the node's hello and authenticate both ways if it asks for a key; its node id.
+
+    Nothing that acts is sent before the node has proved it holds the key: the
+    client's own proof is bound to this connection's nonces and cannot be replayed.
+    """
     frame = recv_frame_header(sock)
     if frame is None:
         raise PeerClosedError(f"node {peer} closed the connection before greeting")
@@ -255,18 +432,26 @@ def client_handshake(sock: socket.socket, cluster_key: bytes | None, peer: str) 
             f"node {peer} requires the cluster key: set SMOLTORRENT_CLUSTER_KEY to the key"
             " the node was started with"
         )
+    server_nonce, node_id = hello["nonce"], hello["node_id"]
     client_nonce = new_nonce()
-    mac = protocol.client_proof(cluster_key, hello["nonce"])
+    mac = protocol.client_proof(cluster_key, server_nonce, client_nonce, node_id)
     send_frame(sock, {"op": "auth", "mac": mac, "nonce": client_nonce.hex()})
     header, _ = recv_response(sock, peer)
-    if not protocol.proofs_match(
-        protocol.server_proof(cluster_key, client_nonce), header.get("mac")
-    ):
+    expected = protocol.server_proof(cluster_key, server_nonce, client_nonce, node_id)
+    if not protocol.proofs_match(expected, header.get("mac")):
         raise AuthenticationError(
             f"node {peer} could not prove it holds the cluster key: it was started with a"
             " different key, or something else answers at that address"
         )
-    return hello["node_id"]
+    to_server, to_client = protocol.session_keys(cluster_key, server_nonce, client_nonce, node_id)
+    _set_auth(sock, FrameAuth(send_key=to_server, recv_key=to_client))
+    return node_id
+
+
+def _set_auth(sock: socket.socket, auth: FrameAuth) -> None:
+    if not isinstance(sock, SessionSocket):
+        raise TypeError("a keyed handshake needs a SessionSocket: use wire.session_socket(sock)")
+    sock.frame_auth = auth
 
 
 def send_put(
@@ -274,7 +459,8 @@ def send_put(
 ) -> bool:
     """The client half of a two-phase put; True if stored, False if the node already had it."""
     size = len(prefix) + length
-    sock.sendall(protocol.encode_frame({"op": "put", "digest": digest, "size": size}, size))
+    # The node checks the blob against its digest, so the body goes untagged (sendfile).
+    send_frame_header(sock, {"op": "put", "digest": digest, "size": size}, size)
     header, _ = recv_response(sock, peer)
     if header.get("status") == "exists":
         return False

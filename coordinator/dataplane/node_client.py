@@ -100,7 +100,7 @@ class NodeClient:
         with self._connection() as sock:
             wire.send_frame(sock, header, body)
             response, body_len = wire.recv_response(sock, str(self.address))
-            return response, wire.recv_exact(sock, _bounded_body(body_len, self.address))
+            return response, wire.recv_body(sock, _bounded_body(body_len, self.address))
 
     def _call_json(self, header: dict[str, Any], body: bytes = b"") -> Any:
         with self._connection() as sock:
@@ -222,7 +222,7 @@ class NodeClient:
                 wire.send_frame(sock, {"op": "verify", "digests": batch})
                 _, body_len = wire.recv_response(sock, str(self.address))
                 answer = protocol.decode_json(
-                    wire.recv_exact(sock, _bounded_body(body_len, self.address))
+                    wire.recv_body(sock, _bounded_body(body_len, self.address))
                 )
                 bad.extend(protocol.validate_digest_list(answer))
         return bad

@@ -12,7 +12,7 @@ from smoltorrent.errors import DiskFullError, NodeError
 from tests.conftest import SMALL_FS_BYTES
 from tests.nodeproc import NodeProcess, start_node
 from tests.worker_server.conftest import CLUSTER_KEY, SourceBlob
-from worker_server import protocol, wire
+from worker_server import wire
 from worker_server.blob_store import BlobStore
 
 READ_TIMEOUT_S = 5.0  # seconds; generous for loopback
@@ -57,7 +57,7 @@ def test_disk_filling_up_mid_transfer(small_node: NodeProcess, make_blob) -> Non
     with wire.connect(small_node.address.host, small_node.address.port, READ_TIMEOUT_S) as sock:
         wire.client_handshake(sock, CLUSTER_KEY, str(small_node.address))
         request = {"op": "put", "digest": blob.digest, "size": size}
-        sock.sendall(protocol.encode_frame(request, size))
+        wire.send_frame_header(sock, request, size)
         assert wire.recv_frame_header(sock)[0]["status"] == "continue"
         filler = small_node.data_dir / "filler"
         fill_up(filler)  # someone else takes the space meanwhile

@@ -68,9 +68,10 @@ def test_wrong_version_is_rejected() -> None:
         protocol.decode_prefix(prefix(version=defaults.PROTOCOL_VERSION + 1))
 
 
-def test_nonzero_flags_are_rejected() -> None:
+def test_unknown_flags_are_rejected() -> None:
+    assert protocol.decode_prefix_flags(prefix(flags=protocol.FLAG_BODY_TAG))[2] == 1
     with pytest.raises(ProtocolError, match="flags"):
-        protocol.decode_prefix(prefix(flags=1))
+        protocol.decode_prefix(prefix(flags=2))
 
 
 def test_short_prefix_is_rejected() -> None:
@@ -244,14 +245,37 @@ def test_hello_is_validated() -> None:
 
 
 def test_hmac_proofs_are_mutual_and_distinct() -> None:
-    key, nonce = b"key", b"\x01" * defaults.NONCE_BYTES
-    client = protocol.client_proof(key, nonce)
-    server = protocol.server_proof(key, nonce)
+    key, ns, nc = b"key", b"\x01" * defaults.NONCE_BYTES, b"\x02" * defaults.NONCE_BYTES
+    node = "ab" * 16
+    client = protocol.client_proof(key, ns, nc, node)
+    server = protocol.server_proof(key, ns, nc, node)
     assert client != server  # a server cannot be fooled by echoing the client's own proof
-    assert protocol.proofs_match(client, protocol.client_proof(key, nonce))
-    assert not protocol.proofs_match(client, protocol.client_proof(b"other", nonce))
+    assert protocol.proofs_match(client, protocol.client_proof(key, ns, nc, node))
+    assert not protocol.proofs_match(client, protocol.client_proof(b"other", ns, nc, node))
+    # Bound to both nonces and the node: a proof for another connection or node is worthless.
+    assert not protocol.proofs_match(client, protocol.client_proof(key, ns, ns, node))
+    assert not protocol.proofs_match(client, protocol.client_proof(key, nc, nc, node))
+    assert not protocol.proofs_match(client, protocol.client_proof(key, ns, nc, "cd" * 16))
     assert not protocol.proofs_match(client, None)
     assert not protocol.proofs_match(client, "é" * 64)
+
+
+def test_session_keys_differ_per_direction_and_connection() -> None:
+    key, ns, nc, node = b"key", b"\x01" * 32, b"\x02" * 32, "ab" * 16
+    to_server, to_client = protocol.session_keys(key, ns, nc, node)
+    assert to_server != to_client
+    assert protocol.session_keys(key, ns, b"\x03" * 32, node)[0] != to_server
+    assert to_server not in {bytes.fromhex(protocol.client_proof(key, ns, nc, node))}
+
+
+def test_frame_tags_bind_the_sequence_number_and_every_header_byte() -> None:
+    key = b"k" * 32
+    head = protocol.encode_frame({"op": "delete", "digest": DIGEST})
+    tag = protocol.header_tag(key, 0, head)
+    assert protocol.tags_match(tag, protocol.header_tag(key, 0, head))
+    assert not protocol.tags_match(tag, protocol.header_tag(key, 1, head))  # replayed later
+    flipped = head[:-3] + bytes([head[-3] ^ 1]) + head[-2:]
+    assert not protocol.tags_match(tag, protocol.header_tag(key, 0, flipped))
 
 
 def test_json_bodies_round_trip() -> None:

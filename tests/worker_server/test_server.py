@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from smoltorrent import defaults
 from smoltorrent.errors import DigestMismatchError, NodeError, ProtocolError
 from tests.nodeproc import NodeProcess
 from tests.worker_server.conftest import SourceBlob
@@ -21,7 +22,7 @@ def test_ping_and_stat(keyed_node: NodeProcess) -> None:
     node_id = client.ping()
     stat = client.stat()
     assert stat.node_id == node_id
-    assert stat.protocol_version == 1
+    assert stat.protocol_version == defaults.PROTOCOL_VERSION
     assert 0 < stat.free_bytes <= stat.total_bytes
 
 

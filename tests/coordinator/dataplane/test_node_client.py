@@ -122,7 +122,9 @@ def test_node_that_cannot_prove_the_key_is_refused(fake_node) -> None:
     def impostor(conn: socket.socket) -> None:
         send_hello(conn, auth="hmac-sha256")
         wire.recv_frame_header(conn)
-        wire.send_frame(conn, {"ok": True, "mac": protocol.client_proof(b"guess", b"x")})
+        nonce = b"x" * defaults.NONCE_BYTES
+        proof = protocol.client_proof(b"guess", nonce, nonce, FAKE_NODE_ID)
+        wire.send_frame(conn, {"ok": True, "mac": proof})
 
     with pytest.raises(AuthenticationError, match="could not prove"):
         NodeClient(fake_node(impostor), cluster_key=KEY).ping()
