@@ -73,3 +73,8 @@ LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own 
 EMBEDDED_REDIS_ATTEMPT_S = 2.0  # seconds one redis-server start may take before trying again
 EMBEDDED_PORT_LOW = 20000  # lowest port picked for our own Redis: above common services
 EPHEMERAL_PORT_LOW = 32768  # Linux's default start of outgoing ports, if /proc does not say
+
+# --- watcher (coordinator/watcher.py) -----------------------------------------
+
+# The original looked every 10 s; a stat is cheap, an unstored checkpoint is not.
+WATCH_RECHECK_S = 2.0  # seconds between looks at files still being written

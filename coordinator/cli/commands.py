@@ -416,3 +416,45 @@ def cmd_demo(args: argparse.Namespace, run_command) -> int:
             else "[bold red]SHA-256 differs![/]"
         )
     return 0 if report["byte_identical"] else 1
+
+
+# --- watch ---------------------------------------------------------------------------
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    import redis
+    from kombu.exceptions import OperationalError
+
+    from coordinator.watcher import Watcher, stored_identities_from
+    from smoltorrent.errors import MetadataError
+    from tasks.requests import submit_store
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.replicas < 1:
+        raise SmoltorrentError("--replicas must be at least 1")
+    md = _md()
+
+    def submit(path: str, name: str) -> str:
+        try:
+            return submit_store(path, name, args.replicas).task_id
+        except (redis.RedisError, OperationalError) as exc:
+            raise MetadataError(
+                f"Redis is not answering ({exc}); {name} stays pending and is tried again."
+            ) from exc
+
+    def identities(name: str):
+        try:
+            return stored_identities_from(md)(name)
+        except redis.RedisError as exc:
+            raise MetadataError(f"Redis is not answering ({exc})") from exc
+
+    watcher = Watcher(
+        args.directory, submit, name_prefix=args.name_prefix, stored_identities=identities
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: watcher.stop())
+    watcher.run()
+    return 0

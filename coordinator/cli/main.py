@@ -115,6 +115,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rb.add_argument("--json", action="store_true")
 
+    wa = sub.add_parser(
+        "watch",
+        help="store every checkpoint written under a directory, once it is complete",
+        description="Watch DIR (recursively) and store every new or rewritten *.safetensors "
+        "as the name of its path relative to DIR, once the writer has finished it. Files "
+        "still being written wait in a pending list; identical content stores nothing; "
+        "what changed while the watcher was down is stored at start. Runs until SIGTERM "
+        "or Ctrl-C; the transfers run on this host's worker (`smoltorrent worker`).",
+    )
+    wa.add_argument("directory", metavar="DIR")
+    wa.add_argument("--name-prefix", default="", help="put names under P/ (e.g. the run name)")
+    wa.add_argument(
+        "--replicas",
+        type=int,
+        default=defaults.DEFAULT_REPLICAS,
+        help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS})",
+    )
+
     f = sub.add_parser("flower", help="run Flower (Celery monitoring) on the same broker")
     f.add_argument("--port", type=int, default=defaults.FLOWER_PORT)
 
