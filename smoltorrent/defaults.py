@@ -23,6 +23,15 @@ VERIFY_BATCH_DIGESTS = 512  # digests per verify request; ~35 KB of JSON, under 
 # --- shard server (worker_server/server.py) ---------------------------------
 
 MAX_CONNECTIONS = 256  # concurrent connections per node; each costs one thread and one buffer
+# Per remote address, so one host cannot take every slot: a coordinator runs 8 transfer
+# threads per store and 4 worker processes (32 connections), plus room for a second store.
+MAX_CONNECTIONS_PER_ADDRESS = 64
+HANDSHAKE_DEADLINE_S = 5.0  # seconds for the whole handshake; a LAN peer needs milliseconds
+# Bytes of JSON request bodies every connection together may hold: 4 full-size manifests.
+# Without it 256 connections declaring 16 MiB could ask a 4 GB Pi for 4 GiB.
+JSON_BODY_BUDGET_BYTES = 4 * MAX_JSON_BODY_BYTES
+MAX_HAS_BODY_BYTES = 64 * 1024  # bytes; a `has` of HAS_BATCH_DIGESTS digests is ~35 KB of JSON
+HAS_BATCH_DIGESTS = 512  # digests per `has` request the client sends
 LISTEN_BACKLOG = 128  # pending accepts; bursts of parallel transfers at store time
 ACCEPT_POLL_S = 0.5  # seconds; how soon the accept loop notices SIGTERM/SIGINT
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight requests get to finish after a stop signal

@@ -90,6 +90,8 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "manifest_delete": (BODY_NONE, frozenset({"key"})),
     "auth": (BODY_NONE, frozenset({"mac", "nonce"})),
 }
+# The largest JSON body each operation may carry: a few digests need far less than a manifest.
+MAX_REQUEST_BODY_BYTES = {"has": defaults.MAX_HAS_BODY_BYTES}
 
 
 def encode_frame(header: dict[str, Any], body_len: int = 0, flags: int = 0) -> bytes:
@@ -219,10 +221,11 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
 def _validate_body_len(op: str, body_kind: str, body_len: int, request: dict[str, Any]) -> None:
     if body_kind == BODY_NONE and body_len != 0:
         raise ProtocolError(f"operation {op!r} takes no body, but the frame declares {body_len}")
-    if body_kind == BODY_JSON and body_len > defaults.MAX_JSON_BODY_BYTES:
+    limit = MAX_REQUEST_BODY_BYTES.get(op, defaults.MAX_JSON_BODY_BYTES)
+    if body_kind == BODY_JSON and body_len > limit:
         raise FrameTooLargeError(
-            f"{op!r} body of {body_len} bytes is over the"
-            f" {defaults.MAX_JSON_BODY_BYTES} byte JSON body limit"
+            f"{op!r} body of {body_len} bytes is over its {limit} byte limit: send fewer"
+            " items per request"
         )
     if body_kind == BODY_BLOB and body_len != request["size"]:
         raise ProtocolError(

@@ -22,6 +22,7 @@ from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
 from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore, write_file_atomically
+from worker_server.limits import AddressSlots, MemoryBudget
 from worker_server.session import Session
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class ShardServer:
         self._listener.settimeout(defaults.ACCEPT_POLL_S)
         self.host, self.port = self._listener.getsockname()[:2]
         self._free_slots = threading.BoundedSemaphore(defaults.MAX_CONNECTIONS)
+        self._address_slots = AddressSlots(defaults.MAX_CONNECTIONS_PER_ADDRESS)
+        self.body_budget = MemoryBudget(defaults.JSON_BODY_BUDGET_BYTES)
         self._sessions: set[threading.Thread] = set()
         self._sessions_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -94,6 +97,21 @@ class ShardServer:
                 wire.send_frame(conn, protocol.error_header("busy", message))
             conn.close()
             return
+        if not self._address_slots.acquire(_host_of(peer)):
+            self._free_slots.release()
+            log.warning(
+                "refusing %s: %d connections from that address are open",
+                peer,
+                defaults.MAX_CONNECTIONS_PER_ADDRESS,
+            )
+            message = (
+                f"this node serves at most {defaults.MAX_CONNECTIONS_PER_ADDRESS} connections"
+                " from one address: retry shortly or use fewer parallel transfers"
+            )
+            with contextlib.suppress(OSError):
+                wire.send_frame(conn, protocol.error_header("busy", message))
+            conn.close()
+            return
         thread = threading.Thread(target=self._run_session, args=(conn, peer), daemon=True)
         with self._sessions_lock:
             self._sessions.add(thread)
@@ -101,8 +119,16 @@ class ShardServer:
 
     def _run_session(self, conn: socket.socket, peer: str) -> None:
         try:
-            Session(conn, peer, self.store, self.cluster_key, self.socket_timeout).run()
+            Session(
+                conn,
+                peer,
+                self.store,
+                self.cluster_key,
+                self.socket_timeout,
+                body_budget=self.body_budget,
+            ).run()
         finally:
+            self._address_slots.release(_host_of(peer))
             self._free_slots.release()
             with self._sessions_lock:
                 self._sessions.discard(threading.current_thread())
@@ -115,6 +141,10 @@ class ShardServer:
             thread.join(max(deadline - time.monotonic(), 0))
         if any(thread.is_alive() for thread in running):
             log.warning("leaving unfinished transfers; their temp files go at next start")
+
+
+def _host_of(peer: str) -> str:
+    return peer.rpartition(":")[0]
 
 
 def serve(

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from smoltorrent import defaults
@@ -30,6 +30,7 @@ from smoltorrent.errors import (
 )
 from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore
+from worker_server.limits import MemoryBudget
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ class Session:
         store: BlobStore,
         cluster_key: bytes | None,
         socket_timeout: float,
+        *,
+        body_budget: MemoryBudget,
     ) -> None:
+        self.body_budget = body_budget
         self.sock = wire.session_socket(sock)
         self.peer = peer
         self.store = store
@@ -78,7 +82,7 @@ class Session:
 
     def run(self) -> None:
         try:
-            wire.server_handshake(self.sock, self.store.node_id, self.cluster_key)
+            self._handshake()
             while self._serve_one_request():
                 pass
         except AuthenticationError as exc:
@@ -102,6 +106,18 @@ class Session:
         finally:
             self.sock.close()
 
+    def _handshake(self) -> None:
+        try:
+            with wire.deadline(self.sock, defaults.HANDSHAKE_DEADLINE_S):
+                wire.server_handshake(self.sock, self.store.node_id, self.cluster_key)
+        except TimeoutError:
+            log.warning(
+                "dropping %s: no handshake within the %.0f s deadline",
+                self.peer,
+                defaults.HANDSHAKE_DEADLINE_S,
+            )
+            raise
+
     def _send_error_then_close(self, code: str, message: str) -> None:
         with contextlib.suppress(OSError):  # the peer may be gone; then nobody is left to tell
             wire.send_frame(self.sock, protocol.error_header(code, message))
@@ -118,7 +134,8 @@ class Session:
         try:
             request = protocol.validate_request(header, body_len)
             handler = HANDLERS[request["op"]]
-            handler(self, request)
+            with self._body_reserved(request["op"], body_len):
+                handler(self, request)
         except (PeerClosedError, AuthenticationError):
             raise  # the stream cannot be trusted any more: the connection ends
         except SmoltorrentError as exc:
@@ -129,6 +146,28 @@ class Session:
                 return False
             wire.send_frame(self.sock, protocol.error_header(code, str(exc)))
         return True
+
+    @contextlib.contextmanager
+    def _body_reserved(self, op: str, body_len: int) -> Iterator[None]:
+        """Hold a JSON body's bytes against the node's budget while the request runs."""
+        if protocol.OPERATIONS[op][0] != protocol.BODY_JSON or body_len == 0:
+            yield
+            return
+        if not self.body_budget.reserve(body_len):
+            log.warning(
+                "refusing %s's %s of %d bytes: JSON bodies in flight would pass the %d byte budget",
+                self.peer,
+                op,
+                body_len,
+                self.body_budget.total_bytes,
+            )
+            raise NodeError(
+                "busy", "this node is reading too many large requests at once: retry shortly"
+            )
+        try:
+            yield
+        finally:
+            self.body_budget.release(body_len)
 
     def _read_body(self) -> bytes:
         body = wire.recv_body(self.sock, self._unread_body)

@@ -12,13 +12,15 @@ A body may travel untagged only where the receiver checks a content digest
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
 import secrets
 import selectors
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from smoltorrent import defaults
@@ -70,9 +72,34 @@ class FrameAuth:
 
 
 class SessionSocket(socket.socket):
-    """A TCP socket that carries its session's FrameAuth once a keyed handshake set it."""
+    """A TCP socket that carries its session's FrameAuth once a keyed handshake set it,
+    and a deadline that bounds a whole exchange, not just each read."""
 
     frame_auth: FrameAuth | None = None
+    deadline: float | None = None  # time.monotonic() by which reads must be done
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the peer did not finish in time")
+            self.settimeout(min(remaining, self._timeout_outside_deadline))
+        return super().recv_into(buffer, nbytes, flags)
+
+    _timeout_outside_deadline: float = defaults.SOCKET_TIMEOUT_S
+
+
+@contextlib.contextmanager
+def deadline(sock: SessionSocket, seconds: float) -> Iterator[None]:
+    """Every read inside must be done `seconds` from now, however the peer trickles bytes."""
+    timeout = sock.gettimeout()
+    sock._timeout_outside_deadline = defaults.SOCKET_TIMEOUT_S if timeout is None else timeout
+    sock.deadline = time.monotonic() + seconds
+    try:
+        yield
+    finally:
+        sock.deadline = None
+        sock.settimeout(timeout)
 
 
 def session_socket(sock: socket.socket) -> SessionSocket:

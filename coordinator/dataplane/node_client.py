@@ -132,8 +132,12 @@ class NodeClient:
 
     def has(self, digests: list[str]) -> set[str]:
         """The subset of digests the node holds as complete blobs."""
-        present = self._call_json({"op": "has"}, protocol.encode_json(digests))
-        return set(protocol.validate_digest_list(present)) & set(digests)
+        present: set[str] = set()
+        with self._connection() as sock:
+            for batch in _batches(digests, defaults.HAS_BATCH_DIGESTS):
+                wire.send_frame(sock, {"op": "has"}, protocol.encode_json(batch))
+                present.update(protocol.validate_digest_list(self._recv_json_answer(sock)))
+        return present & set(digests)
 
     def list_blobs(self) -> dict[str, int]:
         """Inventory: digest -> size in bytes."""

@@ -229,13 +229,16 @@ def test_connection_limit_answers_busy(keyless_node: NodeProcess) -> None:
     assert keyless_node.address is not None
     address = (keyless_node.address.host, keyless_node.address.port)
     held = []
+    # From several loopback addresses, so the per-address cap is not what bites.
+    per_address = defaults.MAX_CONNECTIONS_PER_ADDRESS
     try:
-        for _ in range(defaults.MAX_CONNECTIONS):
-            sock = socket.create_connection(address, READ_TIMEOUT_S)
+        for index in range(defaults.MAX_CONNECTIONS):
+            source = (f"127.0.0.{2 + index // per_address}", 0)
+            sock = socket.create_connection(address, READ_TIMEOUT_S, source_address=source)
             assert wire.recv_frame_header(sock)[0]["op"] == "hello"
             held.append(sock)
-        extra = socket.create_connection(address, READ_TIMEOUT_S)
-        expect_error(extra, "busy")
+        extra = socket.create_connection(address, READ_TIMEOUT_S, source_address=("127.0.0.99", 0))
+        assert "connections already" in expect_error(extra, "busy")["message"]
         expect_closed(extra)
     finally:
         for sock in held:
