@@ -79,3 +79,8 @@ class InsufficientSpaceError(SmoltorrentError):
 
 class ManifestError(SmoltorrentError):
     """A manifest is malformed or written in a schema this version does not know."""
+
+
+class StateDictError(SmoltorrentError):
+    """A state dict cannot be written or read as safetensors (not tensors, mixed, bad dtype)."""
+

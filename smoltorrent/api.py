@@ -1,0 +1,235 @@
+"""The Python API for training loops: save and load state dicts through the cluster.
+
+    import smoltorrent
+
+    handle = smoltorrent.save(model.state_dict(), "run1/latest", wait=False)
+    ...                                     # training goes on while the store runs
+    state = smoltorrent.load("run1/latest", framework="torch")
+
+`save` writes a local .safetensors file (under SMOLTORRENT_HOME/staging, or
+`staging_dir`) with the framework's own writer, atomically (a temp name, then a
+rename), then asks for its store through tasks/requests.py, the one way in that the
+CLI and the watcher use too: the request is durable before `save` returns. The
+training step stalls only for the local write. The staged file is deleted once its
+version is committed on the nodes, and kept (the error names it) when the store
+fails.
+
+Saves of one name from one process run in order: a second save while the first is in
+flight writes its file at once and is queued behind the first (never two stores of
+one name interleaved). A queued save is submitted from this process when the one
+before it ends, so it is durable only from then on. The interpreter waits at exit for
+the saves it still has in flight.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator import config
+from smoltorrent import defaults
+from smoltorrent.errors import SmoltorrentError, StateDictError
+from smoltorrent.tensors import (
+    check_framework,
+    check_metadata,
+    framework_of,
+    read_file,
+    write_file,
+)
+from tasks.requests import (
+    StoreRequest,
+    connected_metadata,
+    submit_gather,
+    submit_store,
+    wait_gather,
+    wait_store,
+)
+
+_STEM_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+_STEM_MAX_CHARS = 80  # characters of the name kept in a staged file's name; the rest is a uuid
+
+
+@dataclass(frozen=True)
+class SavedVersion:
+    """A committed version of a name."""
+
+    name: str
+    version_id: str  # 64 hex: the content's id, as `smoltorrent ls` shows it
+    new: bool  # False when the cluster already held these bytes (nothing moved)
+    size: int  # bytes of the safetensors file
+
+
+class SaveHandle:
+    """A save in flight. `done()`, `result(timeout)`, `version_id` (waits for the commit)."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name = name
+        self.path = path  # the staged local file, deleted once the version is committed
+        self._future: concurrent.futures.Future[SavedVersion] = concurrent.futures.Future()
+
+    def done(self) -> bool:
+        """Whether the store has ended (committed or failed)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SavedVersion:
+        """The committed version; SmoltorrentError if the store failed, TimeoutError if it
+        has not ended within `timeout` seconds (it goes on in the background)."""
+        return self._future.result(timeout)
+
+    @property
+    def version_id(self) -> str:
+        """The committed version's id; waits for the commit."""
+        return self.result().version_id
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<SaveHandle {self.name} {state}>"
+
+
+_lock = threading.Lock()
+_latest: dict[str, SaveHandle] = {}  # per name, the save every new one queues behind
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    name: str,
+    *,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    wait: bool = True,
+    metadata: Mapping[str, str] | None = None,
+    staging_dir: str | os.PathLike[str] | None = None,
+) -> SavedVersion | SaveHandle:
+    """Store a state dict of torch tensors, numpy arrays or MLX arrays as a version of
+    `name`. With wait=True, return the committed version; with wait=False, return a
+    SaveHandle as soon as the local file is written."""
+    if not isinstance(name, str) or not name.strip():
+        raise SmoltorrentError(f"a checkpoint name must be a non-empty string, not {name!r}")
+    if replicas < 1:
+        raise SmoltorrentError(f"replicas must be at least 1, not {replicas}")
+    framework = framework_of(state_dict)
+    path = _write_staged(state_dict, name, framework, check_metadata(metadata), staging_dir)
+    handle = SaveHandle(name, path)
+    with _lock:
+        previous = _latest.get(name)
+        _latest[name] = handle
+    request = None
+    if previous is None or previous.done():
+        previous = None
+        try:
+            request = submit_store(path, name, replicas)
+        except BaseException:
+            os.unlink(path)
+            with _lock:
+                if _latest.get(name) is handle:
+                    del _latest[name]
+            raise
+    # Not a daemon: the interpreter waits for saves in flight before it exits.
+    threading.Thread(
+        target=_follow,
+        args=(handle, previous, request, replicas),
+        name=f"smoltorrent-save-{name}",
+    ).start()
+    return handle.result() if wait else handle
+
+
+def _follow(
+    handle: SaveHandle, previous: SaveHandle | None, request: StoreRequest | None, replicas: int
+) -> None:
+    try:
+        _fsync(handle.path)
+        if request is None:
+            concurrent.futures.wait([previous._future])
+            request = submit_store(handle.path, handle.name, replicas)
+        out = wait_store(request)
+        v = connected_metadata().version(out["vkey"])
+        saved = SavedVersion(handle.name, v["version_id"], bool(out["new"]), int(v["size"]))
+    except BaseException as exc:
+        handle._future.set_exception(
+            SmoltorrentError(
+                f"{exc} The state dict is kept at {handle.path}: `smoltorrent store "
+                f"{handle.path} --name {handle.name}` stores it once the cause is fixed."
+            )
+        )
+    else:
+        os.unlink(handle.path)
+        handle._future.set_result(saved)
+    finally:
+        with _lock:
+            if _latest.get(handle.name) is handle:
+                del _latest[handle.name]
+
+
+def _staging_dir(staging_dir: str | os.PathLike[str] | None) -> Path:
+    directory = Path(staging_dir) if staging_dir is not None else config.home() / "staging"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _write_staged(
+    state_dict: Mapping[str, Any],
+    name: str,
+    framework: str,
+    metadata: dict[str, str] | None,
+    staging_dir: str | os.PathLike[str] | None,
+) -> str:
+    """Write the state dict beside its final name, then rename: the store never sees a
+    half-written file. Not fsynced here: the training step would wait for the disk."""
+    directory = _staging_dir(staging_dir)
+    stem = f"{_STEM_CHARS.sub('_', name)[-_STEM_MAX_CHARS:]}.{uuid.uuid4().hex[:12]}"
+    final = directory / f"{stem}.safetensors"
+    # MLX appends .safetensors to any other suffix, so the temp name ends with it too.
+    tmp = directory / f".{stem}.partial.safetensors"
+    try:
+        write_file(state_dict, str(tmp), framework, metadata)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return str(final)
+
+
+def _fsync(path: str) -> None:
+    """Flush the staged file and its directory entry while the store starts, so a power
+    cut after this point cannot hand the re-driven store a torn file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(
+    name: str,
+    *,
+    version: str | None = None,
+    framework: str = "torch",
+    tensors: Sequence[str] | None = None,
+    device: str | None = None,
+    staging_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """The state dict of `name` (its current version, or a version id prefix) as
+    `framework` tensors, gathered and verified byte for byte."""
+    check_framework(framework)
+    if device is not None and framework != "torch":
+        raise StateDictError(f"device= applies to framework='torch' only, not {framework!r}")
+    if tensors is not None:
+        raise SmoltorrentError("tensors= is not supported yet; load the whole state dict")
+    directory = _staging_dir(staging_dir)
+    out = directory / f".load.{uuid.uuid4().hex}.safetensors"
+    try:
+        wait_gather(submit_gather(name, str(out), version))
+        return read_file(str(out), framework, device)
+    finally:
+        out.unlink(missing_ok=True)
