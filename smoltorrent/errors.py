@@ -83,4 +83,3 @@ class ManifestError(SmoltorrentError):
 
 class StateDictError(SmoltorrentError):
     """A state dict cannot be written or read as safetensors (not tensors, mixed, bad dtype)."""
-
