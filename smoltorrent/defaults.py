@@ -54,6 +54,10 @@ REDIS_TIMEOUT_S = 10.0  # seconds; a local or LAN Redis answers in milliseconds
 NODE_ALIVE_TTL_S = 30  # seconds a node counts as up after it last answered a probe
 DLQ_STREAM_MAXLEN = 10_000  # entries kept in the dead-letter index stream, approximate
 EMBEDDED_REDIS_START_S = 10.0  # seconds to wait for our own redis-server to answer
+# seconds a removed version's tombstone stays: far longer than any late transfer or
+# dead-letter replay that could still name it, short enough that Redis stays bounded
+REMOVED_TOMBSTONE_TTL_S = 30 * 24 * 3600
+REQUEST_TTL_S = 7 * 24 * 3600  # seconds a finished request stays readable (CLI, API, audit)
 
 # --- Celery control plane (tasks/) ------------------------------------------
 
@@ -71,6 +75,7 @@ MAX_TRANSFER_TIME_S = 12 * 3600  # seconds; cap so the visibility timeout stays 
 VISIBILITY_TIMEOUT_S = MAX_TRANSFER_TIME_S + 2 * RETRY_BACKOFF_MAX_S * 7
 WORKER_CONCURRENCY = 4  # prefork children per worker; transfers are I/O bound
 STABLE_AFTER_S = 2.0  # seconds a file's mtime must be in the past before it is stored
+REMOVING_WAIT_S = 5.0  # seconds a store of bytes being removed waits before trying again
 STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 min)
 GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task
 CLI_POLL_INTERVAL_S = 0.1  # seconds between CLI polls of a task's progress

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from coordinator import config
 from coordinator.dataplane.store_engine import write_manifest
-from coordinator.state.metadata import ABORTED, COMMITTED
+from coordinator.state.metadata import COMMITTED, PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 from tasks.app import app
@@ -24,7 +24,7 @@ from tasks.context import metadata, node_client
 def commit(self, vkey: str) -> str:
     md = metadata()
     v = md.version(vkey)
-    if v["state"] in (COMMITTED, ABORTED):
+    if v["state"] != PENDING:
         return v["state"]
     manifest = md.manifest(vkey)
     missing = sorted(set(range(len(manifest.shards))) - md.ready_shards(vkey))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from functools import cache
 
 from coordinator import config
@@ -9,6 +10,11 @@ from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.state.metadata import Metadata, NodeRecord
 from smoltorrent.errors import NotFoundError
 from tasks.app import REDIS_URL
+
+# This worker's start: imported in the worker's main process before the pool forks, so
+# every child shares it. A request marked running under another boot id was left by a
+# worker that is gone.
+BOOT_ID = uuid.uuid4().hex
 
 
 @cache

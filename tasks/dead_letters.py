@@ -13,10 +13,11 @@ from celery.signals import task_failure, worker_ready
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.state.metadata import FAILED
 from smoltorrent.errors import CheckpointFormatError, GatherError, NotFoundError
 from tasks.app import app
 from tasks.context import metadata
-from tasks.enqueue import resume_pending, settle
+from tasks.enqueue import redrive_request, resume_pending, settle
 
 log = get_task_logger(__name__)
 
@@ -47,6 +48,11 @@ def record_dead_letter(
             },
         )
         log.error("dead letter %s (%s): %s", task_id, sender.name, exception)
+    if kwargs.get("request_id"):
+        # The request failed for good: whoever waits on it (CLI, API) hears why.
+        metadata().finish_request(
+            kwargs["request_id"], FAILED, error=f"{type(exception).__name__}: {exception}"
+        )
     if sender.name == "smoltorrent.transfer":
         # Settled even when not replayable (its node was removed): the version must not
         # wait forever for a transfer that will never run again.
@@ -83,7 +89,15 @@ def replay(task_id: str) -> str:
 @worker_ready.connect
 def resume_on_start(sender=None, **_) -> None:
     """A worker killed mid-store left unacked messages Redis only redelivers after the
-    visibility timeout (hours): resume this host's pending versions now instead."""
-    resumed = resume_pending(config.host_id())
-    if resumed:
-        log.warning("resumed %d pending version(s) of this host", len(resumed))
+    visibility timeout (hours): re-drive this host's open requests and resume its pending
+    versions now instead."""
+    host = config.host_id()
+    md = metadata()
+    redriven = 0
+    for request_id, record in md.open_requests():
+        if record.get("host") == host:
+            redrive_request(request_id, record)
+            redriven += 1
+    resumed = resume_pending(host)
+    if redriven or resumed:
+        log.warning("re-drove %d request(s), resumed %d pending version(s)", redriven, len(resumed))

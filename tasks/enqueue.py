@@ -6,6 +6,9 @@ Tasks import this module and never each other, so no two task modules form a cir
 
 from __future__ import annotations
 
+import json
+import uuid
+
 from coordinator import config
 from coordinator.plan.manifest import Manifest
 from smoltorrent import defaults
@@ -63,21 +66,70 @@ def send_commit(vkey: str) -> None:
 
 
 def send_store(
-    path: str, name: str, replicas: int, shards: int | None, host: str, countdown: float = 0
-) -> None:
-    """A store on the host that has the file (it reads the source)."""
+    path: str,
+    name: str,
+    replicas: int,
+    shards: int | None,
+    host: str,
+    countdown: float = 0,
+    request_id: str | None = None,
+) -> str:
+    """A store on the host that has the file (it reads the source), recorded as a request
+    first (unless `request_id` names one already recorded) so no crash loses it; the
+    request id, which is also the task id."""
+    if request_id is None:
+        request_id = new_request_id()
+        args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
+        metadata().open_request(request_id, "store", host, args)
     app.send_task(
         "smoltorrent.store",
         args=(path, name, replicas, shards),
+        kwargs={"request_id": request_id},
+        task_id=request_id,
         queue=config.host_queue(host),
         countdown=countdown,
     )
+    return request_id
+
+
+def send_gather(vkey: str, out: str, host: str, request_id: str) -> None:
+    """A gather on the host that will hold the output, for a recorded request."""
+    app.send_task(
+        "smoltorrent.gather",
+        args=(vkey, out),
+        kwargs={"request_id": request_id},
+        task_id=request_id,
+        queue=config.host_queue(host),
+    )
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def redrive_request(request_id: str, record: dict[str, str]) -> None:
+    """Send a recorded request's task again, with its own id: the task serves it once."""
+    args = json.loads(record["args"])
+    if record["kind"] == "store":
+        send_store(
+            args["path"],
+            args["name"],
+            args["replicas"],
+            args["shards"],
+            record["host"],
+            request_id=request_id,
+        )
+    elif record["kind"] == "gather":
+        send_gather(args["vkey"], args["out"], record["host"], request_id)
 
 
 def settle(vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> None:
-    """Record a finished transfer; the one that completes the set enqueues the commit."""
-    if metadata().settle(vkey, shard, replica, node_id, digest):
+    """Record a finished transfer; the one that completes the set enqueues the commit and
+    only then marks it enqueued (a crash in between is found by the reconcile sweep)."""
+    md = metadata()
+    if md.settle(vkey, shard, replica, node_id, digest):
         send_commit(vkey)
+        md.mark_commit_enqueued(vkey)
 
 
 def resume_pending(host: str) -> list[str]:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
 
 from coordinator import config
 from coordinator.dataplane.gather_engine import BadCopy, gather_checkpoint
-from coordinator.state.metadata import COMMITTED, Metadata, NodeRecord
+from coordinator.state.metadata import COMMITTED, DONE, Metadata, NodeRecord
 from smoltorrent import defaults
 from smoltorrent.errors import GatherError
 from tasks.app import app
-from tasks.context import client, metadata
+from tasks.context import BOOT_ID, client, metadata
 
 
 @app.task(name="smoltorrent.gather", bind=True)
-def gather(self, vkey: str, out_path: str) -> dict:
+def gather(self, vkey: str, out_path: str, request_id: str | None = None) -> dict:
     md = metadata()
+    if request_id is not None and md.start_request(request_id, BOOT_ID) == DONE:
+        return json.loads(md.request(request_id)["result"])  # re-driven after it finished
     v = md.version(vkey)
     if v["state"] != COMMITTED:
         raise GatherError(
@@ -58,7 +61,7 @@ def gather(self, vkey: str, out_path: str) -> dict:
     report = gather_checkpoint(
         manifest, sources, out_path, progress=progress, on_bad_copy=bad_copy_recorder(md, nodes)
     )
-    return {
+    result = {
         "path": report.path,
         "name": manifest.name,
         "version_id": manifest.version_id,
@@ -71,6 +74,9 @@ def gather(self, vkey: str, out_path: str) -> dict:
         ],
         "host": config.host_id(),
     }
+    if request_id is not None:
+        md.finish_request(request_id, DONE, result=json.dumps(result))
+    return result
 
 
 def bad_copy_recorder(md: Metadata, nodes: dict[str, NodeRecord]) -> Callable[[BadCopy], None]:

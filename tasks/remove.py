@@ -1,7 +1,13 @@
-"""Remove a version: forget it, then delete the blobs no other version uses."""
+"""Remove a version: mark it removing, clean the nodes, and only then forget it.
+
+The order makes a remove resumable: a crash or a down node leaves the version
+"removing" (never gatherable, never rebuilt, never re-committed), and running
+the remove again finishes it. Redis keys go last.
+"""
 
 from __future__ import annotations
 
+from coordinator.state.metadata import REMOVED
 from smoltorrent.errors import NodeError, NodeUnavailableError
 from tasks.app import app
 from tasks.context import metadata, node_client
@@ -10,16 +16,17 @@ from tasks.context import metadata, node_client
 @app.task(name="smoltorrent.remove", bind=True)
 def remove(self, vkey: str) -> dict:
     md = metadata()
-    manifest = md.delete_version(vkey)
-    if manifest is None:
+    found = md.begin_remove(vkey)
+    if found in (None, REMOVED):
         return {"vkey": vkey, "removed": False, "blobs_deleted": 0}
+    manifest = md.manifest(vkey)
     registered = md.nodes()
     deleted, kept = 0, []
     holders_of_manifest = set()
     for shard in manifest.shards:
         holders = md.placement(shard.blob_sha256)
         holders_of_manifest |= holders
-        if md.blob_in_use(shard.blob_sha256):
+        if md.blob_in_use(shard.blob_sha256, besides=vkey):
             continue  # shared with another version (content addressing)
         for node_id in holders:
             if node_id not in registered:
@@ -35,4 +42,6 @@ def remove(self, vkey: str) -> dict:
             node_client(node_id, registered).delete_manifest(vkey)
         except (NodeUnavailableError, NodeError) as exc:
             kept.append(f"manifest on {node_id}: {exc}")
+    if not kept:
+        md.finish_remove(vkey)
     return {"vkey": vkey, "removed": True, "blobs_deleted": deleted, "left_behind": kept}

@@ -14,11 +14,20 @@ from dataclasses import dataclass
 
 from coordinator import config
 from coordinator.plan.safetensors_header import read_header
-from coordinator.state.metadata import ABORTED, COMMITTED, Metadata
+from coordinator.state.metadata import (
+    ABORTED,
+    COMMITTED,
+    DONE,
+    FAILED,
+    REMOVED,
+    REMOVING,
+    Metadata,
+)
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
 from tasks.app import app
 from tasks.context import metadata
+from tasks.enqueue import new_request_id, send_gather, send_store
 
 
 @dataclass(frozen=True)
@@ -85,10 +94,10 @@ def submit_store(
     host = config.host_id()
     require_worker(host)
     name = name or os.path.basename(path)
-    res = app.send_task(
-        "smoltorrent.store", args=(path, name, replicas, shards), queue=config.host_queue(host)
-    )
-    return StoreRequest(task_id=res.id, name=name, path=path)
+    # send_store records the request (its sequence number orders the name's versions)
+    # before queuing the task: from here on no crash loses it.
+    request_id = send_store(path, name, replicas, shards, host)
+    return StoreRequest(task_id=request_id, name=name, path=path)
 
 
 def wait_store(
@@ -96,12 +105,14 @@ def wait_store(
 ) -> dict:
     """Follow a store to its commit: {"vkey", "state", "new"}; SmoltorrentError when it is
     abandoned, stuck on dead letters, or its task failed."""
-    res = app.AsyncResult(request.task_id)
-    out = res.get(propagate=False, interval=defaults.CLI_POLL_INTERVAL_S)
-    if res.failed():
-        raise SmoltorrentError(f"store of {request.name} failed: {res.result}")
-    state = _wait_commit(metadata(), out["vkey"], request.name, on_progress)
-    return {"vkey": out["vkey"], "state": state, "new": out["new"]}
+    md = metadata()
+    while (record := md.request(request.task_id))["state"] not in (DONE, FAILED):
+        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+    if record["state"] == FAILED:
+        raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
+    vkey = record["vkey"]
+    state = _wait_commit(md, vkey, request.name, on_progress)
+    return {"vkey": vkey, "state": state, "new": record.get("new") == "1"}
 
 
 def _wait_commit(
@@ -112,17 +123,20 @@ def _wait_commit(
     plan = md.plan(vkey)
     total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
     while True:
-        v = md.version(vkey)
+        # One consistent read: a transfer settling between two reads cannot make a store
+        # that commits look stuck.
+        v, settled, ready = md.snapshot(vkey)
         if on_progress:
-            done = sum(sizes[int(m.split(":")[0])] for m in md.settled(vkey))
-            on_progress(StoreProgress(done, total, len(md.ready_shards(vkey)), len(sizes)))
+            done = sum(sizes[int(m.split(":")[0])] for m in settled)
+            on_progress(StoreProgress(done, total, len(ready), len(sizes)))
         if v["state"] == COMMITTED:
             return COMMITTED
         if v["state"] == ABORTED:
             raise SmoltorrentError(f"store of {name} abandoned: {v.get('reason')}")
-        settled, transfers = md.progress(vkey)
-        if settled >= transfers and v.get("commit_enqueued") != "1":
-            missing = sorted(set(range(len(sizes))) - md.ready_shards(vkey))
+        if v["state"] in (REMOVING, REMOVED):
+            raise SmoltorrentError(f"store of {name}: the version was removed meanwhile.")
+        missing = sorted(set(range(len(sizes))) - ready)
+        if len(settled) >= int(v["transfers"]) and missing:
             raise SmoltorrentError(
                 f"store of {name} is stuck: shards {missing} reached no node. Its failed "
                 "transfers are dead letters (`smoltorrent dlq ls`); fix the nodes, then "
@@ -147,9 +161,11 @@ def submit_gather(name: str, out: str, version: str | None = None) -> GatherRequ
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
     host = config.host_id()
     require_worker(host)
-    res = app.send_task("smoltorrent.gather", args=(vkey, out), queue=config.host_queue(host))
+    request_id = new_request_id()
+    md.open_request(request_id, "gather", host, {"vkey": vkey, "out": out})
+    send_gather(vkey, out, host, request_id)
     size = int(md.version(vkey)["size"])
-    return GatherRequest(task_id=res.id, name=name, vkey=vkey, out=out, size=size)
+    return GatherRequest(task_id=request_id, name=name, vkey=vkey, out=out, size=size)
 
 
 def wait_gather(

@@ -11,11 +11,11 @@ from celery.utils.log import get_task_logger
 from coordinator import config
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.state.liveness import probe_registered
-from coordinator.state.metadata import PENDING
+from coordinator.state.metadata import DONE, PENDING, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import NotEnoughNodesError
 from tasks.app import app
-from tasks.context import metadata
+from tasks.context import BOOT_ID, metadata
 from tasks.enqueue import send_transfers
 
 log = get_task_logger(__name__)
@@ -23,14 +23,26 @@ log = get_task_logger(__name__)
 
 @app.task(name="smoltorrent.store", bind=True, max_retries=defaults.STABLE_RETRIES)
 def store(
-    self, path: str, name: str, replicas: int = defaults.DEFAULT_REPLICAS, shards: int | None = None
+    self,
+    path: str,
+    name: str,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    shards: int | None = None,
+    request_id: str | None = None,
 ) -> dict:
-    """Store the checkpoint at `path` (on this host) as a new version of `name`."""
+    """Store the checkpoint at `path` (on this host) as a new version of `name`, for the
+    request `request_id` (recorded by tasks/requests.py before this task was queued)."""
+    md = metadata()
+    if request_id is not None:
+        if md.start_request(request_id, BOOT_ID) == DONE:
+            return _result(md.request(request_id))  # a re-drive of a request already served
+        seq = int(md.request(request_id)["seq"])
+    else:
+        seq = md.next_seq()
     age = time.time() - os.stat(path).st_mtime
     if age < defaults.STABLE_AFTER_S:
         # Still being written: store it once training has finished the file.
         raise self.retry(countdown=defaults.STABLE_AFTER_S - age + 0.1)
-    md = metadata()
     live = probe_registered(md, config.cluster_key(), trust_recent=True)
     if not live:
         raise NotEnoughNodesError(
@@ -50,30 +62,40 @@ def store(
     manifest, vkey = prepared.manifest, prepared.vkey
     targets = prefer_holders(prepared.targets, manifest, md, set(live))
     host = config.host_id()
-    created = md.create_pending(
+    found = md.create_pending(
         manifest,
         vkey,
         {
             "path": path,
             "host": host,
-            "task_id": self.request.id,
+            "request_id": request_id or self.request.id,
             "requested_shards": shards or 0,
             "identity": json.dumps(prepared.identity.to_dict()),
         },
         targets,
+        seq,
     )
-    if not created:
-        v = md.version(vkey)
-        resumed = v["state"] == PENDING and v.get("task_id") == self.request.id
-        if not resumed:
-            log.info("%s: version %s already %s", name, manifest.version_id[:12], v["state"])
-            return {"vkey": vkey, "state": v["state"], "new": False}
-    send_transfers(vkey, manifest, targets, host)
+    if found == REMOVING:
+        # The same bytes are being removed right now: store them afresh once that is done.
+        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
+    new = found == "created"
+    # A re-drive of this same request after a crash re-sends what may not have been sent.
+    mine = md.version(vkey).get("request_id") == (request_id or self.request.id)
+    if new or (found == PENDING and mine):
+        send_transfers(vkey, manifest, targets, host)
+    else:
+        log.info("%s: version %s already %s", name, manifest.version_id[:12], found)
+    result = {"vkey": vkey, "state": PENDING if new else found, "new": new}
+    if request_id is not None:
+        md.finish_request(request_id, DONE, vkey=vkey, new=int(new), state_found=found)
+    return {**result, "under_replicated_at_plan": replicas > len(live)}
+
+
+def _result(request: dict[str, str]) -> dict:
     return {
-        "vkey": vkey,
-        "state": PENDING,
-        "new": True,
-        "under_replicated_at_plan": replicas > len(live),
+        "vkey": request["vkey"],
+        "state": request.get("state_found", PENDING),
+        "new": request.get("new") == "1",
     }
 
 

@@ -10,7 +10,7 @@ from coordinator import config
 from coordinator.dataplane.store_engine import send_shard
 from coordinator.plan.manifest import blob_prefixes
 from coordinator.plan.source_file import SourceIdentity
-from coordinator.state.metadata import ABORTED
+from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
     NodeError,
@@ -49,8 +49,8 @@ def transfer(
         v = md.version(vkey)
     except NotFoundError:
         return "version removed"
-    if v["state"] == ABORTED:
-        return "version abandoned"
+    if v["state"] in (ABORTED, REMOVING, REMOVED):
+        return f"version {v['state']}"
     manifest = md.manifest(vkey)
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
     try:
@@ -85,8 +85,8 @@ def transfer(
 def abandon(vkey: str, version: dict, reason: str) -> None:
     """Abort a version whose source was rewritten, and store the new bytes once stable."""
     md = metadata()
-    md.set_state(vkey, ABORTED, reason)
-    if md.claim(vkey, "restore_enqueued"):
+    md.abort(vkey, reason)  # a no-op on a version that committed meanwhile
+    if md.state(vkey) == ABORTED and md.claim(vkey, "restore_enqueued"):
         log.warning("%s: %s", version["name"], reason)
         shards = int(version.get("requested_shards") or 0) or None
         send_store(

@@ -21,38 +21,168 @@ from smoltorrent import defaults
 from smoltorrent.errors import MetadataError, NotFoundError
 
 PENDING, COMMITTED, ABORTED = "pending", "committed", "aborted"
+REMOVING, REMOVED = "removing", "removed"
+# Request (intent) states: queued until a task picks it up, running, then done or failed.
+QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
 
-# Records one settled transfer and says whether it completed the set.
+# Every version state change below is one compare-and-set script:
+#   pending -> committed | aborted;  committed | pending | aborted -> removing -> removed.
+# Nothing ever moves committed -> aborted, and nothing leaves removing except to removed.
+
+# Makes `vkey` the name's current version if its request is the latest accepted one.
+# Shared by the scripts below; KEYS of the caller: current, current seq.
+_MAKE_CURRENT = """
+local function make_current(kcur, kseq, name, vkey, seq)
+  local cur = redis.call('HGET', kcur, name)
+  if cur == vkey then return 1 end
+  if seq > tonumber(redis.call('HGET', kseq, name) or '0') then
+    redis.call('HSET', kcur, name, vkey)
+    redis.call('HSET', kseq, name, seq)
+    return 1
+  end
+  return 0
+end
+"""
+
+# Records a store request's version: a new pending version, or joins the existing one
+# (the same bytes again), raising its sequence number to this request's; a committed
+# version a later request asks for again becomes current (a rollback moves no bytes).
+# KEYS: version, manifest, plan, settled, ready, attempts, names, versions zset,
+#       current, current seq
+# ARGV: seq, name, vkey, fields JSON, manifest JSON, plan JSON (list of JSON strings)
+# Returns the state found ("pending", "committed", "removing") or "created".
+_CREATE = (
+    _MAKE_CURRENT
+    + """
+local seq = tonumber(ARGV[1])
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'pending' or state == 'committed' then
+  if seq > tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') then
+    redis.call('HSET', KEYS[1], 'seq', seq)
+    redis.call('ZADD', KEYS[8], seq, ARGV[3])
+  end
+  if state == 'committed' then make_current(KEYS[9], KEYS[10], ARGV[2], ARGV[3], seq) end
+  return state
+end
+if state == 'removing' then return state end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
+redis.call('HSET', KEYS[1], 'state', 'pending', 'seq', seq)
+redis.call('SET', KEYS[2], ARGV[5])
+for i, t in ipairs(cjson.decode(ARGV[6])) do redis.call('HSET', KEYS[3], tostring(i - 1), t) end
+redis.call('SADD', KEYS[7], ARGV[2])
+redis.call('ZADD', KEYS[8], seq, ARGV[3])
+return 'created'
+"""
+)
+
+# Records one settled transfer and says whether the set is complete. A transfer for a
+# committed version still adds its replica (a replay restoring R) but changes no state;
+# one for a removing, removed or unknown version records nothing. The caller enqueues the
+# commit and only then marks commit_enqueued, so a crash in between leaves a complete
+# barrier without the mark, which the reconcile sweep finds and commits.
 # KEYS: settled, ready, version hash, blob placement
 # ARGV: "shard:replica", shard index ("" when the transfer failed), node id,
 #       number of transfers, number of shards
 _BARRIER = """
+local state = redis.call('HGET', KEYS[3], 'state')
+if state ~= 'pending' and state ~= 'committed' and state ~= 'aborted' then return 0 end
+if ARGV[2] ~= '' then redis.call('SADD', KEYS[4], ARGV[3]) end
+if state ~= 'pending' then return 0 end
 redis.call('SADD', KEYS[1], ARGV[1])
-if ARGV[2] ~= '' then
-  redis.call('SADD', KEYS[2], ARGV[2])
-  redis.call('SADD', KEYS[4], ARGV[3])
-end
-if redis.call('HGET', KEYS[3], 'state') ~= 'pending' then return 0 end
+if ARGV[2] ~= '' then redis.call('SADD', KEYS[2], ARGV[2]) end
 if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[4])
-   and redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[5]) then
-  return redis.call('HSETNX', KEYS[3], 'commit_enqueued', '1')
+   and redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[5])
+   and not redis.call('HGET', KEYS[3], 'commit_enqueued') then
+  return 1
 end
 return 0
 """
 
-
-# Marks a version committed and makes it current unless a newer one already is
-# (two rewrites of one name can commit out of order).
-# KEYS: version hash, current hash; ARGV: name, vkey, now, version-key prefix
-_COMMIT = """
-redis.call('HSET', KEYS[1], 'state', 'committed', 'committed_at', ARGV[3], 'reason', '')
-local current = redis.call('HGET', KEYS[2], ARGV[1])
-if current and current ~= ARGV[2] then
-  local theirs = tonumber(redis.call('HGET', ARGV[4] .. current, 'created_at') or '0')
-  if theirs > tonumber(redis.call('HGET', KEYS[1], 'created_at')) then return 0 end
+# pending -> committed, then current if its request is the latest accepted one.
+# KEYS: version hash, current, current seq; ARGV: name, vkey, now
+# Returns {state after, 1 if current}.
+_COMMIT = (
+    _MAKE_CURRENT
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'pending' then
+  redis.call('HSET', KEYS[1], 'state', 'committed', 'committed_at', ARGV[3], 'reason', '')
+  state = 'committed'
+elseif state ~= 'committed' then
+  return {state or 'missing', 0}
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
+return {state, make_current(KEYS[2], KEYS[3], ARGV[1], ARGV[2], seq)}
+"""
+)
+
+# pending -> aborted, with its reason; 1 if this call aborted it.
+# KEYS: version hash; ARGV: reason
+_ABORT = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'aborted', 'reason', ARGV[1])
 return 1
+"""
+
+# pending | committed | aborted -> removing. If it was the name's current version, the
+# latest other committed version becomes current. Returns the state found.
+# KEYS: version hash, versions zset, current, current seq, version-key prefix
+# ARGV: name, vkey, now
+_REMOVE_BEGIN = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'pending' and state ~= 'committed' and state ~= 'aborted' then
+  return state or 'missing'
+end
+redis.call('HSET', KEYS[1], 'state', 'removing', 'removing_at', ARGV[3])
+if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('HDEL', KEYS[4], ARGV[1])
+  local vkeys = redis.call('ZREVRANGE', KEYS[2], 0, -1)
+  for _, v in ipairs(vkeys) do
+    if v ~= ARGV[2] and redis.call('HGET', KEYS[5] .. v, 'state') == 'committed' then
+      redis.call('HSET', KEYS[3], ARGV[1], v)
+      redis.call('HSET', KEYS[4], ARGV[1], redis.call('HGET', KEYS[5] .. v, 'seq') or '0')
+      break
+    end
+  end
+end
+return state
+"""
+
+# removing -> removed: the last step of a remove, once the nodes are clean. The version's
+# keys go; a small tombstone stays so late transfers and commits see "removed".
+# KEYS: version, manifest, plan, settled, ready, attempts, versions zset, names
+# ARGV: name, vkey, now, tombstone ttl seconds
+_REMOVE_FINISH = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'removing' then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('HSET', KEYS[1], 'name', ARGV[1], 'state', 'removed', 'removed_at', ARGV[3])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+redis.call('ZREM', KEYS[7], ARGV[2])
+if redis.call('ZCARD', KEYS[7]) == 0 then redis.call('SREM', KEYS[8], ARGV[1]) end
+return 1
+"""
+
+# A new request (intent): its sequence number from the one counter, its record, and its
+# place among the open requests, in one step. KEYS: seq counter, request, open zset
+# ARGV: kind, host, args JSON, now, request id. Returns the sequence number.
+_OPEN_REQUEST = """
+local seq = redis.call('INCR', KEYS[1])
+redis.call('HSET', KEYS[2], 'kind', ARGV[1], 'host', ARGV[2], 'args', ARGV[3],
+           'state', 'queued', 'seq', seq, 'created_at', ARGV[4])
+redis.call('ZADD', KEYS[3], seq, ARGV[5])
+return seq
+"""
+
+# queued | running | failed -> running, by the task that picked the request up (a replay
+# or a re-drive runs it again); a done request stays done. Returns the state found.
+# KEYS: request; ARGV: boot id of the worker, now
+_START_REQUEST = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state or state == 'done' then return state or 'missing' end
+redis.call('HSET', KEYS[1], 'state', 'running', 'boot', ARGV[1], 'started_at', ARGV[2])
+return state
 """
 
 
@@ -72,8 +202,14 @@ class Metadata:
             socket_timeout=defaults.REDIS_TIMEOUT_S,
             socket_connect_timeout=defaults.REDIS_TIMEOUT_S,
         )
+        self._create = self.r.register_script(_CREATE)
         self._barrier = self.r.register_script(_BARRIER)
         self._commit = self.r.register_script(_COMMIT)
+        self._abort = self.r.register_script(_ABORT)
+        self._remove_begin = self.r.register_script(_REMOVE_BEGIN)
+        self._remove_finish = self.r.register_script(_REMOVE_FINISH)
+        self._open_request = self.r.register_script(_OPEN_REQUEST)
+        self._start_request = self.r.register_script(_START_REQUEST)
 
     def ping(self) -> None:
         try:
@@ -121,59 +257,65 @@ class Metadata:
     # --- versions ------------------------------------------------------------
 
     def create_pending(
-        self, manifest: Manifest, vkey: str, fields: dict, plan: list[tuple[str, ...]]
-    ) -> bool:
-        """Record a new pending version; False if it already exists (pending or committed),
-        so two stores of the same bytes make one version. An aborted one starts afresh."""
-        vk = K.VERSION.format(vkey=vkey)
-        with self.r.pipeline() as p:
-            while True:
-                try:
-                    p.watch(vk)
-                    if p.hget(vk, "state") in (PENDING, COMMITTED):
-                        p.unwatch()
-                        return False
-                    p.multi()
-                    self._write_pending(p, manifest, vkey, fields, plan)
-                    p.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+        self,
+        manifest: Manifest,
+        vkey: str,
+        fields: dict,
+        plan: list[tuple[str, ...]],
+        seq: int | None = None,
+    ) -> str:
+        """Record the version a store request asks for, ordered by the request's sequence
+        number (a fresh one if not given). Returns "created" for a new pending version
+        (also over an aborted or removed one), else the state of the existing version it
+        joined: "pending", "committed" (made current again if this request is the latest
+        for the name) or "removing" (the caller waits for the remove to finish)."""
+        if seq is None:
+            seq = self.next_seq()
+        keys = self._version_keys(vkey)
+        return self._create(
+            keys=[
+                *keys,
+                K.NAMES,
+                K.VERSIONS.format(name=manifest.name),
+                K.CURRENT,
+                K.CURRENT_SEQ,
+            ],
+            args=[
+                seq,
+                manifest.name,
+                vkey,
+                json.dumps(
+                    {
+                        **{k: str(v) for k, v in fields.items()},
+                        "name": manifest.name,
+                        "version_id": manifest.version_id,
+                        "size": str(manifest.source_size),
+                        "shards": str(len(manifest.shards)),
+                        "replicas": str(manifest.replicas),
+                        "transfers": str(sum(len(t) for t in plan)),
+                        "created_at": repr(manifest.created_at),
+                    }
+                ),
+                manifest.to_json(),
+                json.dumps([json.dumps(list(t)) for t in plan]),
+            ],
+        )
 
     @staticmethod
-    def _write_pending(
-        p, manifest: Manifest, vkey: str, fields: dict, plan: list[tuple[str, ...]]
-    ) -> None:
-        vk = K.VERSION.format(vkey=vkey)
-        p.delete(
-            vk,
+    def _version_keys(vkey: str) -> list[str]:
+        """version, manifest, plan, settled, ready, attempts: every per-version key."""
+        return [
+            K.VERSION.format(vkey=vkey),
+            K.MANIFEST.format(vkey=vkey),
             K.PLAN.format(vkey=vkey),
             K.SETTLED.format(vkey=vkey),
             K.READY.format(vkey=vkey),
             K.ATTEMPTS.format(vkey=vkey),
-        )
-        p.hset(
-            vk,
-            mapping={
-                **{k: str(v) for k, v in fields.items()},
-                "name": manifest.name,
-                "version_id": manifest.version_id,
-                "state": PENDING,
-                "size": manifest.source_size,
-                "shards": len(manifest.shards),
-                "replicas": manifest.replicas,
-                "transfers": sum(len(t) for t in plan),
-                "created_at": manifest.created_at,
-            },
-        )
-        p.set(K.MANIFEST.format(vkey=vkey), manifest.to_json())
-        if plan:
-            p.hset(
-                K.PLAN.format(vkey=vkey),
-                mapping={str(i): json.dumps(list(t)) for i, t in enumerate(plan)},
-            )
-        p.sadd(K.NAMES, manifest.name)
-        p.zadd(K.VERSIONS.format(name=manifest.name), {vkey: manifest.created_at})
+        ]
+
+    def next_seq(self) -> int:
+        """A new sequence number from the one counter that orders requests."""
+        return int(self.r.incr(K.SEQ))
 
     def version(self, vkey: str) -> dict[str, str]:
         data = self.r.hgetall(K.VERSION.format(vkey=vkey))
@@ -195,8 +337,12 @@ class Metadata:
         raw = self.r.hgetall(K.PLAN.format(vkey=vkey))
         return [tuple(json.loads(raw[str(i)])) for i in range(len(raw))]
 
-    def set_state(self, vkey: str, state: str, reason: str = "") -> None:
-        self.r.hset(K.VERSION.format(vkey=vkey), mapping={"state": state, "reason": reason})
+    def state(self, vkey: str) -> str | None:
+        return self.r.hget(K.VERSION.format(vkey=vkey), "state")
+
+    def abort(self, vkey: str, reason: str) -> bool:
+        """pending -> aborted; True if this call aborted it (a committed version stays)."""
+        return bool(self._abort(keys=[K.VERSION.format(vkey=vkey)], args=[reason]))
 
     def claim(self, vkey: str, flag: str) -> bool:
         """Set a one-time flag on a version; True for the single caller that set it."""
@@ -209,8 +355,9 @@ class Metadata:
         return [json.loads(x) for x in self.r.lrange(K.ATTEMPTS.format(vkey=vkey), 0, -1)]
 
     def settle(self, vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> bool:
-        """Record a finished transfer (node_id None when it failed for good); True when this
-        call completed the set and the caller must enqueue the commit."""
+        """Record a finished transfer (node_id None when it failed for good); True when the
+        set is complete and no commit was enqueued yet: the caller enqueues the commit, then
+        calls mark_commit_enqueued."""
         v = self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
         return bool(
             self._barrier(
@@ -230,6 +377,31 @@ class Metadata:
             )
         )
 
+    def mark_commit_enqueued(self, vkey: str) -> None:
+        """Record that the commit is queued (only after it is: see _BARRIER)."""
+        self.r.hset(K.VERSION.format(vkey=vkey), "commit_enqueued", repr(time.time()))
+
+    def barrier_complete(self, vkey: str) -> bool:
+        """Every transfer settled and every shard has a verified copy."""
+        with self.r.pipeline() as p:
+            p.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
+            p.scard(K.SETTLED.format(vkey=vkey))
+            p.scard(K.READY.format(vkey=vkey))
+            (transfers, shards), settled, ready = p.execute()
+        return settled >= int(transfers or 0) and ready >= int(shards or 0)
+
+    def snapshot(self, vkey: str) -> tuple[dict[str, str], set[str], set[int]]:
+        """The version hash, its settled transfers and its ready shards in one consistent
+        read (a MULTI block), so a transfer settling in between cannot split them."""
+        with self.r.pipeline(transaction=True) as p:
+            p.hgetall(K.VERSION.format(vkey=vkey))
+            p.smembers(K.SETTLED.format(vkey=vkey))
+            p.smembers(K.READY.format(vkey=vkey))
+            v, settled, ready = p.execute()
+        if not v:
+            raise NotFoundError(f"no version {vkey} in the metadata; see `smoltorrent ls`.")
+        return v, set(settled), {int(x) for x in ready}
+
     def progress(self, vkey: str) -> tuple[int, int]:
         """(transfers settled, transfers planned)."""
         return (
@@ -244,33 +416,24 @@ class Metadata:
         return set(self.r.smembers(K.SETTLED.format(vkey=vkey)))
 
     def commit(self, vkey: str, name: str) -> bool:
-        """Mark a version committed and, unless a newer one is current, flip the name's
-        current version to it, atomically; True if it became current."""
-        return bool(
-            self._commit(
-                keys=[K.VERSION.format(vkey=vkey), K.CURRENT],
-                args=[name, vkey, time.time(), K.VERSION.format(vkey="")],
-            )
+        """pending -> committed, and current unless a later request's version already is;
+        True if it is current now. A version aborted or being removed stays as it is."""
+        _state, current = self._commit(
+            keys=[K.VERSION.format(vkey=vkey), K.CURRENT, K.CURRENT_SEQ],
+            args=[name, vkey, time.time()],
         )
+        return bool(current)
 
     def restore_committed(self, manifest: Manifest, vkey: str) -> bool:
-        """Record a version read back from a node's manifest (rebuild); False if known."""
+        """Record a version read back from a node's manifest (rebuild); False if Redis
+        knows it already, in any state (a removing or removed one is never brought back).
+        Rebuild calls this oldest first, so sequence numbers keep their order."""
         if self.r.exists(K.VERSION.format(vkey=vkey)):
             return False
-        with self.r.pipeline() as p:
-            self._write_pending(p, manifest, vkey, {"rebuilt": 1}, [])
-            p.hset(
-                K.VERSION.format(vkey=vkey),
-                mapping={"state": COMMITTED, "committed_at": manifest.created_at},
-            )
-            p.execute()
-        current = self.current(manifest.name)
-        if (
-            current is None
-            or float(self.r.hget(K.VERSION.format(vkey=current), "created_at") or 0)
-            < manifest.created_at
-        ):
-            self.r.hset(K.CURRENT, manifest.name, vkey)
+        state = self.create_pending(manifest, vkey, {"rebuilt": 1}, [])
+        if state != "created":
+            return False
+        self.commit(vkey, manifest.name)
         return True
 
     def placement(self, digest: str) -> set[str]:
@@ -326,42 +489,44 @@ class Metadata:
             )
         return matches[0]
 
-    def delete_version(self, vkey: str) -> Manifest | None:
-        """Forget a version; returns its manifest so the caller can clean nodes up."""
-        data = self.r.hgetall(K.VERSION.format(vkey=vkey))
-        if not data:
+    def begin_remove(self, vkey: str) -> str | None:
+        """pending | committed | aborted -> removing (another version becomes current if
+        this one was); the state found, None if the version is unknown. A version already
+        removing is resumed by the caller; one removed is done."""
+        name = self.r.hget(K.VERSION.format(vkey=vkey), "name")
+        if name is None:
             return None
-        raw = self.r.get(K.MANIFEST.format(vkey=vkey))
-        name = data["name"]
-        with self.r.pipeline() as p:
-            p.delete(
+        return self._remove_begin(
+            keys=[
                 K.VERSION.format(vkey=vkey),
-                K.MANIFEST.format(vkey=vkey),
-                K.PLAN.format(vkey=vkey),
-                K.SETTLED.format(vkey=vkey),
-                K.READY.format(vkey=vkey),
-                K.ATTEMPTS.format(vkey=vkey),
-            )
-            p.zrem(K.VERSIONS.format(name=name), vkey)
-            p.execute()
-        if self.r.hget(K.CURRENT, name) == vkey:
-            rest = [
-                v
-                for v in self.versions(name)
-                if self.r.hget(K.VERSION.format(vkey=v), "state") == COMMITTED
-            ]
-            if rest:
-                self.r.hset(K.CURRENT, name, rest[-1])
-            else:
-                self.r.hdel(K.CURRENT, name)
-        if not self.r.zcard(K.VERSIONS.format(name=name)):
-            self.r.srem(K.NAMES, name)
-        return Manifest.from_json(raw) if raw else None
+                K.VERSIONS.format(name=name),
+                K.CURRENT,
+                K.CURRENT_SEQ,
+                K.VERSION.format(vkey=""),
+            ],
+            args=[name, vkey, time.time()],
+        )
 
-    def blob_in_use(self, digest: str) -> bool:
-        """Whether any remaining version still references the blob (content addressing)."""
+    def finish_remove(self, vkey: str) -> bool:
+        """removing -> removed, deleting the version's keys: the last step of a remove,
+        once no node holds its manifest or its unshared blobs."""
+        name = self.r.hget(K.VERSION.format(vkey=vkey), "name")
+        if name is None:
+            return False
+        return bool(
+            self._remove_finish(
+                keys=[*self._version_keys(vkey), K.VERSIONS.format(name=name), K.NAMES],
+                args=[name, vkey, time.time(), defaults.REMOVED_TOMBSTONE_TTL_S],
+            )
+        )
+
+    def blob_in_use(self, digest: str, besides: str) -> bool:
+        """Whether a version other than `besides`, not itself being removed, references
+        the blob (content addressing)."""
         for name in self.names():
             for vkey in self.versions(name):
+                if vkey == besides or self.state(vkey) in (REMOVING, REMOVED):
+                    continue
                 raw = self.r.get(K.MANIFEST.format(vkey=vkey))
                 if raw and digest in raw:
                     return True
@@ -372,6 +537,49 @@ class Metadata:
         self.r.hset(
             K.BAD_COPIES, f"{digest}:{node_id}", json.dumps({"reason": reason, "at": time.time()})
         )
+
+    # --- requests (intents) -----------------------------------------------------
+
+    def open_request(self, rid: str, kind: str, host: str, args: dict) -> int:
+        """Record a request before its task is queued; its sequence number."""
+        return int(
+            self._open_request(
+                keys=[K.SEQ, K.REQUEST.format(rid=rid), K.REQUESTS_OPEN],
+                args=[kind, host, json.dumps(args), time.time(), rid],
+            )
+        )
+
+    def request(self, rid: str) -> dict[str, str]:
+        data = self.r.hgetall(K.REQUEST.format(rid=rid))
+        if not data:
+            raise NotFoundError(f"no request {rid} in the metadata.")
+        return data
+
+    def start_request(self, rid: str, boot: str) -> str:
+        """Mark a request running by the worker started as `boot`; the state found
+        ("done" means an earlier run finished it: do not run it again)."""
+        return self._start_request(keys=[K.REQUEST.format(rid=rid)], args=[boot, time.time()])
+
+    def finish_request(self, rid: str, state: str, **fields) -> None:
+        """Close a request as done or failed, with what its caller needs to know; it stays
+        readable for REQUEST_TTL_S."""
+        with self.r.pipeline() as p:
+            p.hset(
+                K.REQUEST.format(rid=rid),
+                mapping={"state": state, "finished_at": time.time(), **fields},
+            )
+            p.expire(K.REQUEST.format(rid=rid), defaults.REQUEST_TTL_S)
+            p.zrem(K.REQUESTS_OPEN, rid)
+            p.execute()
+
+    def open_requests(self) -> list[tuple[str, dict[str, str]]]:
+        """(request id, record) of every request not yet done or failed, oldest first."""
+        rids = self.r.zrange(K.REQUESTS_OPEN, 0, -1)
+        with self.r.pipeline(transaction=False) as p:
+            for rid in rids:
+                p.hgetall(K.REQUEST.format(rid=rid))
+            records = p.execute()
+        return [(rid, rec) for rid, rec in zip(rids, records, strict=True) if rec]
 
     # --- dead letters ----------------------------------------------------------
 

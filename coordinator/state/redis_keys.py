@@ -22,10 +22,20 @@ NODE_ALIVE = PREFIX + "node:{node_id}:alive"
 NAMES = PREFIX + "names"
 # hash name -> vkey of the committed version gathers get by default
 CURRENT = PREFIX + "current"
-# zset of vkeys of one name, scored by creation time
+# hash name -> sequence number of the request that made the current version current
+CURRENT_SEQ = PREFIX + "current:seq"
+# zset of vkeys of one name, scored by the sequence number of their latest request
 VERSIONS = PREFIX + "name:{name}:versions"
 
-# hash: name, version_id, state, path, host, sizes, source identity, times
+# counter: one sequence number per accepted request (orders a name's versions)
+SEQ = PREFIX + "seq"
+# hash: kind, host, seq, state, args (JSON), vkey, error, boot, times
+REQUEST = PREFIX + "request:{rid}"
+# zset of request ids not yet done or failed, scored by sequence number
+REQUESTS_OPEN = PREFIX + "requests:open"
+
+# hash: name, version_id, state, seq, path, host, sizes, source identity, times
+# (a removed version keeps only name, state and removed_at, until it expires)
 VERSION = PREFIX + "version:{vkey}"
 # the manifest JSON (schema in coordinator/plan/manifest.py)
 MANIFEST = PREFIX + "version:{vkey}:manifest"

@@ -23,13 +23,21 @@ def md(tmp_path):
 
 
 def prepared(tmp_path, name: str, seed: int) -> PreparedStore:
-    path = tmp_path / f"{name}-{seed}.safetensors"
+    path = tmp_path / f"{name.replace('/', '_')}-{seed}.safetensors"
     write_checkpoint(path, 200_000 + seed, hidden=32)
     return prepare_store(path, name, FREE, replicas=2, shards=2)
 
 
 def pending(md: Metadata, p: PreparedStore, task_id: str = "t1") -> bool:
-    return md.create_pending(p.manifest, p.vkey, {"task_id": task_id}, list(p.targets))
+    """Record the version a new store request asks for; True if it was created."""
+    found = md.create_pending(p.manifest, p.vkey, {"request_id": task_id}, list(p.targets))
+    return found == "created"
+
+
+def settle_all(md: Metadata, p: PreparedStore) -> None:
+    for shard, nodes in enumerate(p.targets):
+        for replica, node in enumerate(nodes):
+            md.settle(p.vkey, shard, replica, node, p.manifest.shards[shard].blob_sha256)
 
 
 def test_the_barrier_fires_once_and_only_when_every_transfer_settled(md, tmp_path):
@@ -44,7 +52,11 @@ def test_the_barrier_fires_once_and_only_when_every_transfer_settled(md, tmp_pat
         md.settle(p.vkey, 1, 1, "node-a", digests[1]),
     ]
     assert fired == [False, False, False, True]
-    assert md.settle(p.vkey, 1, 1, "node-a", digests[1]) is False  # a redelivery
+    # Until the commit is queued, a redelivery of the last transfer fires again (the
+    # commit is idempotent); once it is queued, never.
+    assert md.settle(p.vkey, 1, 1, "node-a", digests[1]) is True
+    md.mark_commit_enqueued(p.vkey)
+    assert md.settle(p.vkey, 1, 1, "node-a", digests[1]) is False
     assert md.placement(digests[0]) == {"node-a"}
     assert md.ready_shards(p.vkey) == {0, 1}
 
@@ -62,14 +74,13 @@ def test_a_shard_with_no_copy_holds_the_barrier_until_its_replay_succeeds(md, tm
 
 def test_an_older_version_committing_late_does_not_become_current(md, tmp_path):
     old, new = prepared(tmp_path, "latest", 3), prepared(tmp_path, "latest", 4)
-    assert old.manifest.created_at < new.manifest.created_at
-    pending(md, old)
+    pending(md, old)  # accepted first: the lower sequence number
     pending(md, new)
     assert md.commit(new.vkey, "latest") is True
     assert md.commit(old.vkey, "latest") is False
     assert md.current("latest") == new.vkey
     assert md.version(old.vkey)["state"] == COMMITTED  # still gatherable by version
-    md.delete_version(new.vkey)
+    assert md.begin_remove(new.vkey) == COMMITTED
     assert md.current("latest") == old.vkey  # the newest remaining committed one
 
 
@@ -81,3 +92,71 @@ def test_dead_letters_are_recorded_listed_and_removed(md):
     md.remove_dead_letter("transfer-x-0-1")
     assert md.dead_letter("transfer-x-1-1")["error"] == "bang"
     assert md.r.xlen("smoltorrent:dlq:stream") == 2  # the index keeps the history
+
+
+def test_a_store_of_older_bytes_makes_their_version_current_again(md, tmp_path):
+    """A, B, A under one name: training rolled back and re-saved; the name serves A."""
+    a, b = prepared(tmp_path, "run/latest", 5), prepared(tmp_path, "run/latest", 6)
+    pending(md, a)
+    md.commit(a.vkey, "run/latest")
+    pending(md, b)
+    md.commit(b.vkey, "run/latest")
+    assert md.current("run/latest") == b.vkey
+    assert pending(md, a) is False  # no bytes move: the version exists, committed
+    assert md.current("run/latest") == a.vkey
+    assert md.versions("run/latest") == [b.vkey, a.vkey]  # ordered by latest request
+
+
+def test_a_rollback_while_both_are_pending_ends_on_the_latest_request(md, tmp_path):
+    a, b = prepared(tmp_path, "x", 7), prepared(tmp_path, "x", 8)
+    pending(md, a)
+    pending(md, b)
+    pending(md, a)  # A asked for again before either committed
+    md.commit(a.vkey, "x")
+    assert md.commit(b.vkey, "x") is False
+    assert md.current("x") == a.vkey
+
+
+def test_a_late_transfer_never_changes_a_committed_versions_state(md, tmp_path):
+    p = prepared(tmp_path, "ckpt", 9)
+    pending(md, p)
+    settle_all(md, p)
+    assert md.commit(p.vkey, "ckpt") is True
+    digest = p.manifest.shards[0].blob_sha256
+    assert md.abort(p.vkey, "a late transfer saw the source change") is False
+    assert md.settle(p.vkey, 0, 1, "node-c", digest) is False  # a dead-letter replay
+    assert md.version(p.vkey)["state"] == COMMITTED
+    assert "node-c" in md.placement(digest)  # ... which still adds its replica
+
+
+def test_a_removed_version_is_never_committed_nor_made_current(md, tmp_path):
+    p = prepared(tmp_path, "gone", 10)
+    pending(md, p)
+    settle_all(md, p)
+    assert md.begin_remove(p.vkey) == "pending"
+    digest = p.manifest.shards[0].blob_sha256
+    before = md.placement(digest)
+    assert md.settle(p.vkey, 0, 0, "node-z", digest) is False
+    assert md.placement(digest) == before  # a removing version records nothing
+    assert md.commit(p.vkey, "gone") is False
+    assert md.current("gone") is None and md.version(p.vkey)["state"] == "removing"
+    assert md.finish_remove(p.vkey) is True
+    assert md.commit(p.vkey, "gone") is False
+    assert md.current("gone") is None and md.version(p.vkey)["state"] == "removed"
+    assert md.versions("gone") == [] and md.names() == []
+    assert md.r.ttl(f"smoltorrent:version:{p.vkey}") > 0  # the tombstone expires
+    assert md.restore_committed(p.manifest, p.vkey) is False  # rebuild leaves it gone
+    assert pending(md, p) is True  # storing the same bytes again starts afresh
+
+
+def test_requests_take_one_counter_and_close_once(md):
+    first = md.open_request("r1", "store", "host-a", {"path": "/x"})
+    second = md.open_request("r2", "gather", "host-a", {"vkey": "v"})
+    assert second == first + 1
+    assert [rid for rid, _ in md.open_requests()] == ["r1", "r2"]
+    assert md.start_request("r1", "boot-1") == "queued"
+    assert md.request("r1")["state"] == "running"
+    md.finish_request("r1", "done", vkey="v1")
+    assert md.start_request("r1", "boot-2") == "done"  # a re-drive does not run it again
+    assert [rid for rid, _ in md.open_requests()] == ["r2"]
+    assert md.r.ttl("smoltorrent:request:r1") > 0

@@ -1,0 +1,68 @@
+"""Requests and version order survive crashes and rollbacks: real Redis, worker, nodes, CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from coordinator.state.metadata import COMMITTED
+from tests.tasks.conftest import wait_until
+from tests.tasks.test_control_plane import committed, make_ckpt, sha
+
+
+def test_a_rolled_back_checkpoint_gathers_the_rolled_back_bytes(make_cluster, tmp_path):
+    """A, B, A under one name (training restored an earlier state and re-saved it)."""
+    c = make_cluster(3)
+    a = make_ckpt(tmp_path / "a.safetensors", 1_000_000)
+    b = make_ckpt(tmp_path / "b.safetensors", 1_100_000)
+    name = "run/latest.safetensors"
+    first = c.cli_json("store", str(a), "--name", name)
+    c.cli_json("store", str(b), "--name", name)
+    third = c.cli_json("store", str(a), "--name", name)
+    assert third["new"] is False and third["vkey"] == first["vkey"]  # no bytes moved
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", name, "-o", str(out))
+    assert sha(out) == sha(a)
+    rows = [r for r in c.cli_json("ls") if r["name"] == name]
+    assert [r["vkey"] for r in rows if r["current"]] == [first["vkey"]]
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.0])
+def test_worker_killed_while_the_store_plans_loses_nothing(make_cluster, tmp_path, delay):
+    """SIGKILL the worker `delay` s after `store --no-wait` returned (the store task is
+    still hashing a large file); a restarted worker completes the store on its own."""
+    c = make_cluster(4, concurrency=2)
+    src = make_ckpt(tmp_path / "big.safetensors", 500_000_000)
+    c.cli("store", str(src), "--no-wait")
+    returned = time.monotonic()
+    wait_until(lambda: time.monotonic() - returned >= delay, interval=0.01, what="the delay")
+    os.killpg(c.worker.pid, signal.SIGKILL)
+    c.worker.wait()
+    request = c.md.open_requests()
+    if delay < 1:
+        # What the test is about: the request exists before any version does.
+        assert len(request) == 1 and c.md.pending_versions() == []
+    c.start_worker()
+    rows = wait_until(
+        lambda: committed(c, "big.safetensors"), timeout=60, what="the store to commit itself"
+    )
+    assert len([r for r in c.cli_json("ls") if r["name"] == "big.safetensors"]) == 1
+    assert rows[0]["min_copies"] == 2
+    assert c.md.open_requests() == []
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "big.safetensors", "-o", str(out), timeout=300)
+    assert sha(out) == sha(src)
+
+
+def test_a_failed_request_is_reported_and_closed(make_cluster, tmp_path):
+    c = make_cluster(1)
+    src = make_ckpt(tmp_path / "f.safetensors")
+    c.node_procs[0].kill()
+    c.md.mark_down(c.md.nodes().popitem()[0])  # not counted alive from an earlier probe
+    proc = c.cli("store", str(src), check=False)
+    assert proc.returncode == 1 and "no storage node is reachable" in " ".join(proc.stderr.split())
+    assert c.md.open_requests() == []
+    assert [v for v in c.cli_json("ls") if v["state"] == COMMITTED] == []
