@@ -69,6 +69,18 @@ def test_more_shards_than_nodes_spread_evenly():
     assert sorted(held.values()) == [6, 6, 6]
 
 
+def test_nodes_sharing_one_disk_hold_equal_counts_whatever_the_noise_in_free_space():
+    """Free bytes read a moment apart differ by a few MB; small shards must still spread
+    evenly instead of piling on the nodes that happened to report the most."""
+    mb = 10**6
+    free = {"node-a": 100 * GB + 7 * mb, "node-b": 100 * GB + 5 * mb}
+    free |= {"node-c": 100 * GB + 3 * mb, "node-d": 100 * GB + 1 * mb}
+    for shards in (4, 8, 13):
+        held = held_per_node(place([mb] * shards, free, 2))
+        mean = 2 * shards / len(free)
+        assert all(abs(held[node] - mean) <= 1 for node in free), (shards, held)
+
+
 def test_no_shards_need_no_placement():
     assert place([], {"node-a": GB}, 1) == []
 
