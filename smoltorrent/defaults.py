@@ -37,6 +37,8 @@ ACCEPT_POLL_S = 0.5  # seconds; how soon the accept loop notices SIGTERM/SIGINT
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight requests get to finish after a stop signal
 CLOSE_DRAIN_S = 1.0  # seconds spent reading a rejected peer's leftovers so it can read our error
 CLOSE_DRAIN_BYTES = 1024 * 1024  # bytes read and dropped at most before closing on a rejected peer
+# seconds; from a ping on loopback (~1 ms) to a multi-GB shard over 100 Mbit/s (minutes)
+NODE_REQUEST_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 60.0, 300.0, 1800.0)
 
 # --- planning and placement (coordinator/) ----------------------------------
 
@@ -80,6 +82,8 @@ STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 
 GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task
 CLI_POLL_INTERVAL_S = 0.1  # seconds between CLI polls of a task's progress
 LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to come up
+# seconds; a small shard on loopback (~10 ms) to a checkpoint of tens of GB over 100 Mbit/s (hours)
+WORKER_SECONDS_BUCKETS = (0.01, 0.05, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
 FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
 DEMO_CHECKPOINT_MB = 64  # MB; big enough to show parallel shards, small enough for a laptop
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve

@@ -29,9 +29,20 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds without progress before a peer counts as stalled (default: the"
         f" SMOLTORRENT_SOCKET_TIMEOUT_S environment variable, else {defaults.SOCKET_TIMEOUT_S})",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics on this TCP port (default: the"
+        " SMOLTORRENT_METRICS_PORT environment variable, else no metrics)",
+    )
     args = parser.parse_args(argv)
     return run_from_args(
-        args.data_dir, args.host, args.port, args.cluster_key, socket_timeout=args.socket_timeout
+        args.data_dir,
+        args.host,
+        args.port,
+        args.cluster_key,
+        socket_timeout=args.socket_timeout,
+        metrics_port=args.metrics_port,
     )
 
 

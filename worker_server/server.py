@@ -23,14 +23,17 @@ from smoltorrent.errors import SmoltorrentError
 from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore, write_file_atomically
 from worker_server.limits import AddressSlots, MemoryBudget
+from worker_server.metrics import NodeMetrics, serve_metrics
 from worker_server.session import Session
 
 log = logging.getLogger(__name__)
 
 CLUSTER_KEY_ENV = "SMOLTORRENT_CLUSTER_KEY"
 SOCKET_TIMEOUT_ENV = "SMOLTORRENT_SOCKET_TIMEOUT_S"
+METRICS_PORT_ENV = "SMOLTORRENT_METRICS_PORT"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PORT_FILE = "port"  # in the data dir: the port actually bound, for tests and embedded clusters
+METRICS_PORT_FILE = "metrics_port"  # in the data dir: the metrics port actually bound
 
 
 class ShardServer:
@@ -64,6 +67,18 @@ class ShardServer:
         self._sessions: set[threading.Thread] = set()
         self._sessions_lock = threading.Lock()
         self._stopping = threading.Event()
+        self.metrics = NodeMetrics(store.node_id, self._gauges)
+
+    def _gauges(self) -> dict[str, float]:
+        stat = self.store.stat()
+        with self._sessions_lock:
+            connections = len(self._sessions)
+        return {
+            "blobs": stat["blob_count"],
+            "used_bytes": stat["used_bytes"],
+            "free_bytes": stat["free_bytes"],
+            "connections": connections,
+        }
 
     def stop(self) -> None:
         """Ask serve_forever to return; safe from a signal handler or another thread."""
@@ -126,6 +141,7 @@ class ShardServer:
                 self.cluster_key,
                 self.socket_timeout,
                 body_budget=self.body_budget,
+                metrics=self.metrics,
             ).run()
         finally:
             self._address_slots.release(_host_of(peer))
@@ -155,15 +171,25 @@ def serve(
     ready_callback: Callable[[ShardServer], None] | None = None,
     *,
     socket_timeout: float = defaults.SOCKET_TIMEOUT_S,
+    metrics_port: int | None = None,
 ) -> None:
     """Run a shard server until SIGTERM/SIGINT (from the main thread) or server.stop().
 
     ready_callback(server) runs once the port is bound and written to <data_dir>/port.
+    With a metrics_port, /metrics is served there (its bound port in <data_dir>/metrics_port).
     """
     store = BlobStore(data_dir)
     port_file = Path(data_dir) / PORT_FILE
+    metrics_http = None
     try:
         server = ShardServer(store, host, port, cluster_key, socket_timeout)
+        if metrics_port is not None:
+            metrics_http = serve_metrics(server.metrics, host, metrics_port)
+            bound = metrics_http.server_address[1]
+            write_file_atomically(
+                Path(data_dir) / METRICS_PORT_FILE, f"{bound}\n".encode("ascii"), store.tmp_dir
+            )
+            log.info("metrics on http://%s:%d/metrics", host, bound)
         # Handlers go in before the port file appears: whoever waits for it may signal at once.
         with _stop_on_signals(server):
             try:
@@ -176,6 +202,9 @@ def serve(
         port_file.unlink(missing_ok=True)
         log.info("smoltorrent node %s stopped", store.node_id)
     finally:
+        if metrics_http is not None:
+            metrics_http.shutdown()
+            metrics_http.server_close()
         store.close()
 
 
@@ -221,6 +250,7 @@ def run_from_args(
     port: int,
     cluster_key: str | None,
     socket_timeout: float | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     """The CLI's entry point: serve until stopped; the process exit status."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -233,6 +263,7 @@ def run_from_args(
             port,
             key_text.encode("utf-8") if key_text else None,
             socket_timeout=timeout,
+            metrics_port=metrics_port_from(metrics_port),
         )
     except SmoltorrentError as exc:
         log.error("%s", exc)
@@ -265,3 +296,19 @@ def _socket_timeout(flag_value: float | None) -> float:
             f" or {SOCKET_TIMEOUT_ENV}"
         )
     return timeout
+
+
+def metrics_port_from(flag_value: int | None) -> int | None:
+    """--metrics-port, else SMOLTORRENT_METRICS_PORT, else None (no metrics served)."""
+    if flag_value is not None:
+        return flag_value
+    text = os.environ.get(METRICS_PORT_ENV)
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise SmoltorrentError(
+            f"{METRICS_PORT_ENV}={text!r} is not a port number: set it to a free TCP port"
+            " (0 picks one) or unset it to serve no metrics"
+        ) from None

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from smoltorrent.errors import (
 from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore
 from worker_server.limits import MemoryBudget
+from worker_server.metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,11 @@ class Session:
         socket_timeout: float,
         *,
         body_budget: MemoryBudget,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.body_budget = body_budget
         self.sock = wire.session_socket(sock)
+        self.metrics = metrics or NodeMetrics(store.node_id)
         self.peer = peer
         self.store = store
         self.cluster_key = cluster_key
@@ -131,14 +135,18 @@ class Session:
         header, body_len = frame
         # A put's body only follows our "continue", so nothing is pending until we say so.
         self._unread_body = 0 if header.get("op") == "put" else body_len
+        started = time.monotonic()
         try:
             request = protocol.validate_request(header, body_len)
             handler = HANDLERS[request["op"]]
             with self._body_reserved(request["op"], body_len):
                 handler(self, request)
+            self.metrics.observe_request(request["op"], time.monotonic() - started)
         except (PeerClosedError, AuthenticationError):
             raise  # the stream cannot be trusted any more: the connection ends
         except SmoltorrentError as exc:
+            if isinstance(exc, DigestMismatchError):
+                self.metrics.verify_failed("put")
             code = error_code_for(exc)
             log.info("%s %s refused (%s): %s", self.peer, header.get("op"), code, exc)
             if self._unread_body:
@@ -210,6 +218,7 @@ class Session:
             wire.recv_stream(self.sock, size, incoming.write, digest_covered=True)
             self._unread_body = 0
             incoming.commit()
+        self.metrics.received(size)
         log.info("stored blob %s (%d bytes) from %s", digest, size, self.peer)
         wire.send_frame(self.sock, {"ok": True, "status": "stored"})
 
@@ -236,11 +245,15 @@ class Session:
                 )
             except ProtocolError as exc:  # the blob file shrank under us: tampered with on disk
                 raise _ResponseCutShort(f"blob {request['digest']}: {exc}") from exc
+            self.metrics.sent(length)
         finally:
             os.close(fd)
 
     def op_verify(self, request: dict[str, Any]) -> None:
-        self._reply_json(self.store.verify(request["digests"]))
+        bad = self.store.verify(request["digests"])
+        if bad:
+            self.metrics.verify_failed("at_rest", len(bad))
+        self._reply_json(bad)
 
     def op_delete(self, request: dict[str, Any]) -> None:
         deleted = self.store.delete(request["digest"])
@@ -257,6 +270,8 @@ class Session:
             stored = self._push_blob(peer, host, port, digest, fd, size)
         finally:
             os.close(fd)
+        if stored:
+            self.metrics.sent(size)
         log.info("replicated blob %s to %s (%s)", digest, peer, "stored" if stored else "exists")
         wire.send_frame(self.sock, {"ok": True, "status": "stored" if stored else "exists"})
 

@@ -125,8 +125,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from tasks.app import app
+    from worker_server.server import metrics_port_from
 
     host = config.host_id()
+    metrics_port = metrics_port_from(args.metrics_port)
+    if metrics_port is not None:
+        from tasks.metrics import enable
+
+        bound = enable(metrics_port, config.home() / "metrics" / f"worker-{host}")
+        console.print(f"metrics on http://0.0.0.0:{bound}/metrics")
     queues = ",".join([config.CONTROL_QUEUE, config.host_queue(host), config.transfer_queue(host)])
     app.worker_main(
         [

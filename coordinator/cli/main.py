@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"TCP port (default {defaults.DEFAULT_PORT}; 0 picks a free one)",
     )
     s.add_argument("--cluster-key", help="shared secret (or SMOLTORRENT_CLUSTER_KEY)")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics on this port (or SMOLTORRENT_METRICS_PORT; default off)",
+    )
 
     n = sub.add_parser("nodes", help="register, list and remove storage nodes")
     nsub = n.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
@@ -67,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run a Celery worker for this host's queues")
     w.add_argument("--concurrency", type=int, default=defaults.WORKER_CONCURRENCY)
     w.add_argument("--loglevel", default="WARNING")
+    w.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics on this port (or SMOLTORRENT_METRICS_PORT; default off)",
+    )
 
     st = sub.add_parser("store", help="store a checkpoint (waits for the commit)")
     st.add_argument("path", help="a .safetensors file on this machine")
@@ -169,7 +179,9 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from worker_server.server import run_from_args
 
-        return run_from_args(args.data_dir, args.host, args.port, args.cluster_key)
+        return run_from_args(
+            args.data_dir, args.host, args.port, args.cluster_key, metrics_port=args.metrics_port
+        )
     if args.command == "demo":
         from coordinator.cli.commands import cmd_demo
 

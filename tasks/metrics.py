@@ -1,0 +1,164 @@
+"""The worker's Prometheus metrics, off unless `worker --metrics-port` (or
+SMOLTORRENT_METRICS_PORT) asks for them.
+
+Transfers run in prefork children, so the counters and histograms use
+prometheus-client's multiprocess mode: each child writes its samples to files
+under a directory the main process wipes at start, and the main process serves
+their sum. The alternative, counters kept in Redis, would put a write on every
+transfer and be summed twice by every worker of a cluster that exports them.
+Multiprocess mode forbids live gauges with custom collectors only inside the
+children; the cluster's state (nodes up, under-replicated shards, dead letters)
+is a collector in the main process that reads Redis at scrape time, so no child
+keeps a gauge and no dead child's file needs cleaning up.
+
+The metrics wrap the tasks through Celery signals: the tasks stay unaware of them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from celery.signals import task_postrun, task_prerun, task_retry
+
+from coordinator import config
+from coordinator.state.liveness import probe_registered
+from coordinator.state.metadata import COMMITTED, PENDING
+from smoltorrent import defaults
+from smoltorrent.errors import NotFoundError, SmoltorrentError
+from tasks.context import metadata
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+_m = SimpleNamespace()
+_started: dict[str, float] = {}  # task id -> monotonic start, in the child running it
+
+
+def enable(port: int, directory: Path, host: str = "0.0.0.0") -> int:
+    """Serve /metrics on port (0 picks one) from this, the worker's main process, before
+    its pool forks; returns the bound port."""
+    if os.environ.get(MULTIPROC_ENV) != str(directory):
+        # prometheus_client picks its multiprocess value class when first imported.
+        if "prometheus_client" in sys.modules:
+            raise SmoltorrentError(
+                "prometheus_client was imported before the worker's metrics were set up"
+            )
+        os.environ[MULTIPROC_ENV] = str(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    _m.store_seconds = Histogram(
+        "smoltorrent_store_seconds",
+        "Wall time of a store, from its plan to its commit.",
+        buckets=defaults.WORKER_SECONDS_BUCKETS,
+    )
+    _m.gather_seconds = Histogram(
+        "smoltorrent_gather_seconds",
+        "Wall time of a gather.",
+        buckets=defaults.WORKER_SECONDS_BUCKETS,
+    )
+    _m.transfer_bytes = Counter(
+        "smoltorrent_transfer_bytes", "Shard bytes moved onto a node, by node.", ["node"]
+    )
+    _m.transfer_seconds = Histogram(
+        "smoltorrent_transfer_seconds",
+        "Time of one shard transfer that moved bytes, by node.",
+        ["node"],
+        buckets=defaults.WORKER_SECONDS_BUCKETS,
+    )
+    _m.transfer_retries = Counter(
+        "smoltorrent_transfer_retries", "Transfers that failed and were retried."
+    )
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    registry.register(ClusterCollector())
+    task_prerun.connect(_on_prerun, weak=False)
+    task_postrun.connect(_on_postrun, weak=False)
+    task_retry.connect(_on_retry, weak=False)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise SmoltorrentError(
+            f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}): pick a free port "
+            "with --metrics-port (or SMOLTORRENT_METRICS_PORT)"
+        ) from None
+    return server.server_address[1]
+
+
+class ClusterCollector:
+    """The cluster's state as gauges, read from Redis (and a probe of the nodes) per scrape."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        md = metadata()
+        nodes = md.nodes()
+        live = probe_registered(md, config.cluster_key(), trust_recent=True)
+        up = GaugeMetricFamily("smoltorrent_nodes_up", "Registered nodes answering.")
+        up.add_metric([], len(live))
+        registered = GaugeMetricFamily("smoltorrent_nodes", "Registered nodes.")
+        registered.add_metric([], len(nodes))
+        dead = GaugeMetricFamily("smoltorrent_dead_letters", "Tasks that failed for good.")
+        dead.add_metric([], md.dead_letter_depth())
+        under, pending = 0, 0
+        for name in md.names():
+            for vkey in md.versions(name):
+                try:
+                    v = md.version(vkey)
+                    if v["state"] != COMMITTED:
+                        pending += v["state"] == PENDING
+                        continue
+                    manifest = md.manifest(vkey)
+                except NotFoundError:
+                    continue  # removed between the listing and the read
+                for shard in manifest.shards:
+                    if len(md.placement(shard.blob_sha256) & set(live)) < manifest.replicas:
+                        under += 1
+        under_g = GaugeMetricFamily(
+            "smoltorrent_under_replicated_shards",
+            "Shards of committed versions with fewer live copies than their replicas.",
+        )
+        under_g.add_metric([], under)
+        pending_g = GaugeMetricFamily("smoltorrent_pending_versions", "Versions not committed.")
+        pending_g.add_metric([], pending)
+        return [up, registered, dead, under_g, pending_g]
+
+
+def _on_prerun(task_id=None, **_) -> None:
+    _started[task_id] = time.monotonic()
+
+
+def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, state=None, **_):
+    started = _started.pop(task_id, None)
+    if state != "SUCCESS" or sender is None:
+        return
+    if sender.name == "smoltorrent.transfer" and retval in ("sent", "replicated") and started:
+        kwargs = kwargs or {}
+        node = kwargs.get("node_id", "")
+        try:
+            size = metadata().manifest(kwargs["vkey"]).shards[kwargs["shard"]].blob_size
+        except (NotFoundError, KeyError, IndexError):
+            return
+        _m.transfer_bytes.labels(node=node).inc(size)
+        _m.transfer_seconds.labels(node=node).observe(time.monotonic() - started)
+    elif sender.name == "smoltorrent.gather" and isinstance(retval, dict):
+        _m.gather_seconds.observe(float(retval.get("seconds", 0)))
+    elif sender.name == "smoltorrent.commit" and retval == COMMITTED:
+        vkey = (kwargs or {}).get("vkey") or (args or [None])[0]
+        try:
+            created = float(metadata().version(vkey)["created_at"])
+        except (NotFoundError, KeyError, TypeError, ValueError):
+            return
+        _m.store_seconds.observe(max(time.time() - created, 0.0))
+
+
+def _on_retry(sender=None, **_) -> None:
+    if sender is not None and sender.name == "smoltorrent.transfer":
+        _m.transfer_retries.inc()

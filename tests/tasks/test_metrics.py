@@ -1,0 +1,179 @@
+"""Metrics against a real Prometheus: it scrapes 4 nodes and the worker, and after a
+store and a gather every PromQL expression of the Grafana dashboard returns data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from coordinator.local.synthetic import write_checkpoint
+from tests.tasks.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "smoltorrent.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read()
+
+
+def dashboard_expressions() -> list[str]:
+    def walk(panels):
+        for panel in panels:
+            yield from (t["expr"] for t in panel.get("targets", []))
+            yield from walk(panel.get("panels", []))
+
+    return list(walk(json.loads(DASHBOARD.read_text())["panels"]))
+
+
+class Prometheus:
+    def __init__(self, root: Path, targets: dict[str, list[str]]) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.skip(
+                "Prometheus is not installed (Debian: apt-get install prometheus; .ci/run "
+                "installs it where it can)"
+            )
+        root.mkdir()
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": hosts}]}
+                for job, hosts in targets.items()
+            ],
+        }
+        # JSON is YAML: no YAML library needed to write the config.
+        (root / "prometheus.yml").write_text(json.dumps(config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root / "prometheus.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={root / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={root / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()
+        try:
+            return get(self.url + "/-/ready").startswith(b"Prometheus")
+        except OSError:
+            return False
+
+    def targets_up(self) -> list[str]:
+        data = json.loads(get(self.url + "/api/v1/targets"))["data"]["activeTargets"]
+        return [t["scrapeUrl"] for t in data if t["health"] == "up"]
+
+    def query(self, expr: str) -> list:
+        url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        body = json.loads(get(url))
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def worker_metrics_port(cluster) -> int:
+    def port():
+        found = re.search(r"metrics on http://[\d.]+:(\d+)/metrics", cluster.worker_log())
+        return int(found.group(1)) if found else None
+
+    return wait_until(port, 60, what="the worker's metrics port")
+
+
+@pytest.mark.timeout(300)
+def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
+    make_cluster, tmp_path
+):
+    c = make_cluster(4, SMOLTORRENT_METRICS_PORT="0")
+    node_targets = [
+        f"127.0.0.1:{(n.data_dir / 'metrics_port').read_text().strip()}" for n in c.node_procs
+    ]
+    worker_target = f"127.0.0.1:{worker_metrics_port(c)}"
+    prom = Prometheus(
+        tmp_path / "prometheus",
+        {"smoltorrent-nodes": node_targets, "smoltorrent-worker": [worker_target]},
+    )
+    try:
+        wait_until(prom.ready, 60, what="Prometheus to start")
+        wait_until(lambda: len(prom.targets_up()) == 5, 60, what="all 5 targets up")
+        src = tmp_path / "m.safetensors"
+        write_checkpoint(src, 6_000_000, hidden=256)
+        past = time.time() - 60
+        os.utime(src, (past, past))
+        c.cli("store", str(src))
+        c.cli("gather", "m.safetensors", "-o", str(tmp_path / "back.safetensors"))
+
+        # Stored bytes show up on both sides: every node received some, the worker sent them.
+        def stored():
+            sent = prom.query("sum(smoltorrent_transfer_bytes_total)")
+            received = prom.query("smoltorrent_node_bytes_received_total > 0")
+            return sent and float(sent[0]["value"][1]) > 0 and len(received) == 4
+
+        wait_until(stored, 60, what="transfer bytes in Prometheus")
+        for histogram in ("smoltorrent_store_seconds", "smoltorrent_gather_seconds"):
+            wait_until(
+                lambda h=histogram: prom.query(f"{h}_count == 1"), 60, what=f"one {histogram}"
+            )
+        up = prom.query("smoltorrent_nodes_up")
+        assert float(up[0]["value"][1]) == 4
+        expressions = dashboard_expressions()
+        assert len(expressions) >= 20
+        for expr in expressions:
+            wait_until(lambda e=expr: prom.query(e), 60, what=f"data for {expr}")
+    finally:
+        prom.stop()
+
+
+def test_node_metrics_parse_as_prometheus_text(tmp_path):
+    """The node's hand-written exposition reads back through prometheus-client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker_server.metrics import NodeMetrics
+
+    m = NodeMetrics("n1", lambda: {"blobs": 3, "used_bytes": 10, "free_bytes": 5})
+    m.received(100)
+    m.sent(7)
+    m.verify_failed("at_rest", 2)
+    m.observe_request("put", 0.003)
+    m.observe_request("put", 4.0)
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    assert families["smoltorrent_node_bytes_received"].samples[0].value == 100
+    assert families["smoltorrent_node_bytes_sent"].samples[0].value == 7
+    failures = {
+        s.labels["where"]: s.value for s in families["smoltorrent_node_verify_failures"].samples
+    }
+    assert failures == {"at_rest": 2, "put": 0}
+    hist = {
+        (s.name, s.labels.get("le")): s.value
+        for s in families["smoltorrent_node_request_seconds"].samples
+    }
+    assert hist[("smoltorrent_node_request_seconds_bucket", "0.005")] == 1
+    assert hist[("smoltorrent_node_request_seconds_bucket", "+Inf")] == 2
+    assert hist[("smoltorrent_node_request_seconds_count", None)] == 2
+    assert families["smoltorrent_node_blobs"].samples[0].value == 3
