@@ -34,6 +34,19 @@ def cluster_key() -> bytes | None:
     return key.encode() if key else None
 
 
+GATHER_DIRS_ENV = "SMOLTORRENT_GATHER_DIRS"
+
+
+def gather_dirs() -> list[Path]:
+    """Where a gather may write: SMOLTORRENT_GATHER_DIRS (separated by os.pathsep), else
+    the user's home and the current directory (never the root of the file system)."""
+    text = os.environ.get(GATHER_DIRS_ENV)
+    if text:
+        return [Path(part).expanduser() for part in text.split(os.pathsep) if part]
+    roots = [Path.home(), Path.cwd()]
+    return [root for root in roots if root != Path(root.anchor)]
+
+
 def transfer_retries() -> int:
     return int(os.environ.get("SMOLTORRENT_TRANSFER_RETRIES", defaults.TRANSFER_RETRIES))
 

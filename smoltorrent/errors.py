@@ -83,3 +83,7 @@ class ManifestError(SmoltorrentError):
 
 class StateDictError(SmoltorrentError):
     """A state dict cannot be written or read as safetensors (not tensors, mixed, bad dtype)."""
+
+
+class DestinationNotAllowedError(SmoltorrentError):
+    """A gather was asked to write outside the directories its worker allows."""

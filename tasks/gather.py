@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from coordinator import config
-from coordinator.dataplane.gather_engine import BadCopy, gather_checkpoint
+from coordinator.dataplane.gather_engine import BadCopy, check_destination, gather_checkpoint
 from coordinator.state.metadata import COMMITTED, DONE, Metadata, NodeRecord
 from smoltorrent import defaults
 from smoltorrent.errors import GatherError
@@ -18,6 +18,8 @@ from tasks.context import BOOT_ID, client, metadata
 
 @app.task(name="smoltorrent.gather", bind=True)
 def gather(self, vkey: str, out_path: str, request_id: str | None = None) -> dict:
+    # Whoever can reach the broker can send this task: the worker decides where it writes.
+    out_path = check_destination(out_path, config.gather_dirs())
     md = metadata()
     if request_id is not None and md.start_request(request_id, BOOT_ID) == DONE:
         return json.loads(md.request(request_id)["result"])  # re-driven after it finished

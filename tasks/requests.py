@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator import config
+from coordinator.dataplane.gather_engine import check_destination
 from coordinator.plan.safetensors_header import read_header
 from coordinator.state.metadata import (
     ABORTED,
@@ -159,6 +160,7 @@ def submit_gather(name: str, out: str, version: str | None = None) -> GatherRequ
     out = os.path.abspath(out)
     if not os.path.isdir(os.path.dirname(out)):
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
+    check_destination(out, config.gather_dirs())  # fail here, before anything is queued
     host = config.host_id()
     require_worker(host)
     request_id = new_request_id()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 SMALL_FS_BYTES = 4 * 1024 * 1024  # small enough to fill in a blink
+
+# Tests gather into their temp directories; workers and CLIs they start inherit this.
+os.environ.setdefault("SMOLTORRENT_GATHER_DIRS", tempfile.gettempdir())
 
 
 @pytest.fixture

@@ -14,7 +14,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m worker_server", description="Run a smoltorrent shard server."
     )
     parser.add_argument("--data-dir", required=True, help="where blobs and manifests are kept")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (IPv4)")
+    parser.add_argument(
+        "--host",
+        help="address to listen on (IPv4; default: all interfaces with a cluster key,"
+        " 127.0.0.1 without one)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without a cluster key (anyone who can reach"
+        " the node can then read, write and delete its blobs)",
+    )
     parser.add_argument(
         "--port", type=int, default=defaults.DEFAULT_PORT, help="TCP port; 0 picks a free one"
     )
@@ -43,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cluster_key,
         socket_timeout=args.socket_timeout,
         metrics_port=args.metrics_port,
+        insecure=args.insecure,
     )
 
 

@@ -8,6 +8,7 @@ grace period, and exits cleanly.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import math
 import os
@@ -244,18 +245,53 @@ def _stop_on_signals(server: ShardServer) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+class UnsafeListenError(SmoltorrentError):
+    """A node was told to listen beyond loopback without a cluster key, or on no valid port."""
+
+
+def listen_address(host: str | None, port: int, has_key: bool, insecure: bool) -> str:
+    """The address to bind: all interfaces with a key, loopback without one; refused when
+    a keyless node is told to listen where others can reach it, unless `insecure`."""
+    if not 0 <= port <= 65535:
+        raise UnsafeListenError(
+            f"port {port} is not a TCP port: use 1-65535 (or 0 to pick a free one);"
+            f" the default is {defaults.DEFAULT_PORT}"
+        )
+    if host is None:
+        return "0.0.0.0" if has_key else "127.0.0.1"
+    if has_key or insecure or _is_loopback(host):
+        return host
+    raise UnsafeListenError(
+        f"refusing to listen on {host} without a cluster key: anyone who can reach it could"
+        f" read, write and delete blobs. Set {CLUSTER_KEY_ENV} (or --cluster-key) to the same"
+        " secret on every node and coordinator, or pass --insecure if you accept that"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return False
+    return all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
+
+
 def run_from_args(
     data_dir: str,
-    host: str,
+    host: str | None,
     port: int,
     cluster_key: str | None,
     socket_timeout: float | None = None,
     metrics_port: int | None = None,
+    *,
+    insecure: bool = False,
 ) -> int:
-    """The CLI's entry point: serve until stopped; the process exit status."""
+    """The CLI's entry point: serve until stopped; the process exit status (2: refused
+    configuration)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     key_text = cluster_key or os.environ.get(CLUSTER_KEY_ENV) or None
     try:
+        host = listen_address(host, port, bool(key_text), insecure)
         timeout = _socket_timeout(socket_timeout)
         serve(
             data_dir,
@@ -265,6 +301,9 @@ def run_from_args(
             socket_timeout=timeout,
             metrics_port=metrics_port_from(metrics_port),
         )
+    except UnsafeListenError as exc:
+        log.error("%s", exc)
+        return 2
     except SmoltorrentError as exc:
         log.error("%s", exc)
         return 1

@@ -159,7 +159,16 @@ def cmd_flower(args: argparse.Namespace) -> int:
 
     env = dict(os.environ, SMOLTORRENT_REDIS_URL=REDIS_URL)
     return subprocess.call(
-        [sys.executable, "-m", "celery", "-A", "tasks.app", "flower", f"--port={args.port}"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tasks.app",
+            "flower",
+            f"--port={args.port}",
+            f"--address={args.address}",
+        ],  # fmt: skip
         env=env,
     )
 

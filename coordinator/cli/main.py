@@ -45,7 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run a shard server (on each storage node)")
     s.add_argument("--data-dir", required=True, help="where blobs and manifests are kept")
-    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    s.add_argument(
+        "--host",
+        help="address to listen on (default: all interfaces with a cluster key, 127.0.0.1"
+        " without one)",
+    )
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without a cluster key (anyone who can reach"
+        " the node can then read, write and delete its blobs)",
+    )
     s.add_argument(
         "--port",
         type=int,
@@ -145,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("flower", help="run Flower (Celery monitoring) on the same broker")
     f.add_argument("--port", type=int, default=defaults.FLOWER_PORT)
+    f.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: Flower has no login and can revoke"
+        " tasks; put it behind a proxy with authentication before widening this)",
+    )
 
     demo = sub.add_parser("demo", help="a complete local cluster, end to end, then cleaned up")
     demo.add_argument("--checkpoint", help="a .safetensors file to use (default: a built one)")
@@ -180,7 +196,12 @@ def dispatch(args: argparse.Namespace) -> int:
         from worker_server.server import run_from_args
 
         return run_from_args(
-            args.data_dir, args.host, args.port, args.cluster_key, metrics_port=args.metrics_port
+            args.data_dir,
+            args.host,
+            args.port,
+            args.cluster_key,
+            metrics_port=args.metrics_port,
+            insecure=args.insecure,
         )
     if args.command == "demo":
         from coordinator.cli.commands import cmd_demo

@@ -27,6 +27,7 @@ from coordinator.dataplane.node_client import NodeClient
 from coordinator.plan.manifest import Manifest, source_prefix
 from smoltorrent import defaults
 from smoltorrent.errors import (
+    DestinationNotAllowedError,
     DigestMismatchError,
     GatherError,
     NodeError,
@@ -63,6 +64,23 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_destination(out_path: str | os.PathLike, allowed: Sequence[os.PathLike]) -> str:
+    """out_path, absolute, if its directory lies under one of `allowed` (symlinks
+    resolved); DestinationNotAllowedError otherwise."""
+    out = os.path.abspath(os.fspath(out_path))
+    directory = os.path.realpath(os.path.dirname(out))
+    for root in allowed:
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([directory, real_root]) == real_root:
+            return out
+    shown = ", ".join(os.fspath(root) for root in allowed) or "nowhere"
+    raise DestinationNotAllowedError(
+        f"refusing to write {out}: gathers write only under {shown}. Choose an output"
+        " there, or list more directories in SMOLTORRENT_GATHER_DIRS (separated by"
+        f" {os.pathsep!r}) for both the worker and this command"
+    )
 
 
 def gather_checkpoint(

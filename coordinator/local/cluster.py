@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator import config
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
-from coordinator.state.embedded_redis import start_redis
+from coordinator.state.embedded_redis import start_redis, url_for
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
 
@@ -155,7 +156,9 @@ class LocalCluster:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        if self.redis_port is None:
+            raise SmoltorrentError("the local cluster's Redis is not started yet")
+        return url_for(self.root / "redis", self.redis_port)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -167,6 +170,9 @@ class LocalCluster:
         )
         if self.cluster_key:
             env["SMOLTORRENT_CLUSTER_KEY"] = self.cluster_key
+        # A local cluster gathers under its own root too (the demo writes its copy there).
+        allowed = [str(self.root), *filter(None, [env.get(config.GATHER_DIRS_ENV)])]
+        env[config.GATHER_DIRS_ENV] = os.pathsep.join(allowed)
         env.update(self.extra_env)
         return env
 

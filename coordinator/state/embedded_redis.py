@@ -5,11 +5,19 @@ PATH) with AOF persistence and noeviction, its data and port file in
 $SMOLTORRENT_HOME/redis, so every command on this host finds the same one.
 We never guess at a Redis on 6379: it may keep nothing on disk, and losing
 placement metadata there would be silent.
+
+It listens on 127.0.0.1 only and requires a password generated once and kept
+in that directory (mode 0600, the directory 0700): another local user could
+otherwise enqueue a gather that writes files as the worker's user. The
+password reaches redis-server in a 0600 config file, never on its command line
+where `ps` would show it.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -63,9 +71,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PASSWORD_FILE = "password"  # in the embedded Redis directory, mode 0600
+
+
+def password(directory: Path) -> str:
+    """The embedded Redis's password, generated on first use and kept in directory."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / PASSWORD_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
+def url_for(directory: Path, port: int) -> str:
+    """The URL (password included) of the embedded Redis kept in directory."""
+    return f"redis://:{password(directory)}@127.0.0.1:{port}/0"
+
+
+def _config_file(directory: Path) -> Path:
+    path = directory / "redis.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"requirepass {password(directory)}\n")
+    return path
+
+
 def _server_command(directory: Path, port: int) -> list[str]:
     return [
         redis_server_binary(),
+        str(_config_file(directory)),
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--dir", str(directory),
@@ -85,9 +123,9 @@ def start_redis(directory: Path, port: int | None = None) -> tuple[int, int]:
     A restart on the same port can find it still held for a moment by the
     process that just died, so the start is retried until the deadline.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     port = port or free_port()
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    client = redis.Redis(port=port, password=password(directory), socket_connect_timeout=0.5)
     deadline = time.monotonic() + defaults.EMBEDDED_REDIS_START_S
     while True:
         subprocess.run(_server_command(directory, port), check=True, stdout=subprocess.DEVNULL)
@@ -106,9 +144,11 @@ def start_redis(directory: Path, port: int | None = None) -> tuple[int, int]:
             )
 
 
-def _answers(port: int) -> bool:
+def _answers(directory: Path, port: int) -> bool:
     try:
-        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
+        return bool(
+            redis.Redis.from_url(url_for(directory, port), socket_connect_timeout=0.5).ping()
+        )
     except redis.RedisError:
         return False
 
@@ -122,7 +162,7 @@ def ensure_redis_url() -> str:
     port_file = directory / "port"
     if port_file.exists():
         port = int(port_file.read_text().strip() or 0)
-        if port and _answers(port):
-            return f"redis://127.0.0.1:{port}/0"
+        if port and _answers(directory, port):
+            return url_for(directory, port)
     _, port = start_redis(directory)
-    return f"redis://127.0.0.1:{port}/0"
+    return url_for(directory, port)

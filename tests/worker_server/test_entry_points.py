@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -83,3 +84,49 @@ def test_sigint_stops_cleanly(tmp_path: Path) -> None:
     assert node.wait(EXIT_TIMEOUT_S) == 0
     assert "listening on 127.0.0.1:" in node.log()
     assert "stopped" in node.log()
+
+
+@pytest.mark.parametrize("entry", [["-m", "worker_server"], ["-m", "coordinator.cli", "serve"]])
+def test_keyless_node_refuses_to_listen_beyond_loopback(tmp_path: Path, entry: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SMOLTORRENT_CLUSTER_KEY"}
+    result = subprocess.run(
+        [sys.executable, *entry, "--data-dir", str(tmp_path), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S,
+        env=env,
+    )
+    assert result.returncode == 2
+    assert "without a cluster key" in result.stderr and "--insecure" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "port").exists()
+
+
+def test_insecure_flag_allows_a_keyless_node_beyond_loopback(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SMOLTORRENT_CLUSTER_KEY"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker_server", "--data-dir", str(tmp_path), "--port", "0"]
+        + ["--host", "0.0.0.0", "--insecure"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:
+            if "listening on" in line:
+                assert "listening on 0.0.0.0:" in line
+                break
+        port = int((tmp_path / "port").read_text())
+        assert NodeClient(NodeAddress("127.0.0.1", port)).ping()
+    finally:
+        process.terminate()
+        process.wait(EXIT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_port_out_of_range_is_one_line_exit_2(tmp_path: Path, port: str) -> None:
+    result = run_module("--data-dir", str(tmp_path), "--port", port)
+    assert result.returncode == 2
+    assert "is not a TCP port" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 
+import pytest
 import redis
 
 
@@ -29,12 +31,23 @@ def test_commands_share_one_embedded_redis_with_aof(tmp_path):
             seen.append((home / "redis" / "port").read_text())
         assert seen[0] == seen[1]
         port = int(seen[0])
-        client = redis.Redis(port=port)
+        # Another local user, without the password, gets nothing.
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        password_file = home / "redis" / "password"
+        assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE((home / "redis").stat().st_mode) == 0o700
+        assert stat.S_IMODE((home / "redis" / "redis.conf").stat().st_mode) == 0o600
+        client = redis.Redis(port=port, password=password_file.read_text())
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+        # The password never shows on the server's command line, where `ps` would list it.
+        pid = int((home / "redis" / "redis.pid").read_text())
+        cmdline = (home / f"/proc/{pid}/cmdline").read_bytes()
+        assert password_file.read_text().encode() not in cmdline
         assert client.config_get("appendonly")["appendonly"] == "yes"
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
         assert client.config_get("dir")["dir"] == str(home / "redis")
         # Both commands found the same server: one pid file, one live process.
-        pid = int((home / "redis" / "redis.pid").read_text())
         os.kill(pid, 0)
     finally:
         pidfile = home / "redis" / "redis.pid"

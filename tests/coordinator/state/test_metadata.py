@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.dataplane.store_engine import PreparedStore, prepare_store
 from coordinator.local.synthetic import write_checkpoint
-from coordinator.state.embedded_redis import start_redis
+from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import COMMITTED, Metadata
 
 FREE = {"node-a": 10**12, "node-b": 10**12}
@@ -18,7 +18,7 @@ FREE = {"node-a": 10**12, "node-b": 10**12}
 @pytest.fixture
 def md(tmp_path):
     pid, port = start_redis(tmp_path / "redis")
-    yield Metadata(f"redis://127.0.0.1:{port}/0")
+    yield Metadata(url_for(tmp_path / "redis", port))
     os.kill(pid, signal.SIGTERM)
 
 

@@ -1,0 +1,45 @@
+"""A gather writes only under the directories its worker allows, whoever sends the task."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from coordinator.local.synthetic import write_checkpoint
+from smoltorrent import defaults
+
+
+def test_gather_outside_the_allowed_directories_is_refused(make_cluster, tmp_path: Path):
+    allowed, elsewhere = tmp_path / "allowed", tmp_path / "elsewhere"
+    allowed.mkdir()
+    elsewhere.mkdir()
+    c = make_cluster(2, SMOLTORRENT_GATHER_DIRS=str(allowed))
+    src = tmp_path / "g.safetensors"
+    write_checkpoint(src, 1_000_000, hidden=64)
+    past = time.time() - 60  # settled: the store does not wait for the file to settle
+    os.utime(src, (past, past))
+    c.cli("store", str(src))
+
+    # The CLI refuses before queueing anything.
+    proc = c.cli("gather", "g.safetensors", "-o", str(elsewhere / "out"), check=False)
+    assert proc.returncode == 1
+    assert "gathers write only under" in proc.stderr and str(allowed) in proc.stderr
+    assert "SMOLTORRENT_GATHER_DIRS" in proc.stderr
+
+    # Someone who can reach the broker sends the task itself: the worker refuses it too.
+    app = Celery(broker=c.redis_url, backend=c.redis_url)
+    vkey = c.md.current("g.safetensors")
+    target = elsewhere / "sneaky"
+    result = app.send_task("smoltorrent.gather", args=(vkey, str(target)), queue="host.test0")
+    with pytest.raises(Exception, match="gathers write only under"):
+        result.get(timeout=defaults.LOCAL_START_TIMEOUT_S * 4)
+    assert list(elsewhere.iterdir()) == []
+
+    out = allowed / "out.safetensors"
+    c.cli("gather", "g.safetensors", "-o", str(out))
+    assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
