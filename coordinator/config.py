@@ -39,11 +39,12 @@ GATHER_DIRS_ENV = "SMOLTORRENT_GATHER_DIRS"
 
 def gather_dirs() -> list[Path]:
     """Where a gather may write: SMOLTORRENT_GATHER_DIRS (separated by os.pathsep), else
-    the user's home and the current directory (never the root of the file system)."""
+    the user's home, the current directory (never the root of the file system) and the
+    staging directory where smoltorrent.load gathers."""
     text = os.environ.get(GATHER_DIRS_ENV)
     if text:
         return [Path(part).expanduser() for part in text.split(os.pathsep) if part]
-    roots = [Path.home(), Path.cwd()]
+    roots = [Path.home(), Path.cwd(), home() / "staging"]
     return [root for root in roots if root != Path(root.anchor)]
 
 
