@@ -12,6 +12,9 @@ import socket
 from pathlib import Path
 
 from smoltorrent import defaults
+from smoltorrent.errors import ConfigError
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def home() -> Path:
@@ -20,7 +23,14 @@ def home() -> Path:
 
 
 def redis_url_from_env() -> str | None:
-    return os.environ.get("SMOLTORRENT_REDIS_URL") or None
+    url = os.environ.get("SMOLTORRENT_REDIS_URL") or None
+    if url is not None and not url.startswith(REDIS_SCHEMES):
+        raise ConfigError(
+            f"SMOLTORRENT_REDIS_URL={url!r} is not a Redis URL: write it as"
+            " redis://HOST:PORT/0 (e.g. redis://127.0.0.1:6379/0), or unset it to use the"
+            " embedded Redis"
+        )
+    return url
 
 
 def host_id() -> str:
@@ -48,13 +58,40 @@ def gather_dirs() -> list[Path]:
     return [root for root in roots if root != Path(root.anchor)]
 
 
+def _int_from_env(name: str, default: int, what: str) -> int:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(
+            f"{name}={text!r} is not {what}: set a whole number such as {default}, or unset it"
+            f" for the default ({default})"
+        )
+    return value
+
+
 def transfer_retries() -> int:
-    return int(os.environ.get("SMOLTORRENT_TRANSFER_RETRIES", defaults.TRANSFER_RETRIES))
+    return _int_from_env(
+        "SMOLTORRENT_TRANSFER_RETRIES", defaults.TRANSFER_RETRIES, "a number of retries"
+    )
 
 
 def transfer_time_base() -> int:
     """Seconds every transfer's time limit starts from (SMOLTORRENT_TRANSFER_TIME_BASE_S)."""
-    return int(os.environ.get("SMOLTORRENT_TRANSFER_TIME_BASE_S", defaults.TRANSFER_TIME_BASE_S))
+    return _int_from_env(
+        "SMOLTORRENT_TRANSFER_TIME_BASE_S", defaults.TRANSFER_TIME_BASE_S, "a number of seconds"
+    )
+
+
+def check_environment() -> None:
+    """Read every setting once, so a bad one is a one-line ConfigError before any work."""
+    redis_url_from_env()
+    transfer_retries()
+    transfer_time_base()
 
 
 def host_queue(host: str) -> str:

@@ -87,3 +87,11 @@ class StateDictError(SmoltorrentError):
 
 class DestinationNotAllowedError(SmoltorrentError):
     """A gather was asked to write outside the directories its worker allows."""
+
+
+class ConfigError(SmoltorrentError):
+    """A setting (a flag or an environment variable) has a value smoltorrent cannot use."""
+
+
+class UsageError(SmoltorrentError):
+    """A command's arguments do not fit together."""

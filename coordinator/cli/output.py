@@ -1,4 +1,9 @@
-"""How the CLI shows things: rich tables for people, --json for scripts."""
+"""How the CLI shows things: rich tables for people, --json for scripts.
+
+Nothing is ever hard-wrapped or cut: sentences soft-wrap (the terminal folds
+them, a pipe or a file gets one line each), table cells fold in a terminal,
+and a table written to a pipe or a file is plain tab-separated rows.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def human_bytes(n: float) -> str:
@@ -27,17 +33,33 @@ def emit_json(data) -> None:
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    if not console.is_terminal:
+        for row in [columns, *rows]:
+            sys.stdout.write("\t".join(str(cell).replace("\t", " ") for cell in row) + "\n")
+        return
     t = Table(title=title, title_justify="left")
     for c in columns:
-        t.add_column(c)
+        t.add_column(c, overflow="fold")
     for row in rows:
         t.add_row(*(str(x) for x in row))
-    console.print(t)
+    console.print(t, soft_wrap=False)
 
 
-def error(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+def error(message: str, hint: str | None = None, *, as_json: bool = False) -> None:
+    """An error for a person (stderr) or, under --json, for a script (stdout)."""
+    if as_json:
+        json.dump({"error": message, "hint": hint}, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        _tagged("error: ", "bold red", message)
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    _tagged("warning: ", "yellow", message)
+
+
+def _tagged(tag: str, style: str, message: str) -> None:
+    if err_console.is_terminal:
+        err_console.print(Text.assemble((tag, style), message))
+    else:
+        sys.stderr.write(f"{tag}{message}\n")

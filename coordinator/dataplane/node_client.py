@@ -36,9 +36,12 @@ class NodeAddress:
     port: int
 
     @classmethod
-    def parse(cls, text: str) -> NodeAddress:
-        """'host:port' or '[v6]:port' -> NodeAddress; SmoltorrentError with a hint if malformed."""
+    def parse(cls, text: str, default_port: int | None = None) -> NodeAddress:
+        """'host:port' or '[v6]:port' -> NodeAddress; SmoltorrentError with a hint if malformed.
+        With default_port, a bare 'host' or '[v6]' takes that port."""
         match = ADDRESS_PATTERN.fullmatch(text.strip())
+        if not match and default_port is not None:
+            match = ADDRESS_PATTERN.fullmatch(f"{text.strip()}:{default_port}")
         port = int(match["port"]) if match else 0
         if not match or not 0 < port < 65536:
             raise SmoltorrentError(
