@@ -11,7 +11,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 # .dockerignore keeps .venv, .git, tests and bench out of the context.
 COPY . .
-RUN pip install . \
+RUN pip install ".[coordinator]" \
     # A fixed uid, so bind mounts (./checkpoints) can be chowned to it on the host.
     && useradd --system --uid 10001 --user-group --home-dir /var/lib/smoltorrent \
        --create-home smoltorrent \

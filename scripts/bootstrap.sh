@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv beside this checkout and install smoltorrent into it.
-# Usage: scripts/bootstrap.sh [extra]   (extra: "test" adds the test tools)
+# Usage: scripts/bootstrap.sh [coordinator|test|node]
+#   coordinator (default): the training machine's side, everything the demo needs
+#   test: the coordinator plus the test tools; node: a storage node only (standard library)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -10,6 +12,9 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
-spec="."
-[ -n "${1:-}" ] && spec=".[$1]"
+case "${1:-coordinator}" in
+    node) spec="." ;;
+    coordinator | test) spec=".[${1:-coordinator}]" ;;
+    *) echo "usage: scripts/bootstrap.sh [coordinator|test|node]" >&2; exit 2 ;;
+esac
 .venv/bin/python -m pip install --quiet -e "$spec"

