@@ -6,7 +6,7 @@ saying why it has that value.
 
 # --- wire protocol (worker_server/protocol.py, worker_server/wire.py) -------
 
-PROTOCOL_VERSION = 2  # bumped on any incompatible frame or operation change
+PROTOCOL_VERSION = 3  # bumped on any incompatible frame or operation change (3: progress)
 DEFAULT_PORT = 7411  # TCP; unassigned by IANA, easy to remember
 MAX_HEADER_BYTES = 64 * 1024  # bytes; JSON headers carry names and digests, never data
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024  # bytes; inventories and manifests, bounded per request
@@ -19,6 +19,9 @@ NONCE_BYTES = 32  # bytes; HMAC challenge size, as long as the SHA-256 output
 SENDFILE_MAX_BYTES = 1 << 30  # bytes per sendfile call; Linux moves at most ~2 GiB per call
 MAX_KEY_CHARS = 128  # characters in a manifest key; one file name on every file system we meet
 VERIFY_BATCH_DIGESTS = 512  # digests per verify request; ~35 KB of JSON, under MAX_HEADER_BYTES
+# seconds between progress frames of a node copying or re-hashing a blob; a node sends them
+# at a quarter of its socket timeout if that is shorter, so a waiting peer never times out
+PROGRESS_INTERVAL_S = 5.0
 
 # --- shard server (worker_server/server.py) ---------------------------------
 

@@ -45,6 +45,13 @@ class DigestMismatchError(SmoltorrentError):
     """Bytes did not hash to the SHA-256 they were promised to have."""
 
 
+class BadTargetError(NodeError):
+    """A node stored other bytes than an unchanged source sent it: its disk, RAM or link."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("digest_mismatch", message)
+
+
 class GatherError(SmoltorrentError):
     """A checkpoint could not be rebuilt byte for byte."""
 

@@ -20,6 +20,7 @@ import logging
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -210,13 +211,35 @@ class BlobStore:
         buffer = bytearray(defaults.IO_CHUNK_BYTES)
         return [digest for digest in targets if self._hash_file(digest, buffer) != digest]
 
-    def _hash_file(self, digest: str, buffer: bytearray) -> str | None:
+    def intact(self, digest: str, size: int, progress: Callable[[int], None] | None = None) -> bool:
+        """Whether this node holds blob `digest` whole: `size` bytes that hash to its name.
+
+        A put answers "exists" only after this. A blob counted as a replica must be one
+        now, not when it was written: a copy that rotted or that something appended to
+        since would make a version commit with fewer good copies than it promises. The
+        re-hash reads the node's own disk, cheaper than the network send it saves, and
+        progress(bytes hashed) lets the caller report that the node is still working.
+        """
+        try:
+            if self.blob_path(digest).stat().st_size != size:
+                return False
+        except FileNotFoundError:
+            return False
+        return self._hash_file(digest, bytearray(defaults.IO_CHUNK_BYTES), progress) == digest
+
+    def _hash_file(
+        self, digest: str, buffer: bytearray, progress: Callable[[int], None] | None = None
+    ) -> str | None:
         hasher = hashlib.sha256()
         view = memoryview(buffer)
+        done = 0
         try:
             with open(self.blob_path(digest), "rb", buffering=0) as blob:
                 while count := blob.readinto(view):
                     hasher.update(view[:count])
+                    done += count
+                    if progress is not None:
+                        progress(done)
         except FileNotFoundError:
             return None
         return hasher.hexdigest()

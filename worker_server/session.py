@@ -207,15 +207,35 @@ class Session:
     def op_list(self, request: dict[str, Any]) -> None:
         self._reply_json(self.store.inventory())
 
+    def _ticker(self) -> Callable[[int], None]:
+        """Progress frames often enough that a peer waiting one socket timeout never gives up
+        on a node that is still working."""
+        interval = min(defaults.PROGRESS_INTERVAL_S, self.socket_timeout / 4)
+        return wire.progress_ticker(self.sock, interval)
+
     def op_put(self, request: dict[str, Any]) -> None:
         digest, size = request["digest"], request["size"]
         if self.store.has(digest):
-            wire.send_frame(self.sock, {"ok": True, "status": "exists"})
-            return
+            if self.store.intact(digest, size, self._ticker()):
+                wire.send_frame(self.sock, {"ok": True, "status": "exists"})
+                return
+            # Receiving a fresh copy replaces it; deleting first keeps a failed put honest.
+            log.warning("blob %s here is damaged; deleting it to receive it again", digest)
+            self.store.delete(digest)
         with self.store.begin_put(digest, size) as incoming:
             wire.send_frame(self.sock, {"ok": True, "status": "continue"})
             self._unread_body = size
-            wire.recv_stream(self.sock, size, incoming.write, digest_covered=True)
+            # The sender may have pushed its last byte long before it reaches us (buffers on
+            # a slow link): progress frames tell it, and whoever waits on it, we still receive.
+            tick, received = self._ticker(), 0
+
+            def sink(chunk: memoryview) -> None:
+                nonlocal received
+                incoming.write(chunk)
+                received += len(chunk)
+                tick(received)
+
+            wire.recv_stream(self.sock, size, sink, digest_covered=True)
             self._unread_body = 0
             incoming.commit()
         self.metrics.received(size)
@@ -267,7 +287,7 @@ class Session:
         peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         fd, size = self.store.open_blob(digest)
         try:
-            stored = self._push_blob(peer, host, port, digest, fd, size)
+            stored = self._push_blob(peer, host, port, digest, fd, size, self._ticker())
         finally:
             os.close(fd)
         if stored:
@@ -275,11 +295,21 @@ class Session:
         log.info("replicated blob %s to %s (%s)", digest, peer, "stored" if stored else "exists")
         wire.send_frame(self.sock, {"ok": True, "status": "stored" if stored else "exists"})
 
-    def _push_blob(self, peer: str, host: str, port: int, digest: str, fd: int, size: int) -> bool:
+    def _push_blob(
+        self,
+        peer: str,
+        host: str,
+        port: int,
+        digest: str,
+        fd: int,
+        size: int,
+        progress: Callable[[int], None],
+    ) -> bool:
+        """Put our copy on the peer; progress frames to our client keep a long copy alive."""
         try:
             with wire.connect(host, port, self.socket_timeout) as peer_sock:
                 wire.client_handshake(peer_sock, self.cluster_key, peer)
-                return wire.send_put(peer_sock, peer, digest, b"", fd, 0, size)
+                return wire.send_put(peer_sock, peer, digest, b"", fd, 0, size, progress)
         except AuthenticationError as exc:
             raise NodeError("peer_unavailable", f"peer {peer} refused this node: {exc}") from exc
         except (OSError, PeerClosedError) as exc:

@@ -206,6 +206,36 @@ def recv_response(sock: socket.socket, peer: str) -> tuple[dict[str, Any], int]:
     return protocol.check_response(header, peer), body_len
 
 
+def recv_final_response(
+    sock: socket.socket, peer: str, on_progress: Callable[[int], None] | None = None
+) -> tuple[dict[str, Any], int]:
+    """The answer to a long request, after any progress frames the node sent while working.
+
+    A node copying or re-hashing a large blob sends {"ok": true, "progress": bytes} now and
+    then, so each read waits one socket timeout: a slow node is told from a dead one.
+    """
+    while True:
+        header, body_len = recv_response(sock, peer)
+        if "progress" not in header:
+            return header, body_len
+        if on_progress is not None:
+            on_progress(protocol.validate_length(header["progress"], "progress"))
+
+
+def progress_ticker(sock: socket.socket, interval: float) -> Callable[[int], None]:
+    """tick(done): sends a progress frame on sock when `interval` seconds have passed."""
+    last = time.monotonic()
+
+    def tick(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= interval:
+            last = now
+            send_frame(sock, {"ok": True, "progress": done})
+
+    return tick
+
+
 def recv_exact(sock: socket.socket, length: int) -> bytes:
     """Exactly `length` bytes; callers bound length before asking."""
     data = _recv_exact_or_eof(sock, length)
@@ -348,8 +378,15 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-def send_file_range(sock: socket.socket, fd: int, offset: int, count: int) -> None:
-    """Send `count` bytes of fd from offset with sendfile, waiting at most the socket's timeout."""
+def send_file_range(
+    sock: socket.socket,
+    fd: int,
+    offset: int,
+    count: int,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Send `count` bytes of fd from offset with sendfile, waiting at most the socket's timeout
+    for each step; progress(bytes sent so far) after each step."""
     timeout = sock.gettimeout()
     sent_total = 0
     with selectors.DefaultSelector() as selector:
@@ -368,6 +405,8 @@ def send_file_range(sock: socket.socket, fd: int, offset: int, count: int) -> No
                     f"source file ended {count - sent_total} bytes before the declared length"
                 )
             sent_total += sent
+            if progress is not None:
+                progress(sent_total)
 
 
 def close_after_error(sock: socket.socket) -> None:
@@ -482,20 +521,30 @@ def _set_auth(sock: socket.socket, auth: FrameAuth) -> None:
 
 
 def send_put(
-    sock: socket.socket, peer: str, digest: str, prefix: bytes, fd: int, offset: int, length: int
+    sock: socket.socket,
+    peer: str,
+    digest: str,
+    prefix: bytes,
+    fd: int,
+    offset: int,
+    length: int,
+    progress: Callable[[int], None] | None = None,
 ) -> bool:
-    """The client half of a two-phase put; True if stored, False if the node already had it."""
+    """The client half of a two-phase put; True if stored, False if the node already had it.
+
+    progress(n) runs as body bytes leave and as the node reports re-hashing a copy it has.
+    """
     size = len(prefix) + length
     # The node checks the blob against its digest, so the body goes untagged (sendfile).
     send_frame_header(sock, {"op": "put", "digest": digest, "size": size}, size)
-    header, _ = recv_response(sock, peer)
+    header, _ = recv_final_response(sock, peer, progress)
     if header.get("status") == "exists":
         return False
     if header.get("status") != "continue":
         raise ProtocolError(f"node {peer} answered a put with {header!r}")
     sock.sendall(prefix)
-    send_file_range(sock, fd, offset, length)
-    header, _ = recv_response(sock, peer)
+    send_file_range(sock, fd, offset, length, progress)
+    header, _ = recv_final_response(sock, peer, progress)
     if header.get("status") != "stored":
         raise ProtocolError(f"node {peer} did not confirm the put: {header!r}")
     return True

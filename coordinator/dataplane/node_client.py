@@ -240,8 +240,12 @@ class NodeClient:
 
     def replicate(self, digest: str, peer: NodeAddress) -> bool:
         """Ask this node to push its copy of digest to peer; True if peer stored it, False if
-        it already had it."""
-        response, _ = self._call({"op": "replicate", "digest": digest, "peer": str(peer)})
+        it already had it. However large the blob, each read waits one socket timeout: the
+        node sends progress frames while it copies, so only a stalled copy times out."""
+        with self._connection() as sock:
+            wire.send_frame(sock, {"op": "replicate", "digest": digest, "peer": str(peer)})
+            response, body_len = wire.recv_final_response(sock, str(self.address))
+            wire.recv_body(sock, _bounded_body(body_len, self.address))
         return response.get("status") == "stored"
 
     def put_manifest(self, key: str, data: bytes) -> None:

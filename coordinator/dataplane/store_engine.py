@@ -27,6 +27,7 @@ from coordinator.plan.safetensors_header import CheckpointHeader, read_header
 from coordinator.plan.source_file import SourceIdentity
 from smoltorrent import defaults
 from smoltorrent.errors import (
+    BadTargetError,
     DigestMismatchError,
     NodeError,
     NodeUnavailableError,
@@ -66,17 +67,24 @@ class StoreResult:
 
 
 def _hash_shard(path: str, header: CheckpointHeader, plan: ShardPlan) -> str:
-    hasher = hashlib.sha256(plan.prefix)
+    return _hash_blob(
+        path, plan.index, plan.prefix, header.data_start + plan.data_start, plan.data_size
+    )
+
+
+def _hash_blob(path: str, index: int, prefix: bytes, offset: int, length: int) -> str:
+    """SHA-256 of a blob as it would be sent now: prefix, then length bytes of path at offset."""
+    hasher = hashlib.sha256(prefix)
     buf = bytearray(defaults.IO_CHUNK_BYTES)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        f.seek(header.data_start + plan.data_start)
-        remaining = plan.data_size
+        f.seek(offset)
+        remaining = length
         while remaining:
             n = f.readinto(view[: min(remaining, len(buf))])
             if not n:
                 raise SourceChangedError(
-                    f"{path} ended early while hashing shard {plan.index}; it is being "
+                    f"{path} ended early while hashing shard {index}; it is being "
                     "rewritten. Store it again once training has finished writing it."
                 )
             hasher.update(view[:n])
@@ -142,27 +150,37 @@ def send_shard(
     A node that already holds a verified copy pushes it node to node first
     (the coordinator's own link is usually the bottleneck); the source file
     is the fallback, checked against its plan-time identity before sending.
+    A holder whose copy turns out corrupt (the target refuses what it pushed)
+    is skipped like a down one: the source can still send the shard.
+
+    When the target hashes other bytes than the source sent, the source is
+    hashed again: only a changed source raises SourceChangedError (abandon the
+    version). An unchanged one means the target corrupted the bytes:
+    BadTargetError, a NodeError the caller retries and finally dead-letters,
+    never a reason to abandon and re-store.
     """
     shard = manifest.shards[shard_index]
     for holder in holders:
         try:
             return "replicated" if holder.replicate(shard.blob_sha256, target.address) else "exists"
-        except (NodeUnavailableError, NodeError, ProtocolError):
+        except (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError):
             continue
     identity.check(prepared_path)
+    offset, length = manifest.data_start + shard.data_start, shard.data_end - shard.data_start
     with open(prepared_path, "rb") as f:
         try:
-            stored = target.put_blob(
-                shard.blob_sha256,
-                prefix,
-                f.fileno(),
-                manifest.data_start + shard.data_start,
-                shard.data_end - shard.data_start,
-            )
+            stored = target.put_blob(shard.blob_sha256, prefix, f.fileno(), offset, length)
         except DigestMismatchError as exc:
-            raise SourceChangedError(
-                f"{prepared_path} changed while shard {shard_index} was sent (the node hashed "
-                "different bytes); the partial version was abandoned."
+            identity.check(prepared_path)
+            if _hash_blob(prepared_path, shard_index, prefix, offset, length) != shard.blob_sha256:
+                raise SourceChangedError(
+                    f"{prepared_path} changed while shard {shard_index} was sent (the node "
+                    "hashed different bytes); the partial version was abandoned."
+                ) from exc
+            raise BadTargetError(
+                f"node {target.address} stored other bytes than the unchanged source sent for"
+                f" shard {shard_index} ({exc}): its disk, memory or network link corrupts data."
+                " Check that node (`smoltorrent status`), or remove it from the cluster."
             ) from exc
     return "sent" if stored else "exists"
 
@@ -225,6 +243,8 @@ def store_checkpoint(
     def client(node_id: str) -> NodeClient:
         return NodeClient(ids[node_id], cluster_key=cluster_key)
 
+    targets = _prefer_holders(prepared, {n: client(n) for n in ids})
+
     def send(index: int, node_id: str, holders: Sequence[str]) -> bool:
         try:
             how = send_shard(
@@ -250,14 +270,14 @@ def store_checkpoint(
         return True
 
     def chained(index: int) -> None:
-        for node_id in prepared.targets[index]:
+        for node_id in targets[index]:
             send(index, node_id, list(result.holders[index]))
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         if chain:
             list(pool.map(chained, range(len(manifest.shards))))
         else:
-            jobs = [(i, n) for i, nodes in enumerate(prepared.targets) for n in nodes]
+            jobs = [(i, n) for i, nodes in enumerate(targets) for n in nodes]
             list(pool.map(lambda job: send(job[0], job[1], ()), jobs))
 
     missing = [i for i, h in result.holders.items() if not h]
@@ -268,6 +288,31 @@ def store_checkpoint(
         )
     write_manifest(manifest, [client(n) for n in {n for h in result.holders.values() for n in h}])
     return result
+
+
+def _prefer_holders(
+    prepared: PreparedStore, clients: Mapping[str, NodeClient]
+) -> list[tuple[str, ...]]:
+    """Keep each shard on nodes that already hold its blob: unchanged content moves no bytes,
+    even when free space (and so the fresh placement) shifted since it was stored."""
+    digests = [s.blob_sha256 for s in prepared.manifest.shards]
+
+    def held(node_id: str) -> set[str]:
+        try:
+            return clients[node_id].has(digests)
+        except (NodeUnavailableError, NodeError, ProtocolError):
+            return set()
+
+    if not digests or not clients:
+        return [tuple(t) for t in prepared.targets]
+    with ThreadPoolExecutor(max_workers=min(32, len(clients))) as pool:
+        holding = dict(zip(clients, pool.map(held, clients), strict=True))
+    out = []
+    for planned, digest in zip(prepared.targets, digests, strict=True):
+        holders = sorted(n for n, blobs in holding.items() if digest in blobs)[: len(planned)]
+        rest = [n for n in planned if n not in holders]
+        out.append(tuple(holders + rest[: len(planned) - len(holders)]))
+    return out
 
 
 def write_manifest(manifest: Manifest, clients: Sequence[NodeClient]) -> int:

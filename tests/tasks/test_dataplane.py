@@ -12,6 +12,8 @@ import redis
 
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state import redis_keys as K
+from coordinator.state.metadata import COMMITTED
+from tests.tcpproxy import start_proxy
 
 GARBAGE_BYTES = 3 * 1024 * 1024  # a few MiB: more than a neighbouring shard's range here
 
@@ -61,3 +63,32 @@ def test_oversized_copies_gather_identical_and_are_recorded(make_cluster, tmp_pa
     assert len(report["bad_copies"]) == len(manifest.shards)
     recorded = redis.Redis.from_url(c.redis_url, decode_responses=True).hgetall(K.BAD_COPIES)
     assert set(recorded) == spoiled
+
+
+FLIP_AT = 64 * 1024  # bytes into a connection: inside every blob body, past any small request
+
+
+def test_a_node_that_corrupts_every_put_is_dead_lettered_not_a_restore_loop(make_cluster, tmp_path):
+    c = make_cluster(2, retries=2)
+    bad = c.node_procs[1]
+    bad_id = bad.client().ping()
+    proxy = start_proxy(str(bad.address), tmp_path, flip_at=FLIP_AT)
+    try:
+        c.cli("nodes", "add", f"127.0.0.1:{proxy.port}")  # node 1 is now reached through it
+        src = make_ckpt(tmp_path / "c.safetensors")
+        proc = c.cli("store", str(src), "--shards", "2", "--json", check=False)
+        names = [v for v in c.cli_json("ls") if v["name"] == "c.safetensors"]
+        assert len(names) == 1, names  # no abandon -> re-store -> re-hash loop
+        vkey = names[0]["vkey"]
+        assert c.md.version(vkey)["state"] == COMMITTED, (proc.stdout, proc.stderr)
+        letters = c.cli_json("dlq", "ls")
+        assert sorted(rec["shard"] for rec in letters) == [0, 1]
+        assert all(rec["node"] == bad_id and "BadTargetError" in rec["error"] for rec in letters)
+        tries = [a for a in c.md.attempts(vkey) if a["node"] == bad_id]
+        assert sorted(a["attempt"] for a in tries) == [0, 0, 1, 1, 2, 2], tries
+        assert all("error" in a for a in tries)
+        out = tmp_path / "out.safetensors"
+        c.cli("gather", "c.safetensors", "-o", str(out))
+        assert sha(out) == sha(src)
+    finally:
+        proxy.stop()

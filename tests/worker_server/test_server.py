@@ -192,3 +192,30 @@ def test_short_source_file_fails_the_put(keyed_node: NodeProcess, make_blob) -> 
     with pytest.raises(ProtocolError, match="source file ended"):
         keyed_node.client().put_blob(blob.digest, b"", blob.fd, 0, 10_000)
     assert keyed_node.client().has([blob.digest]) == set()
+
+
+def _blob_file(node: NodeProcess, digest: str) -> Path:
+    return node.data_dir / "blobs" / digest[:2] / digest
+
+
+@pytest.mark.parametrize("damage", ["flipped bit", "appended bytes", "cut short"])
+def test_put_of_a_damaged_copy_receives_it_again(
+    node_factory, make_blob, damage: str, tmp_path: Path
+) -> None:
+    node = node_factory()
+    client = node.client()
+    blob: SourceBlob = make_blob(300_000)
+    assert blob.put(client) is True
+    path = _blob_file(node, blob.digest)
+    data = bytearray(path.read_bytes())
+    if damage == "flipped bit":
+        data[1000] ^= 0x01
+    elif damage == "appended bytes":
+        data += os.urandom(4096)
+    else:
+        del data[-10:]
+    path.write_bytes(bytes(data))
+    assert blob.put(client) is True  # "exists" would count a damaged copy as a replica
+    assert path.read_bytes() == blob.content
+    assert client.verify([blob.digest]) == []
+    assert blob.put(client) is False  # an intact copy still moves no body
