@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 SMALL_FS_BYTES = 4 * 1024 * 1024  # small enough to fill in a blink
+# Set by .ci/run: on CI a disk-full test that cannot mount its tmpfs fails instead of
+# skipping, so the suite never goes green without having filled a real disk.
+REQUIRE_TMPFS_ENV = "SMOLTORRENT_REQUIRE_TMPFS"
 
 # Tests gather into their temp directories; workers and CLIs they start inherit this.
 os.environ.setdefault("SMOLTORRENT_GATHER_DIRS", tempfile.gettempdir())
@@ -27,7 +30,10 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         text=True,
     )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}")
+        reason = f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}"
+        if os.environ.get(REQUIRE_TMPFS_ENV) == "1":
+            pytest.fail(f"{reason}; {REQUIRE_TMPFS_ENV}=1 says this machine must run it")
+        pytest.skip(reason)
     try:
         yield mount_point
     finally:

@@ -354,6 +354,34 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_redis(args: argparse.Namespace) -> int:
+    # Not through _md(): asking about the embedded Redis must not start it.
+    from coordinator.state.embedded_redis import redis_status, stop_redis
+
+    if args.redis_command == "stop":
+        stopped = stop_redis()
+        console.print(
+            "stopped the embedded Redis; its data stays for the next start"
+            if stopped
+            else "the embedded Redis was not running"
+        )
+        return 0
+    status = redis_status()
+    if args.json:
+        emit_json(status)
+    elif not status["embedded"]:
+        console.print(f"using the Redis at {status['url']} (SMOLTORRENT_REDIS_URL)")
+    elif status["running"]:
+        console.print(
+            f"embedded Redis running: pid {status['pid']}, {status['url']}, data in {status['dir']}"
+        )
+    else:
+        console.print(
+            f"embedded Redis not running (data in {status['dir']}); the next command starts it"
+        )
+    return 0
+
+
 def cmd_dlq(args: argparse.Namespace) -> int:
     md = _md()
     if args.dlq_command == "ls":

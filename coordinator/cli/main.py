@@ -219,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS})",
     )
 
+    rd = sub.add_parser(
+        "redis",
+        help="status or stop of the Redis smoltorrent runs itself",
+        description="With no SMOLTORRENT_REDIS_URL, smoltorrent starts its own redis-server "
+        "(AOF on, data in $SMOLTORRENT_HOME/redis) the first time a command needs it, on the "
+        "same port every time. `status` says whether it runs and where; `stop` stops it "
+        "(the data stays; the next command starts it again).",
+    )
+    rdsub = rd.add_subparsers(dest="redis_command", required=True, metavar="ACTION")
+    rds = rdsub.add_parser("status", help="is this host's embedded Redis running, and where")
+    rds.add_argument("--json", action="store_true")
+    rdsub.add_parser("stop", help="stop it; its data stays for the next start")
+
     f = sub.add_parser("flower", help="run Flower (Celery monitoring) on the same broker")
     f.add_argument("--port", type=_port, default=defaults.FLOWER_PORT)
     f.add_argument(

@@ -6,6 +6,11 @@ $SMOLTORRENT_HOME/redis, so every command on this host finds the same one.
 We never guess at a Redis on 6379: it may keep nothing on disk, and losing
 placement metadata there would be silent.
 
+Starting is done under a file lock on that directory, so two commands
+starting at once start one server; a restart reuses the port kept in the
+port file, so workers still connected to the old URL reconnect to the new
+server instead of being stranded.
+
 It listens on 127.0.0.1 only and requires a password generated once and kept
 in that directory (mode 0600, the directory 0700): another local user could
 otherwise enqueue a gather that writes files as the worker's user. The
@@ -15,13 +20,18 @@ where `ps` would show it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -145,13 +155,48 @@ def start_redis(directory: Path, port: int | None = None) -> tuple[int, int]:
             )
 
 
-def _answers(directory: Path, port: int) -> bool:
+def _serves(port: int, directory: Path) -> bool:
+    """Whether the Redis on port is ours: it answers and keeps its data in `directory`."""
+    client = redis.Redis.from_url(
+        url_for(directory, port), socket_connect_timeout=0.5, socket_timeout=2
+    )
     try:
-        return bool(
-            redis.Redis.from_url(url_for(directory, port), socket_connect_timeout=0.5).ping()
-        )
+        return client.config_get("dir").get("dir") == str(directory)
     except redis.RedisError:
         return False
+    finally:
+        client.close()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        # As redis-server binds: connections of the stopped server in TIME_WAIT don't count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _saved_port(directory: Path) -> int | None:
+    try:
+        port = int((directory / "port").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return port if 0 < port < 65536 else None
+
+
+@contextmanager
+def _start_lock(directory: Path) -> Iterator[None]:
+    """One process at a time checks for and starts this directory's server."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(directory / "start.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the holder is done within EMBEDDED_REDIS_START_S
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def ensure_redis_url() -> str:
@@ -160,10 +205,89 @@ def ensure_redis_url() -> str:
     if url:
         return url
     directory = config.home() / "redis"
-    port_file = directory / "port"
-    if port_file.exists():
-        port = int(port_file.read_text().strip() or 0)
-        if port and _answers(directory, port):
-            return url_for(directory, port)
-    _, port = start_redis(directory)
+    port = _saved_port(directory)
+    if port and _serves(port, directory):
+        return url_for(directory, port)
+    with _start_lock(directory):
+        port = _saved_port(directory)
+        if port and _serves(port, directory):
+            return url_for(
+                directory, port
+            )  # another process started it while we waited for the lock
+        if port and not _bindable(port):
+            print(
+                f"smoltorrent: port {port} of the embedded Redis is taken by another program;"
+                " moving to a new port (restart running workers).",
+                file=sys.stderr,
+            )
+            port = None
+        pid, port = start_redis(directory, port)
+    print(
+        f"smoltorrent: started its own redis-server (pid {pid}) on 127.0.0.1:{port}, data in"
+        f" {directory}; `smoltorrent redis stop` stops it.",
+        file=sys.stderr,
+    )
     return url_for(directory, port)
+
+
+def redis_status() -> dict:
+    """What `smoltorrent redis status` reports about this host's Redis."""
+    url = config.redis_url_from_env()
+    if url:
+        return {"embedded": False, "url": url, "running": None}
+    directory = config.home() / "redis"
+    port = _saved_port(directory)
+    running = bool(port and _serves(port, directory))
+    return {
+        "embedded": True,
+        "url": f"redis://127.0.0.1:{port}/0" if port else None,  # its password stays in dir
+        "running": running,
+        "pid": _pid(directory) if running else None,
+        "port": port,
+        "dir": str(directory),
+    }
+
+
+def _pid(directory: Path) -> int | None:
+    try:
+        return int((directory / "redis.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def stop_redis() -> bool:
+    """Stop this host's embedded Redis (its AOF keeps the data); False if it was not running.
+
+    The port file stays, so the next start listens where workers expect it."""
+    if config.redis_url_from_env():
+        raise MetadataError(
+            "SMOLTORRENT_REDIS_URL points at a Redis smoltorrent did not start; stop it with"
+            " the tools that run it, or unset the variable to manage the embedded one."
+        )
+    directory = config.home() / "redis"
+    with _start_lock(directory):
+        port = _saved_port(directory)
+        if not (port and _serves(port, directory)):
+            return False
+        pid = _pid(directory)
+        if pid is None:
+            raise MetadataError(f"no pid in {directory / 'redis.pid'}; stop redis-server by hand")
+        # SIGTERM: redis-server flushes its AOF and exits (its documented clean shutdown).
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + defaults.EMBEDDED_REDIS_START_S
+        while _serves(port, directory) or _running(pid):
+            if time.monotonic() > deadline:
+                raise MetadataError(
+                    f"redis-server (pid {pid}) did not stop within"
+                    f" {defaults.EMBEDDED_REDIS_START_S:.0f} s; see {directory / 'redis.log'}"
+                )
+            time.sleep(0.05)
+    return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

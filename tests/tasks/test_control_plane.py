@@ -6,6 +6,7 @@ import hashlib
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,27 +34,44 @@ def committed(cluster, name: str) -> list[dict]:
     return [v for v in cluster.cli_json("ls") if v["name"] == name and v["state"] == COMMITTED]
 
 
+def node_bytes_received(cluster) -> list[float]:
+    """Each node's smoltorrent_node_bytes_received_total, scraped from its /metrics."""
+    out = []
+    for node in cluster.node_procs:
+        port = (node.data_dir / "metrics_port").read_text().strip()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            text = page.read().decode()
+        line = next(x for x in text.splitlines() if x.startswith(RECEIVED_METRIC))
+        out.append(float(line.split()[-1]))
+    return out
+
+
+RECEIVED_METRIC = "smoltorrent_node_bytes_received_total"
+
+
 def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path):
-    c = make_cluster(4)
+    c = make_cluster(4, SMOLTORRENT_METRICS_PORT="0")
     src = make_ckpt(tmp_path / "a.safetensors")
     first = c.cli_json("store", str(src))
     assert first["state"] == COMMITTED and first["new"] is True
     assert first["shards"] == 4 and first["min_copies"] == 2
-    blobs_before = {
-        n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(), c.node_procs)
-    }
+    received_before = node_bytes_received(c)
+    blob_bytes = sum(s.blob_size for s in c.md.manifest(first["vkey"]).shards)
+    assert sum(received_before) == 2 * blob_bytes  # every replica counted, once
     again = c.cli_json("store", str(src))
     assert again["new"] is False and again["version_id"] == first["version_id"]
-    blobs_after = {
-        n.node_id: n.blob_count for n in map(lambda p: NodeClient(p.address).stat(), c.node_procs)
-    }
-    assert blobs_after == blobs_before
+    # Not one byte reached a node: counting blobs would miss a re-send of them all.
+    assert node_bytes_received(c) == received_before
     out = tmp_path / "out.safetensors"
     report = c.cli_json("gather", "a.safetensors", "-o", str(out))
     assert sha(out) == sha(src) and report["size"] == src.stat().st_size
     # Each committed manifest is on the nodes holding its blobs (rebuild relies on it).
     key = c.md.current("a.safetensors")
-    assert sum(key in NodeClient(n.address).list_manifests() for n in c.node_procs) >= 2
+    nodes = c.md.nodes()
+    holders = {n for s in c.md.manifest(key).shards for n in c.md.placement(s.blob_sha256)}
+    assert len(holders) == 4
+    for node_id in holders:
+        assert key in NodeClient(nodes[node_id].address).list_manifests(), node_id
 
 
 def test_changed_content_moves_only_changed_blobs(make_cluster, tmp_path):

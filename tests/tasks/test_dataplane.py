@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,3 +94,23 @@ def test_a_node_that_corrupts_every_put_is_dead_lettered_not_a_restore_loop(make
         assert sha(out) == sha(src)
     finally:
         proxy.stop()
+
+
+def test_store_and_gather_while_both_cores_are_busy(make_cluster, tmp_path):
+    c = make_cluster(4)
+    src = make_ckpt(tmp_path / "busy.safetensors", 16_000_000)
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        row = c.cli_json("store", str(src), "--shards", "4")
+        assert row["state"] == COMMITTED
+        out = tmp_path / "out.safetensors"
+        c.cli("gather", "busy.safetensors", "-o", str(out))
+        assert all(s.poll() is None for s in spinners)  # the load lasted the whole time
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+    assert sha(out) == sha(src)

@@ -196,7 +196,8 @@ def test_manifest_is_kept_on_the_nodes(nodes, tmp_path):
     result = store_checkpoint(src, [n.address for n in nodes])
     key = result.manifest.storage_key()
     holding = [n for n in nodes if key in NodeClient(n.address).list_manifests()]
-    assert len(holding) >= 2
+    by_id = ids_of(nodes)
+    assert set(holding) == {by_id[n] for h in result.holders.values() for n in h}
     stored = json.loads(NodeClient(holding[0].address).get_manifest(key))
     assert stored["version_id"] == result.manifest.version_id
 

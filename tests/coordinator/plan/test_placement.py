@@ -27,13 +27,12 @@ def test_four_nodes_four_shards_two_replicas_every_node_holds_two():
 def test_replicas_are_distinct_and_fit_in_free_space():
     rng = random.Random(3)
     for _ in range(200):
-        free = {f"n{i}": rng.randint(1, 50) * GB for i in range(rng.randint(1, 7))}
-        replicas = rng.randint(1, len(free))
         sizes = [rng.randint(0, 3) * GB for _ in range(rng.randint(0, 12))]
-        try:
-            placement = place(sizes, free, replicas)
-        except InsufficientSpaceError:
-            continue
+        # Every node could hold every shard: a refusal here would be a placement bug.
+        floor = max(sum(sizes), 1)
+        free = {f"n{i}": floor + rng.randint(0, 50) * GB for i in range(rng.randint(1, 7))}
+        replicas = rng.randint(1, len(free))
+        placement = place(sizes, free, replicas)
         assert len(placement) == len(sizes)
         used = Counter()
         for size, nodes in zip(sizes, placement, strict=True):
@@ -42,6 +41,24 @@ def test_replicas_are_distinct_and_fit_in_free_space():
             for node in nodes:
                 used[node] += size
         assert all(used[node] <= free[node] for node in free)
+
+
+def test_placements_that_cannot_fit_are_refused():
+    rng = random.Random(5)
+    for _ in range(200):
+        free = {f"n{i}": rng.randint(1, 50) * GB for i in range(rng.randint(1, 7))}
+        replicas = rng.randint(1, len(free))
+        # One shard larger than the R-th roomiest node: no placement can hold it R times.
+        too_big = sorted(free.values(), reverse=True)[replicas - 1] + 1
+        sizes = [rng.randint(0, 3) * GB for _ in range(rng.randint(0, 6))] + [too_big]
+        rng.shuffle(sizes)
+        with pytest.raises(InsufficientSpaceError, match="needs"):
+            place(sizes, free, replicas)
+        # Or more bytes in all than the nodes have together.
+        total = sum(free.values())
+        sizes = [total // replicas // 4 + 1] * 4 + [1]
+        with pytest.raises(InsufficientSpaceError):
+            place(sizes, free, replicas)
 
 
 def test_a_node_with_far_more_free_space_gets_more_shards():
