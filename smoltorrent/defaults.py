@@ -33,6 +33,9 @@ HANDSHAKE_DEADLINE_S = 5.0  # seconds for the whole handshake; a LAN peer needs 
 # Bytes of JSON request bodies every connection together may hold: 4 full-size manifests.
 # Without it 256 connections declaring 16 MiB could ask a 4 GB Pi for 4 GiB.
 JSON_BODY_BUDGET_BYTES = 4 * MAX_JSON_BODY_BYTES
+# A JSON body must arrive within this plus its size at MIN_TRANSFER_RATE_BPS (a 16 MiB
+# manifest: 13 s), so a trickling peer cannot hold the budget for long.
+JSON_BODY_DEADLINE_BASE_S = 5.0  # seconds
 MAX_HAS_BODY_BYTES = 64 * 1024  # bytes; a `has` of HAS_BATCH_DIGESTS digests is ~35 KB of JSON
 HAS_BATCH_DIGESTS = 512  # digests per `has` request the client sends
 LISTEN_BACKLOG = 128  # pending accepts; bursts of parallel transfers at store time

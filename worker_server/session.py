@@ -172,8 +172,21 @@ class Session:
             raise NodeError(
                 "busy", "this node is reading too many large requests at once: retry shortly"
             )
+        # Budget is held only as long as an honest sender needs: a peer trickling its body
+        # would otherwise keep it taken for as long as each read beats the socket timeout.
+        seconds = defaults.JSON_BODY_DEADLINE_BASE_S + body_len / defaults.MIN_TRANSFER_RATE_BPS
         try:
-            yield
+            with wire.deadline(self.sock, seconds):
+                yield
+        except TimeoutError:
+            log.warning(
+                "dropping %s: its %d byte %s body did not arrive within %.0f s",
+                self.peer,
+                body_len,
+                op,
+                seconds,
+            )
+            raise
         finally:
             self.body_budget.release(body_len)
 

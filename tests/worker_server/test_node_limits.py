@@ -170,3 +170,32 @@ def _wait(condition: Callable[[], bool], timeout: float = READ_TIMEOUT_S) -> Non
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_trickled_json_body_is_cut_and_frees_the_budget(tmp_path: Path) -> None:
+    """A peer that sends its manifest one byte at a time (each read beating the 30 s socket
+    timeout) is dropped at the body's deadline, and its share of the budget comes back."""
+    node = start_node(tmp_path / "keyless")
+    assert node.address is not None
+    try:
+        sock = wire.connect(node.address.host, node.address.port, READ_TIMEOUT_S)
+        wire.client_handshake(sock, None, str(node.address))
+        size = 1024  # small, so its deadline is about the base
+        sock.sendall(protocol.encode_frame({"op": "manifest_put", "key": "slow"}, size))
+        deadline = time.monotonic() + defaults.SOCKET_TIMEOUT_S
+        sock.settimeout(0.2)
+        closed = False
+        while not closed:
+            assert time.monotonic() < deadline, "the trickled body was never cut"
+            try:
+                sock.sendall(b" ")
+                closed = sock.recv(65536) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+        sock.close()
+        assert "body did not arrive within" in node.log()
+        node.client().put_manifest("after", b"{}")
+    finally:
+        node.kill()
