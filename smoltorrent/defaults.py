@@ -43,6 +43,12 @@ ACCEPT_POLL_S = 0.5  # seconds; how soon the accept loop notices SIGTERM/SIGINT
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight requests get to finish after a stop signal
 CLOSE_DRAIN_S = 1.0  # seconds spent reading a rejected peer's leftovers so it can read our error
 CLOSE_DRAIN_BYTES = 1024 * 1024  # bytes read and dropped at most before closing on a rejected peer
+# bytes/s a node re-hashes its blobs at, at most (SMOLTORRENT_SCRUB_RATE_BPS): a quarter of
+# a class-10 SD card's ~40 MB/s reads, so a scrub never starves the gathers the card serves;
+# a Pi holding 100 GB still finishes a pass in under 3 hours
+SCRUB_RATE_BPS = 10 * 1000 * 1000
+SCRUB_CHUNK_BYTES = 256 * 1024  # bytes per scrub read; small, so pacing is smooth at low rates
+SCRUB_CURSOR_SAVE_S = 5.0  # seconds between cursor saves; a restart re-reads at most this much
 # seconds; from a ping on loopback (~1 ms) to a multi-GB shard over 100 Mbit/s (minutes)
 NODE_REQUEST_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 60.0, 300.0, 1800.0)
 

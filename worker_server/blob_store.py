@@ -5,6 +5,8 @@ Layout under the data dir:
     blobs/<2 hex>/<64 hex>  complete, verified blobs named by their SHA-256
     tmp/                    incoming data; anything here at start is a crash leftover
     manifests/<key>.json    manifests, as the coordinator sent them
+    quarantine/<64 hex>     copies that hashed wrong at rest: out of every read, kept until
+                            the coordinator knows a good copy exists (then `discard`)
 
 Only validated digests and manifest keys ever become path components, and a
 blob becomes visible only after it was hashed, fsynced and renamed into place.
@@ -88,7 +90,14 @@ class BlobStore:
         self.blobs_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
         self.manifests_dir = self.root / "manifests"
-        for directory in (self.root, self.blobs_dir, self.tmp_dir, self.manifests_dir):
+        self.quarantine_dir = self.root / "quarantine"
+        for directory in (
+            self.root,
+            self.blobs_dir,
+            self.tmp_dir,
+            self.manifests_dir,
+            self.quarantine_dir,
+        ):
             directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock_data_dir()
         self._remove_stale_tmp_files()
@@ -201,15 +210,18 @@ class BlobStore:
             pass
         os.replace(tmp_path, target)
         fsync_directory(target.parent)
+        if self.discard_quarantined(digest):
+            log.info("blob %s is whole here again: its quarantined copy is deleted", digest)
 
     def delete(self, digest: str) -> bool:
         return unlink_durably(self.blob_path(digest))
 
     def verify(self, digests: list[str] | None = None) -> list[str]:
-        """Re-hash blobs (all if None); the digests that are missing or hash to something else."""
+        """Re-hash blobs (all if None); the digests that are missing or hash to something else.
+        A copy that hashes to something else is quarantined."""
         targets = sorted(self.inventory()) if digests is None else digests
         buffer = bytearray(defaults.IO_CHUNK_BYTES)
-        return [digest for digest in targets if self._hash_file(digest, buffer) != digest]
+        return [digest for digest in targets if not self._verify_one(digest, buffer)]
 
     def intact(self, digest: str, size: int, progress: Callable[[int], None] | None = None) -> bool:
         """Whether this node holds blob `digest` whole: `size` bytes that hash to its name.
@@ -243,6 +255,43 @@ class BlobStore:
         except FileNotFoundError:
             return None
         return hasher.hexdigest()
+
+    def _verify_one(self, digest: str, buffer: bytearray) -> bool:
+        try:
+            inode = self.blob_path(digest).stat().st_ino
+        except FileNotFoundError:
+            return False
+        if self._hash_file(digest, buffer) == digest:
+            return True
+        self.quarantine(digest, inode=inode)  # a no-op if a good copy replaced it meanwhile
+        return False
+
+    def quarantine(self, digest: str, *, inode: int) -> bool:
+        """Move a bad copy out of blobs/ into quarantine/; False if the file at its path is
+        no longer the inode that was hashed (deleted, or replaced by a good copy meanwhile)."""
+        path = self.blob_path(digest)
+        try:
+            if os.stat(path).st_ino != inode:
+                return False
+            os.replace(path, self.quarantine_dir / digest)
+        except FileNotFoundError:
+            return False
+        fsync_directory(self.quarantine_dir)
+        fsync_directory(path.parent)
+        return True
+
+    def quarantined(self) -> list[str]:
+        """Digests of the bad copies held in quarantine, sorted."""
+        return sorted(
+            entry.name
+            for entry in os.scandir(self.quarantine_dir)
+            if len(entry.name) == protocol.DIGEST_CHARS
+            and protocol.HEX_PATTERN.fullmatch(entry.name)
+        )
+
+    def discard_quarantined(self, digest: str) -> bool:
+        """Delete a quarantined copy; False if there was none."""
+        return unlink_durably(self.quarantine_dir / protocol.validate_digest(digest))
 
     def stat(self) -> dict[str, Any]:
         usage = os.statvfs(self.root)

@@ -48,6 +48,7 @@ class NodeMetrics:
         self._lock = threading.Lock()
         self._bytes_received = 0
         self._bytes_sent = 0
+        self._bytes_scrubbed = 0
         self._verify_failures: dict[str, int] = {"put": 0, "at_rest": 0}
         self._buckets = defaults.NODE_REQUEST_BUCKETS_S
         # op -> [count per bucket (not cumulative)..., +Inf count], sum
@@ -60,6 +61,10 @@ class NodeMetrics:
     def sent(self, n: int) -> None:
         with self._lock:
             self._bytes_sent += n
+
+    def scrubbed(self, n: int) -> None:
+        with self._lock:
+            self._bytes_scrubbed += n
 
     def verify_failed(self, where: str, n: int = 1) -> None:
         """where: "put" (a blob arrived with the wrong digest) or "at_rest" (a re-hash)."""
@@ -81,6 +86,7 @@ class NodeMetrics:
         gauges = self.gauges()
         with self._lock:
             received, sent = self._bytes_received, self._bytes_sent
+            scrubbed = self._bytes_scrubbed
             failures = dict(self._verify_failures)
             requests = {op: (list(c), t[0]) for op, (c, t) in self._requests.items()}
         node = (("node", self.node_id),)
@@ -100,6 +106,10 @@ class NodeMetrics:
         family("smoltorrent_node_bytes_sent_total", "counter", "Blob bytes read or pushed.")
         sample("smoltorrent_node_bytes_sent_total", sent)
         family(
+            "smoltorrent_node_scrubbed_bytes_total", "counter", "Blob bytes re-hashed by scrubs."
+        )
+        sample("smoltorrent_node_scrubbed_bytes_total", scrubbed)
+        family(
             "smoltorrent_node_verify_failures_total",
             "counter",
             "Blobs whose bytes did not hash to their digest, on arrival or at rest.",
@@ -111,6 +121,7 @@ class NodeMetrics:
             ("used_bytes", "Bytes of blobs held."),
             ("free_bytes", "Bytes free on the data directory's file system."),
             ("connections", "Client connections open now."),
+            ("quarantined", "Bad copies held in quarantine, awaiting repair."),
         ):
             if name in gauges:
                 family(f"smoltorrent_node_{name}", "gauge", help_text)

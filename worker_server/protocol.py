@@ -89,6 +89,8 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "manifest_get": (BODY_NONE, frozenset({"key"})),
     "manifest_delete": (BODY_NONE, frozenset({"key"})),
     "auth": (BODY_NONE, frozenset({"mac", "nonce"})),
+    "scrub": (BODY_NONE, frozenset({"start"})),
+    "discard": (BODY_NONE, frozenset({"digest"})),
 }
 # The largest JSON body each operation may carry: a few digests need far less than a manifest.
 MAX_REQUEST_BODY_BYTES = {"has": defaults.MAX_HAS_BODY_BYTES}
@@ -209,6 +211,11 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
     if op == "verify":
         digests = header.get("digests")
         request["digests"] = None if digests is None else validate_digest_list(digests)
+    if op == "scrub":
+        start = header.get("start", True)
+        if not isinstance(start, bool):
+            raise ProtocolError(f"scrub's start must be true or false, got {start!r}")
+        request["start"] = start
     if op == "replicate":
         request["peer"] = validate_peer(header.get("peer"))
     if op == "auth":

@@ -25,6 +25,7 @@ from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore, write_file_atomically
 from worker_server.limits import AddressSlots, MemoryBudget
 from worker_server.metrics import NodeMetrics, serve_metrics
+from worker_server.scrub import Scrubber
 from worker_server.session import Session
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 CLUSTER_KEY_ENV = "SMOLTORRENT_CLUSTER_KEY"
 SOCKET_TIMEOUT_ENV = "SMOLTORRENT_SOCKET_TIMEOUT_S"
 METRICS_PORT_ENV = "SMOLTORRENT_METRICS_PORT"
+SCRUB_RATE_ENV = "SMOLTORRENT_SCRUB_RATE_BPS"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PORT_FILE = "port"  # in the data dir: the port actually bound, for tests and embedded clusters
 METRICS_PORT_FILE = "metrics_port"  # in the data dir: the metrics port actually bound
@@ -47,6 +49,7 @@ class ShardServer:
         port: int,
         cluster_key: bytes | None,
         socket_timeout: float = defaults.SOCKET_TIMEOUT_S,
+        scrub_rate_bps: int = defaults.SCRUB_RATE_BPS,
     ) -> None:
         self.store = store
         self.cluster_key = cluster_key
@@ -69,6 +72,7 @@ class ShardServer:
         self._sessions_lock = threading.Lock()
         self._stopping = threading.Event()
         self.metrics = NodeMetrics(store.node_id, self._gauges)
+        self.scrubber = Scrubber(store, scrub_rate_bps, self.metrics)
 
     def _gauges(self) -> dict[str, float]:
         stat = self.store.stat()
@@ -79,6 +83,7 @@ class ShardServer:
             "used_bytes": stat["used_bytes"],
             "free_bytes": stat["free_bytes"],
             "connections": connections,
+            "quarantined": len(self.store.quarantined()),
         }
 
     def stop(self) -> None:
@@ -99,6 +104,7 @@ class ShardServer:
                 self._start_session(conn, f"{address[0]}:{address[1]}")
         finally:
             self._listener.close()
+            self.scrubber.stop()
             self._wait_for_sessions()
 
     def _start_session(self, conn: socket.socket, peer: str) -> None:
@@ -143,6 +149,7 @@ class ShardServer:
                 self.socket_timeout,
                 body_budget=self.body_budget,
                 metrics=self.metrics,
+                scrubber=self.scrubber,
             ).run()
         finally:
             self._address_slots.release(_host_of(peer))
@@ -173,6 +180,7 @@ def serve(
     *,
     socket_timeout: float = defaults.SOCKET_TIMEOUT_S,
     metrics_port: int | None = None,
+    scrub_rate_bps: int = defaults.SCRUB_RATE_BPS,
 ) -> None:
     """Run a shard server until SIGTERM/SIGINT (from the main thread) or server.stop().
 
@@ -183,7 +191,7 @@ def serve(
     port_file = Path(data_dir) / PORT_FILE
     metrics_http = None
     try:
-        server = ShardServer(store, host, port, cluster_key, socket_timeout)
+        server = ShardServer(store, host, port, cluster_key, socket_timeout, scrub_rate_bps)
         if metrics_port is not None:
             metrics_http = serve_metrics(server.metrics, host, metrics_port)
             bound = metrics_http.server_address[1]
@@ -300,6 +308,7 @@ def run_from_args(
             key_text.encode("utf-8") if key_text else None,
             socket_timeout=timeout,
             metrics_port=metrics_port_from(metrics_port),
+            scrub_rate_bps=scrub_rate_from_env(),
         )
     except UnsafeListenError as exc:
         log.error("%s", exc)
@@ -351,3 +360,20 @@ def metrics_port_from(flag_value: int | None) -> int | None:
             f"{METRICS_PORT_ENV}={text!r} is not a port number: set it to a free TCP port"
             " (0 picks one) or unset it to serve no metrics"
         ) from None
+
+
+def scrub_rate_from_env() -> int:
+    """SMOLTORRENT_SCRUB_RATE_BPS, else the default: bytes/s this node re-hashes at most."""
+    text = os.environ.get(SCRUB_RATE_ENV)
+    if not text:
+        return defaults.SCRUB_RATE_BPS
+    try:
+        rate = int(text)
+    except ValueError:
+        rate = 0
+    if rate <= 0:
+        raise SmoltorrentError(
+            f"{SCRUB_RATE_ENV}={text!r} is not a positive whole number of bytes per second:"
+            f" fix it or unset it for the default ({defaults.SCRUB_RATE_BPS})"
+        )
+    return rate

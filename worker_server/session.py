@@ -33,6 +33,7 @@ from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore
 from worker_server.limits import MemoryBudget
 from worker_server.metrics import NodeMetrics
+from worker_server.scrub import Scrubber
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,10 @@ class Session:
         *,
         body_budget: MemoryBudget,
         metrics: NodeMetrics | None = None,
+        scrubber: Scrubber | None = None,
     ) -> None:
         self.body_budget = body_budget
+        self.scrubber = scrubber
         self.sock = wire.session_socket(sock)
         self.metrics = metrics or NodeMetrics(store.node_id)
         self.peer = peer
@@ -232,9 +235,11 @@ class Session:
             if self.store.intact(digest, size, self._ticker()):
                 wire.send_frame(self.sock, {"ok": True, "status": "exists"})
                 return
-            # Receiving a fresh copy replaces it; deleting first keeps a failed put honest.
-            log.warning("blob %s here is damaged; deleting it to receive it again", digest)
-            self.store.delete(digest)
+            # Set aside first, so a failed put leaves no damaged copy in reads; a fresh copy
+            # published here deletes the quarantined one.
+            log.warning("blob %s here is damaged; quarantining it to receive it again", digest)
+            with contextlib.suppress(FileNotFoundError):
+                self.store.quarantine(digest, inode=self.store.blob_path(digest).stat().st_ino)
         with self.store.begin_put(digest, size) as incoming:
             wire.send_frame(self.sock, {"ok": True, "status": "continue"})
             self._unread_body = size
@@ -287,6 +292,18 @@ class Session:
         if bad:
             self.metrics.verify_failed("at_rest", len(bad))
         self._reply_json(bad)
+
+    def op_scrub(self, request: dict[str, Any]) -> None:
+        if self.scrubber is None:
+            raise NodeError("internal", "this node runs without a scrubber")
+        start = request["start"]
+        self._reply_json(self.scrubber.request_pass() if start else self.scrubber.status())
+
+    def op_discard(self, request: dict[str, Any]) -> None:
+        discarded = self.store.discard_quarantined(request["digest"])
+        if discarded:
+            log.info("discarded quarantined copy %s for %s", request["digest"], self.peer)
+        wire.send_frame(self.sock, {"ok": True, "deleted": discarded})
 
     def op_delete(self, request: dict[str, Any]) -> None:
         deleted = self.store.delete(request["digest"])

@@ -234,6 +234,22 @@ class NodeClient:
                 bad.extend(protocol.validate_digest_list(answer))
         return bad
 
+    def scrub(self, *, start: bool = True) -> dict[str, Any]:
+        """Ask the node to run a scrub pass (from its cursor) unless one is running (with
+        start=False, only ask); its scrub status: running, after (cursor), rate_bps,
+        scrubbed_bytes, passes, last_pass_finished, found_bad and quarantined (digests of
+        bad copies held aside)."""
+        answer = self._call_json({"op": "scrub", "start": start})
+        if not isinstance(answer, dict):
+            raise ProtocolError(f"node {self.address} sent a scrub status that is not an object")
+        answer["quarantined"] = protocol.validate_digest_list(answer.get("quarantined"))
+        return answer
+
+    def discard(self, digest: str) -> bool:
+        """Delete the node's quarantined copy of digest; False if it held none."""
+        response, _ = self._call({"op": "discard", "digest": digest})
+        return response.get("deleted") is True
+
     def delete(self, digest: str) -> bool:
         response, _ = self._call({"op": "delete", "digest": digest})
         return response.get("deleted") is True

@@ -98,16 +98,19 @@ def test_verify_finds_a_flipped_bit(node_factory, make_blob) -> None:
     data = bytearray(path.read_bytes())
     data[1234] ^= 0x10
     path.write_bytes(data)
-    assert client.verify() == [bad.digest]
-    assert client.verify([good.digest]) == []
-    # Over a thousand digests go in several requests on one connection.
-    many = [good.digest] + [f"{n:064x}" for n in range(1, 1200)]
-    assert sorted(client.verify(many)) == sorted(many[1:])
     with (
         open(os.devnull, "wb") as sink,
         pytest.raises(DigestMismatchError, match="another replica"),
     ):
         client.get_blob_to_file(bad.digest, sink.fileno(), 0)
+    assert client.verify() == [bad.digest]
+    assert client.verify([good.digest]) == []
+    # Over a thousand digests go in several requests on one connection.
+    many = [good.digest] + [f"{n:064x}" for n in range(1, 1200)]
+    assert sorted(client.verify(many)) == sorted(many[1:])
+    # The bad copy is out of reads now, kept aside until a good one exists.
+    assert (node.data_dir / "quarantine" / bad.digest).read_bytes() == bytes(data)
+    assert client.has([bad.digest]) == set()
 
 
 def test_node_id_and_blobs_survive_restarts(node_factory, make_blob) -> None:

@@ -131,11 +131,13 @@ def test_flipped_bit_is_found_by_verify_and_gather_falls_back(nodes, tmp_path):
     data = bytearray(blob.read_bytes())
     data[shard.blob_data_offset + 5] ^= 0x01
     blob.write_bytes(bytes(data))
-    assert NodeClient(node.address).verify() == [shard.blob_sha256]
     out = tmp_path / "out.safetensors"
     report = gather_checkpoint(result.manifest, sources_for(result, by_id, node), out)
     assert sha(out) == sha(src)
     assert any("hash" in line for line in report.fallbacks)
+    # verify finds it too, and sets it aside: no later read gets those bytes.
+    assert NodeClient(node.address).verify() == [shard.blob_sha256]
+    assert NodeClient(node.address).has([shard.blob_sha256]) == set()
 
 
 def test_both_replicas_gone_fails_naming_the_shard_and_leaves_destination(nodes, tmp_path):
