@@ -103,3 +103,13 @@ def transfer_queue(host: str) -> str:
 
 
 CONTROL_QUEUE = "control"
+
+
+def reconcile_interval() -> float:
+    """Seconds between reconcile sweeps (SMOLTORRENT_RECONCILE_INTERVAL_S)."""
+    return float(os.environ.get("SMOLTORRENT_RECONCILE_INTERVAL_S", defaults.RECONCILE_INTERVAL_S))
+
+
+def reconcile_grace() -> float:
+    """Seconds a step may take before the sweep re-sends it (SMOLTORRENT_RECONCILE_GRACE_S)."""
+    return float(os.environ.get("SMOLTORRENT_RECONCILE_GRACE_S", defaults.RECONCILE_GRACE_S))

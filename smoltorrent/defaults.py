@@ -98,6 +98,14 @@ LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to co
 WORKER_SECONDS_BUCKETS = (0.01, 0.05, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
 FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
 DEMO_CHECKPOINT_MB = 64  # MB; big enough to show parallel shards, small enough for a laptop
+WORKER_HEARTBEAT_S = 5.0  # seconds between a worker's refreshes of its alive key
+WORKER_ALIVE_TTL_S = 20  # seconds; a worker silent this long (4 missed beats) is gone
+RECONCILE_INTERVAL_S = 60.0  # seconds between reconcile sweeps: a lost step waits at most this
+# seconds a step (a queued commit, a remove, a re-driven request) may take before the
+# sweep sends it again; every one of them is idempotent, so a repeat costs only work
+RECONCILE_GRACE_S = 120.0
+PENDING_DEADLINE_S = 7 * 24 * 3600  # seconds a version may stay pending before it is aborted
+SWEEP_LOCK_TTL_S = 600  # seconds; a sweep's lock expires if its holder died mid-sweep
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
 LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)
 EMBEDDED_REDIS_ATTEMPT_S = 2.0  # seconds one redis-server start may take before trying again

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from beat.schedule import SCHEDULE
 from coordinator import config
 from coordinator.state.embedded_redis import ensure_redis_url
 from smoltorrent import defaults
@@ -30,6 +31,8 @@ app = Celery(
         "tasks.gather",
         "tasks.remove",
         "tasks.dead_letters",
+        "tasks.heartbeat",
+        "beat.reconcile",
     ],
 )
 
@@ -53,4 +56,5 @@ app.conf.update(
     result_extended=True,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
+    beat_schedule=SCHEDULE,
 )

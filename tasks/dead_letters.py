@@ -9,7 +9,7 @@ copy, or stays pending until the replay succeeds.
 
 from __future__ import annotations
 
-from celery.signals import task_failure, worker_ready
+from celery.signals import task_failure
 from celery.utils.log import get_task_logger
 
 from coordinator import config
@@ -17,7 +17,7 @@ from coordinator.state.metadata import FAILED
 from smoltorrent.errors import CheckpointFormatError, GatherError, NotFoundError
 from tasks.app import app
 from tasks.context import metadata
-from tasks.enqueue import redrive_request, resume_pending, settle
+from tasks.enqueue import settle
 
 log = get_task_logger(__name__)
 
@@ -84,20 +84,3 @@ def replay(task_id: str) -> str:
         task_id=task_id,
     )
     return task_id
-
-
-@worker_ready.connect
-def resume_on_start(sender=None, **_) -> None:
-    """A worker killed mid-store left unacked messages Redis only redelivers after the
-    visibility timeout (hours): re-drive this host's open requests and resume its pending
-    versions now instead."""
-    host = config.host_id()
-    md = metadata()
-    redriven = 0
-    for request_id, record in md.open_requests():
-        if record.get("host") == host:
-            redrive_request(request_id, record)
-            redriven += 1
-    resumed = resume_pending(host)
-    if redriven or resumed:
-        log.warning("re-drove %d request(s), resumed %d pending version(s)", redriven, len(resumed))

@@ -132,17 +132,8 @@ def settle(vkey: str, shard: int, replica: int, node_id: str | None, digest: str
         md.mark_commit_enqueued(vkey)
 
 
-def resume_pending(host: str) -> list[str]:
-    """Re-send what a killed worker of this host left undone; idempotent by design."""
-    md = metadata()
-    resumed = []
-    for vkey in md.pending_versions():
-        v = md.version(vkey)
-        if v.get("host") != host:
-            continue
-        manifest = md.manifest(vkey)
-        sent = send_transfers(vkey, manifest, md.plan(vkey), host, skip=md.settled(vkey))
-        if not sent and len(md.ready_shards(vkey)) == len(manifest.shards):
-            send_commit(vkey)
-        resumed.append(vkey)
-    return resumed
+def send_remove(vkey: str) -> None:
+    """Remove a version (again: a remove is resumable and idempotent)."""
+    app.send_task(
+        "smoltorrent.remove", args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"remove-{vkey}"
+    )

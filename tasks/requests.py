@@ -63,14 +63,10 @@ def connected_metadata() -> Metadata:
 
 
 def require_worker(host: str | None = None) -> None:
-    """Fail fast, with the fix, when no worker would ever run the task. This host's worker
-    serves its host queue and the shared control queue; asking it by name returns as soon
-    as it answers instead of waiting out the whole timeout."""
+    """Fail fast, with the fix, when no worker would ever run the task: this host's worker
+    refreshes a Redis key while it runs (tasks/heartbeat.py), so one read answers."""
     host = host or config.host_id()
-    name = f"smoltorrent@{host}"
-    inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
-    queues = {q["name"] for q in (inspect.active_queues() or {}).get(name, [])}
-    if config.host_queue(host) not in queues:
+    if metadata().worker_boot(host) is None:
         raise SmoltorrentError(
             f"no smoltorrent worker is serving this host ({host}); start one with "
             "`smoltorrent worker` (or run `smoltorrent demo` for a complete local cluster)."

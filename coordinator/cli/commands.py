@@ -157,6 +157,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_beat(args: argparse.Namespace) -> int:
+    from tasks.app import app
+
+    home = config.home()
+    home.mkdir(parents=True, exist_ok=True)
+    # Beat keeps each entry's last run in this file, so a restart does not re-send them all.
+    app.start(["beat", "--schedule", str(home / "beat-schedule"), "--loglevel", args.loglevel])
+    return 0
+
+
 def cmd_flower(args: argparse.Namespace) -> int:
     from tasks.app import REDIS_URL
 

@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus /metrics on this port (or SMOLTORRENT_METRICS_PORT; default off)",
     )
 
+    b = sub.add_parser(
+        "beat",
+        help="run Celery beat: the reconcile sweep (and later sweeps) on schedule",
+        description="Send every sweep of beat/schedule.py on time. One instance per cluster "
+        "is enough; a second one is harmless (each sweep runs under a Redis lock).",
+    )
+    b.add_argument("--loglevel", default="WARNING")
+
     st = sub.add_parser("store", help="store a checkpoint (waits for the commit)")
     st.add_argument("path", help="a .safetensors file on this machine")
     st.add_argument("--name", help="checkpoint name (default: the file name)")

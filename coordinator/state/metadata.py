@@ -454,6 +454,54 @@ class Metadata:
     def current(self, name: str) -> str | None:
         return self.r.hget(K.CURRENT, name)
 
+    def versions_in(self, *states: str) -> list[tuple[str, dict[str, str]]]:
+        """(vkey, version hash) of every listed version in one of `states`."""
+        out = []
+        for name in self.names():
+            for vkey in self.versions(name):
+                v = self.r.hgetall(K.VERSION.format(vkey=vkey))
+                if v.get("state") in states:
+                    out.append((vkey, v))
+        return out
+
+    def last_activity(self, vkey: str, version: dict[str, str]) -> float:
+        """Unix time of the version's last transfer attempt, re-send or creation."""
+        last = self.r.lindex(K.ATTEMPTS.format(vkey=vkey), -1)
+        return max(
+            float(version.get("created_at") or 0),
+            float(version.get("resent_at") or 0),
+            json.loads(last)["at"] if last else 0.0,
+        )
+
+    def mark_resent(self, vkey: str) -> None:
+        self.r.hset(K.VERSION.format(vkey=vkey), "resent_at", repr(time.time()))
+
+    # --- workers -----------------------------------------------------------------
+
+    def worker_alive(self, host: str, boot: str) -> None:
+        """Refresh the TTL key saying this host's worker (started as `boot`) runs."""
+        self.r.set(K.WORKER_ALIVE.format(host=host), boot, ex=defaults.WORKER_ALIVE_TTL_S)
+
+    def worker_gone(self, host: str, boot: str) -> None:
+        """Drop the alive key of a worker shutting down cleanly (if it is still ours)."""
+        key = K.WORKER_ALIVE.format(host=host)
+        if self.r.get(key) == boot:
+            self.r.delete(key)
+
+    def worker_boot(self, host: str) -> str | None:
+        """Boot id of the worker serving `host`, None if none was heard from lately."""
+        return self.r.get(K.WORKER_ALIVE.format(host=host))
+
+    def worker_boots(self) -> dict[str, str]:
+        """Host -> boot id of every worker heard from lately."""
+        pattern = K.WORKER_ALIVE.format(host="*")
+        head, tail = K.WORKER_ALIVE.split("{host}")
+        keys = list(self.r.scan_iter(match=pattern, count=1000))
+        values = self.r.mget(keys) if keys else []
+        return {
+            k[len(head) : len(k) - len(tail)]: v for k, v in zip(keys, values, strict=True) if v
+        }
+
     def pending_versions(self) -> list[str]:
         out = []
         for name in self.names():

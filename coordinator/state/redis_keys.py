@@ -53,6 +53,11 @@ PLACEMENT = PREFIX + "blob:{digest}:nodes"
 # hash "digest:node_id" -> JSON {reason, at}: copies a reader found corrupt, to repair
 BAD_COPIES = PREFIX + "bad_copies"
 
+# TTL key per host: the boot id of the worker serving it, refreshed while it runs
+WORKER_ALIVE = PREFIX + "worker:{host}:alive"
+# lock held while one sweep runs, so two beat instances never run it twice at once
+SWEEP_LOCK = PREFIX + "sweep:{name}:lock"
+
 # hash task_id -> JSON dead-letter record; stream as a time-ordered index
 DLQ = PREFIX + "dlq"
 DLQ_STREAM = PREFIX + "dlq:stream"

@@ -1,0 +1,16 @@
+"""The beat schedule: one entry per sweep (task name, interval, queue).
+
+Plain data, read by tasks/app.py; `smoltorrent beat` sends each entry on time.
+"""
+
+from __future__ import annotations
+
+from coordinator import config
+
+SCHEDULE = {
+    "reconcile": {
+        "task": "smoltorrent.sweep.reconcile",
+        "schedule": config.reconcile_interval(),
+        "options": {"queue": config.CONTROL_QUEUE},
+    },
+}

@@ -1,0 +1,73 @@
+"""What the reconcile sweep must do: desired state (requests, versions) against what
+the tasks left behind, decided from Redis alone.
+
+The sweep (beat/reconcile.py) runs this on a schedule and at every worker start and
+sends what it returns; every step it can send is idempotent, so sending one twice
+costs work, never correctness. Celery's own redelivery of a dead worker's messages
+waits for the visibility timeout (hours): a backstop, not the mechanism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.state.metadata import PENDING, QUEUED, REMOVING, RUNNING, Metadata
+
+
+@dataclass
+class Actions:
+    """Everything one pass decided; the sweep turns each into a task message."""
+
+    requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    transfers: list[str] = field(default_factory=list)  # vkeys whose unsettled transfers go
+    commits: list[str] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)  # (vkey, reason)
+    removes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return {k: len(v) for k, v in vars(self).items()}
+
+
+def plan(
+    md: Metadata,
+    now: float,
+    *,
+    grace: float,
+    stale_after,
+    deadline: float,
+    started_host: str | None = None,
+) -> Actions:
+    """Decide one pass. `started_host` names a host whose worker has just started: its
+    open requests and pending versions have no live task at all, so they go now.
+    `stale_after(vkey, version)` is how long a pending version may go without any
+    transfer activity before its unsettled transfers are sent again."""
+    out = Actions()
+    if started_host is not None:
+        # Nothing of this host can still be running: send everything it left now.
+        out.requests = [(rid, r) for rid, r in md.open_requests() if r.get("host") == started_host]
+        for vkey, v in md.versions_in(PENDING):
+            if v.get("host") == started_host:
+                (out.commits if md.barrier_complete(vkey) else out.transfers).append(vkey)
+        return out
+    boots = md.worker_boots()
+    for rid, rec in md.open_requests():
+        host, state = rec.get("host"), rec.get("state")
+        since = float(rec.get("started_at") or rec.get("created_at") or now)
+        # A request can only run once its host has a worker; one running under another
+        # boot id was left by a worker that died, one still queued may have been taken
+        # off the queue by it.
+        orphaned = state == QUEUED or (state == RUNNING and rec.get("boot") != boots.get(host))
+        if host in boots and orphaned and now - since > grace:
+            out.requests.append((rid, rec))
+    for vkey, v in md.versions_in(PENDING, REMOVING):
+        if v["state"] == REMOVING:
+            if now - float(v.get("removing_at") or 0) > grace:
+                out.removes.append(vkey)
+        elif md.barrier_complete(vkey):
+            if now - float(v.get("commit_enqueued") or 0) > grace:
+                out.commits.append(vkey)
+        elif now - float(v.get("created_at") or now) > deadline:
+            out.aborts.append((vkey, f"still pending after {deadline:.0f} s; store it again"))
+        elif now - md.last_activity(vkey, v) > stale_after(vkey, v):
+            out.transfers.append(vkey)
+    return out

@@ -1,0 +1,111 @@
+"""The reconcile sweep on a real cluster: `smoltorrent beat`, a real worker, real nodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
+from coordinator.state.metadata import COMMITTED
+from tests.tasks.conftest import wait_until
+from tests.tasks.test_control_plane import make_ckpt, sha
+
+FAST = {"SMOLTORRENT_RECONCILE_INTERVAL_S": "1", "SMOLTORRENT_RECONCILE_GRACE_S": "1"}
+
+
+@pytest.fixture
+def beat(tmp_path):
+    procs = []
+
+    def start(cluster) -> subprocess.Popen:
+        log = open(tmp_path / "beat.log", "ab")  # noqa: SIM115  (closed with the process)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "beat", "--loglevel", "INFO"],
+            env=cluster.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append((proc, log))
+        return proc
+
+    yield start
+    for proc, log in procs:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+
+
+def pending_as_left_by_a_crash(c, src, *, send_blobs: bool):
+    """A pending version in Redis as a store leaves it when it dies at a chosen point:
+    with every transfer done and settled but no commit queued (`send_blobs`), or planned
+    with none of its transfer messages surviving."""
+    md = c.md
+    host = c.host_id
+    if send_blobs:
+        result = store_checkpoint(src, [n.address for n in c.node_procs], shards=2)
+        manifest = result.manifest
+        targets = [tuple(result.holders[i]) for i in range(len(manifest.shards))]
+        identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes()}).identity
+    else:
+        prepared = prepare_store(src, src.name, {n: 10**12 for n in md.nodes()}, shards=2)
+        manifest, targets, identity = prepared.manifest, list(prepared.targets), prepared.identity
+    vkey = manifest.storage_key()
+    fields = {"path": str(src), "host": host, "identity": json.dumps(identity.to_dict())}
+    assert md.create_pending(manifest, vkey, fields, targets) == "created"
+    if send_blobs:
+        fired = [
+            md.settle(vkey, i, r, node, manifest.shards[i].blob_sha256)
+            for i, nodes in enumerate(targets)
+            for r, node in enumerate(nodes)
+        ]
+        assert fired[-1] is True  # the barrier said "commit now" ... and the process died
+    return vkey
+
+
+def test_a_crash_between_barrier_and_commit_is_committed_by_reconcile(make_cluster, beat, tmp_path):
+    c = make_cluster(3, **FAST)
+    src = make_ckpt(tmp_path / "c.safetensors")
+    vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
+    assert c.md.version(vkey)["state"] == "pending"
+    beat(c)
+    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "c.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_lost_transfer_messages_are_sent_again_by_reconcile(make_cluster, beat, tmp_path):
+    c = make_cluster(3, retries=0, SMOLTORRENT_TRANSFER_TIME_BASE_S="2", **FAST)
+    src = make_ckpt(tmp_path / "t.safetensors")
+    vkey = pending_as_left_by_a_crash(c, src, send_blobs=False)
+    beat(c)
+    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
+    assert {a["shard"] for a in c.md.attempts(vkey)} == {0, 1}
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "t.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_a_sweep_whose_lock_is_held_does_nothing(make_cluster, tmp_path):
+    """Two beat instances: the second sweep finds the first one's lock and stands down."""
+    from celery import Celery
+
+    c = make_cluster(2, **FAST)
+    src = make_ckpt(tmp_path / "l.safetensors")
+    vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
+    app = Celery(broker=c.redis_url, backend=c.redis_url)
+    try:
+        lock = c.md.r.lock("smoltorrent:sweep:reconcile:lock", timeout=60)
+        assert lock.acquire(blocking=False)
+        held = app.send_task("smoltorrent.sweep.reconcile", queue="control").get(timeout=60)
+        assert "skipped" in held
+        assert c.md.version(vkey)["state"] == "pending"
+        lock.release()
+        ran = app.send_task("smoltorrent.sweep.reconcile", queue="control").get(timeout=60)
+        assert ran["commits"] == 1
+    finally:
+        app.close()
+    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
