@@ -98,6 +98,11 @@ LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to co
 WORKER_SECONDS_BUCKETS = (0.01, 0.05, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
 FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
 DEMO_CHECKPOINT_MB = 64  # MB; big enough to show parallel shards, small enough for a laptop
+# A task publishing while Redis restarts (AOF load included) retries for about a minute:
+# 0, 0.5, 1, 1.5, 2, 2, ... s between attempts, 30 attempts.
+PUBLISH_RETRIES = 30
+PUBLISH_RETRY_STEP_S = 0.5  # seconds added to the wait after each failed publish
+PUBLISH_RETRY_MAX_S = 2.0  # seconds; the longest wait between two publish attempts
 WORKER_HEARTBEAT_S = 5.0  # seconds between a worker's refreshes of its alive key
 WORKER_ALIVE_TTL_S = 20  # seconds; a worker silent this long (4 missed beats) is gone
 RECONCILE_INTERVAL_S = 60.0  # seconds between reconcile sweeps: a lost step waits at most this

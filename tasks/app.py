@@ -57,4 +57,12 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     beat_schedule=SCHEDULE,
+    # Publishing (a retry, the next task) while Redis restarts waits for it to come back
+    # instead of failing the task after Celery's default ~1 s of attempts.
+    task_publish_retry_policy={
+        "max_retries": defaults.PUBLISH_RETRIES,
+        "interval_start": 0,
+        "interval_step": defaults.PUBLISH_RETRY_STEP_S,
+        "interval_max": defaults.PUBLISH_RETRY_MAX_S,
+    },
 )

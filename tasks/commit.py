@@ -8,13 +8,13 @@ from coordinator.state.metadata import COMMITTED, PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 from tasks.app import app
-from tasks.context import metadata, node_client
+from tasks.context import REDIS_TRANSIENT, metadata, node_client
 
 
 @app.task(
     name="smoltorrent.commit",
     bind=True,
-    autoretry_for=(NodeUnavailableError, NodeError),
+    autoretry_for=(NodeUnavailableError, NodeError, *REDIS_TRANSIENT),
     retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
     retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
     retry_jitter=False,

@@ -5,11 +5,17 @@ from __future__ import annotations
 import uuid
 from functools import cache
 
+import redis
+
 from coordinator import config
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.state.metadata import Metadata, NodeRecord
 from smoltorrent.errors import NotFoundError
 from tasks.app import REDIS_URL
+
+# Redis restarting or briefly unreachable: the task retries with backoff, like a node
+# error, instead of dead-lettering into the Redis it cannot reach.
+REDIS_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 # This worker's start: imported in the worker's main process before the pool forks, so
 # every child shares it. A request marked running under another boot id was left by a

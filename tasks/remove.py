@@ -8,12 +8,20 @@ the remove again finishes it. Redis keys go last.
 from __future__ import annotations
 
 from coordinator.state.metadata import REMOVED
+from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError
 from tasks.app import app
-from tasks.context import metadata, node_client
+from tasks.context import REDIS_TRANSIENT, metadata, node_client
 
 
-@app.task(name="smoltorrent.remove", bind=True)
+@app.task(
+    name="smoltorrent.remove",
+    bind=True,
+    autoretry_for=REDIS_TRANSIENT,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_jitter=False,
+    max_retries=defaults.TRANSFER_RETRIES,
+)
 def remove(self, vkey: str) -> dict:
     md = metadata()
     found = md.begin_remove(vkey)

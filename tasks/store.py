@@ -15,13 +15,21 @@ from coordinator.state.metadata import DONE, PENDING, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import NotEnoughNodesError
 from tasks.app import app
-from tasks.context import BOOT_ID, metadata
+from tasks.context import BOOT_ID, REDIS_TRANSIENT, metadata
 from tasks.enqueue import send_transfers
 
 log = get_task_logger(__name__)
 
 
-@app.task(name="smoltorrent.store", bind=True, max_retries=defaults.STABLE_RETRIES)
+@app.task(
+    name="smoltorrent.store",
+    bind=True,
+    max_retries=defaults.STABLE_RETRIES,
+    autoretry_for=REDIS_TRANSIENT,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
+    retry_jitter=False,
+)
 def store(
     self,
     path: str,

@@ -20,7 +20,7 @@ from smoltorrent.errors import (
     SourceChangedError,
 )
 from tasks.app import app
-from tasks.context import metadata, node_client
+from tasks.context import REDIS_TRANSIENT, metadata, node_client
 from tasks.enqueue import send_store, settle
 
 log = get_task_logger(__name__)
@@ -32,7 +32,7 @@ RETRYABLE = (NodeUnavailableError, NodeError, ProtocolError)
 @app.task(
     name="smoltorrent.transfer",
     bind=True,
-    autoretry_for=RETRYABLE,
+    autoretry_for=RETRYABLE + REDIS_TRANSIENT,
     retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
     retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
     retry_jitter=False,

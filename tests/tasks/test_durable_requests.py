@@ -66,3 +66,26 @@ def test_a_failed_request_is_reported_and_closed(make_cluster, tmp_path):
     assert proc.returncode == 1 and "no storage node is reachable" in " ".join(proc.stderr.split())
     assert c.md.open_requests() == []
     assert [v for v in c.cli_json("ls") if v["state"] == COMMITTED] == []
+
+
+def test_redis_killed_mid_store_and_restarted_from_its_aof(make_cluster, tmp_path):
+    """redis-server SIGKILLed 1 s into a store and started again from its AOF 3 s later:
+    the tasks that lost Redis retry instead of dead-lettering, the store commits once."""
+    c = make_cluster(4, retries=6)
+    src = make_ckpt(tmp_path / "r.safetensors", 300_000_000)
+    c.cli("store", str(src), "--shards", "8", "--no-wait")
+    started = time.monotonic()
+    wait_until(lambda: time.monotonic() - started >= 1, interval=0.01, what="1 s of store")
+    c.kill_redis()
+    killed = time.monotonic()
+    wait_until(lambda: time.monotonic() - killed >= 3, interval=0.05, what="3 s of outage")
+    c.start_redis()
+    rows = wait_until(
+        lambda: committed(c, "r.safetensors"), timeout=120, what="the store to commit itself"
+    )
+    assert len([r for r in c.cli_json("ls") if r["name"] == "r.safetensors"]) == 1
+    assert rows[0]["min_copies"] == 2
+    assert c.cli_json("dlq", "ls") == []
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "r.safetensors", "-o", str(out), timeout=300)
+    assert sha(out) == sha(src)
