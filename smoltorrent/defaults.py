@@ -71,6 +71,9 @@ EMBEDDED_REDIS_START_S = 10.0  # seconds to wait for our own redis-server to ans
 # seconds a removed version's tombstone stays: far longer than any late transfer or
 # dead-letter replay that could still name it, short enough that Redis stays bounded
 REMOVED_TOMBSTONE_TTL_S = 30 * 24 * 3600
+# seconds a blob's "being deleted" tombstone lasts if its remove dies mid-way; the
+# reconcile sweep resumes the remove long before (RECONCILE_GRACE_S)
+BLOB_TOMBSTONE_TTL_S = 3600
 REQUEST_TTL_S = 7 * 24 * 3600  # seconds a finished request stays readable (CLI, API, audit)
 
 # --- Celery control plane (tasks/) ------------------------------------------

@@ -9,6 +9,7 @@ from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 from tasks.app import app
 from tasks.context import REDIS_TRANSIENT, metadata, node_client
+from tasks.enqueue import send_transfers
 
 
 @app.task(
@@ -34,10 +35,39 @@ def commit(self, vkey: str) -> str:
             "stays pending. Replay its dead letters (`smoltorrent dlq ls`) once nodes are back."
         )
     registered = md.nodes()
-    holders = sorted(
-        {n for s in manifest.shards for n in md.placement(s.blob_sha256) if n in registered}
-    )
+    # Placement says who got each blob; a remove or a repair may have deleted a copy since.
+    # Ask the holders, and never commit a shard that no node really has.
+    holders = confirm_holders(md, manifest, registered)
+    lost = [i for i, s in enumerate(manifest.shards) if not holders.get(s.blob_sha256)]
+    if lost:
+        md.reopen_shards(vkey, lost)
+        plan = md.plan(vkey)
+        keep = {f"{i}:{r}" for i, t in enumerate(plan) for r in range(len(t)) if i not in lost}
+        send_transfers(vkey, manifest, plan, v["host"], skip=keep)
+        return f"shards {lost} had no copy left; sent again"
     # Every node holding a blob also keeps the manifest: Redis can be rebuilt from them.
-    write_manifest(manifest, [node_client(n, registered) for n in holders])
+    nodes = sorted(set().union(*holders.values()))
+    write_manifest(manifest, [node_client(n, registered) for n in nodes])
     md.commit(vkey, manifest.name)
     return COMMITTED
+
+
+def confirm_holders(md, manifest, registered) -> dict[str, set[str]]:
+    """Digest -> the registered nodes that answer `has` for it now. A node that says no
+    leaves the placement; one that does not answer is not counted."""
+    asked: dict[str, set[str]] = {}
+    for shard in manifest.shards:
+        for node_id in md.placement(shard.blob_sha256) & set(registered):
+            asked.setdefault(node_id, set()).add(shard.blob_sha256)
+    out: dict[str, set[str]] = {}
+    for node_id, digests in asked.items():
+        try:
+            present = node_client(node_id, registered).has(sorted(digests))
+        except (NodeUnavailableError, NodeError):
+            continue
+        for digest in digests:
+            if digest in present:
+                out.setdefault(digest, set()).add(node_id)
+            else:
+                md.remove_placement(digest, node_id)
+    return out

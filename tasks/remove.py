@@ -27,29 +27,36 @@ def remove(self, vkey: str) -> dict:
     found = md.begin_remove(vkey)
     if found in (None, REMOVED):
         return {"vkey": vkey, "removed": False, "blobs_deleted": 0}
-    manifest = md.manifest(vkey)
     registered = md.nodes()
+    manifest = md.manifest(vkey)
+    # Nodes that may hold its manifest: every holder of one of its blobs (a holder whose
+    # copy is deleted below leaves the placement only once it answered).
+    involved = set().union(*(md.placement(s.blob_sha256) for s in manifest.shards))
     deleted, kept = 0, []
-    holders_of_manifest = set()
-    for shard in manifest.shards:
-        holders = md.placement(shard.blob_sha256)
-        holders_of_manifest |= holders
-        if md.blob_in_use(shard.blob_sha256, besides=vkey):
-            continue  # shared with another version (content addressing)
-        for node_id in holders:
+    # Only blobs no other version uses: the reference sets decided, atomically with the
+    # state change, which ones (a second run resumes the ones not yet deleted).
+    for digest in sorted(md.blobs_to_delete(vkey)):
+        gone, left = [], False
+        for node_id in sorted(md.placement(digest)):
             if node_id not in registered:
                 continue
             try:
-                node_client(node_id, registered).delete(shard.blob_sha256)
-                md.remove_placement(shard.blob_sha256, node_id)
+                node_client(node_id, registered).delete(digest)
+                gone.append(node_id)
                 deleted += 1
             except (NodeUnavailableError, NodeError) as exc:
-                kept.append(f"{shard.blob_sha256[:12]} on {node_id}: {exc}")
-    for node_id in holders_of_manifest & set(registered):
+                kept.append(f"{digest[:12]} on {node_id}: {exc}")
+                left = True
+        if not left:
+            md.blob_deleted(vkey, digest, gone)
+    # Ask every node: a manifest left on any of them would let rebuild bring it back.
+    # Only a node that held its blobs and cannot answer keeps the remove open.
+    for node_id in registered:
         try:
             node_client(node_id, registered).delete_manifest(vkey)
         except (NodeUnavailableError, NodeError) as exc:
-            kept.append(f"manifest on {node_id}: {exc}")
+            if node_id in involved:
+                kept.append(f"manifest on {node_id}: {exc}")
     if not kept:
-        md.finish_remove(vkey)
+        md.finish_remove(vkey)  # Redis forgets it last: until then it stays "removing"
     return {"vkey": vkey, "removed": True, "blobs_deleted": deleted, "left_behind": kept}

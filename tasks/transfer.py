@@ -51,6 +51,10 @@ def transfer(
         return "version removed"
     if v["state"] in (ABORTED, REMOVING, REMOVED):
         return f"version {v['state']}"
+    if md.blob_deleting(digest):
+        # A remove is deleting this very blob from the nodes: a copy found there now may
+        # vanish, so send it afresh once the remove is done with it.
+        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     manifest = md.manifest(vkey)
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
     try:

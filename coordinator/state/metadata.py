@@ -47,8 +47,9 @@ end
 # Records a store request's version: a new pending version, or joins the existing one
 # (the same bytes again), raising its sequence number to this request's; a committed
 # version a later request asks for again becomes current (a rollback moves no bytes).
+# The version joins the reference set of each of its blobs in the same step.
 # KEYS: version, manifest, plan, settled, ready, attempts, names, versions zset,
-#       current, current seq
+#       current, current seq, then the reference set of every blob
 # ARGV: seq, name, vkey, fields JSON, manifest JSON, plan JSON (list of JSON strings)
 # Returns the state found ("pending", "committed", "removing") or "created".
 _CREATE = (
@@ -56,6 +57,8 @@ _CREATE = (
     + """
 local seq = tonumber(ARGV[1])
 local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'removing' then return state end
+for i = 11, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
 if state == 'pending' or state == 'committed' then
   if seq > tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') then
     redis.call('HSET', KEYS[1], 'seq', seq)
@@ -64,7 +67,6 @@ if state == 'pending' or state == 'committed' then
   if state == 'committed' then make_current(KEYS[9], KEYS[10], ARGV[2], ARGV[3], seq) end
   return state
 end
-if state == 'removing' then return state end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'seq', seq)
@@ -125,16 +127,27 @@ redis.call('HSET', KEYS[1], 'state', 'aborted', 'reason', ARGV[1])
 return 1
 """
 
-# pending | committed | aborted -> removing. If it was the name's current version, the
-# latest other committed version becomes current. Returns the state found.
-# KEYS: version hash, versions zset, current, current seq, version-key prefix
-# ARGV: name, vkey, now
+# pending | committed | aborted -> removing. The version leaves the reference set of each
+# of its blobs; a blob no version uses any more gets a tombstone (a store that needs it
+# meanwhile waits, then sends it again) and goes on the list the remove deletes. If it
+# was the name's current version, the latest other committed version becomes current.
+# Returns the state found.
+# KEYS: version hash, versions zset, current, current seq, version-key prefix,
+#       blobs-to-delete set, then per blob its reference set and its tombstone
+# ARGV: name, vkey, now, tombstone ttl seconds, then the digest of every blob
 _REMOVE_BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'pending' and state ~= 'committed' and state ~= 'aborted' then
   return state or 'missing'
 end
 redis.call('HSET', KEYS[1], 'state', 'removing', 'removing_at', ARGV[3])
+for i = 7, #KEYS, 2 do
+  redis.call('SREM', KEYS[i], ARGV[2])
+  if redis.call('SCARD', KEYS[i]) == 0 then
+    redis.call('SET', KEYS[i + 1], ARGV[2], 'EX', tonumber(ARGV[4]))
+    redis.call('SADD', KEYS[6], ARGV[5 + (i - 7) / 2])
+  end
+end
 if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then
   redis.call('HDEL', KEYS[3], ARGV[1])
   redis.call('HDEL', KEYS[4], ARGV[1])
@@ -152,15 +165,42 @@ return state
 
 # removing -> removed: the last step of a remove, once the nodes are clean. The version's
 # keys go; a small tombstone stays so late transfers and commits see "removed".
-# KEYS: version, manifest, plan, settled, ready, attempts, versions zset, names
+# KEYS: version, manifest, plan, settled, ready, attempts, versions zset, names,
+#       blobs-to-delete set
 # ARGV: name, vkey, now, tombstone ttl seconds
 _REMOVE_FINISH = """
 if redis.call('HGET', KEYS[1], 'state') ~= 'removing' then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[9])
 redis.call('HSET', KEYS[1], 'name', ARGV[1], 'state', 'removed', 'removed_at', ARGV[3])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 redis.call('ZREM', KEYS[7], ARGV[2])
 if redis.call('ZCARD', KEYS[7]) == 0 then redis.call('SREM', KEYS[8], ARGV[1]) end
+return 1
+"""
+
+# A blob deleted from the nodes `ARGV` by a remove: they leave its placement; with no
+# version using it any more, its placement goes entirely (Redis stays bounded). The
+# tombstone goes last, so a store waiting on it then sends the blob afresh.
+# KEYS: placement, reference set, tombstone, the remove's blobs-to-delete set
+# ARGV: digest, then the node ids it was deleted from
+_BLOB_DELETED = """
+for i = 2, #ARGV do redis.call('SREM', KEYS[1], ARGV[i]) end
+if redis.call('SCARD', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
+redis.call('DEL', KEYS[3])
+redis.call('SREM', KEYS[4], ARGV[1])
+return 1
+"""
+
+# A pending version's shards found with no copy at commit time go back to unsettled, so
+# their transfers run again and the barrier fires again. KEYS: version, settled, ready
+# ARGV: then per lost shard, its index and its number of replicas
+_REOPEN = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
+for i = 1, #ARGV, 2 do
+  redis.call('SREM', KEYS[3], ARGV[i])
+  for r = 0, tonumber(ARGV[i + 1]) - 1 do redis.call('SREM', KEYS[2], ARGV[i] .. ':' .. r) end
+end
+redis.call('HDEL', KEYS[1], 'commit_enqueued')
 return 1
 """
 
@@ -186,6 +226,11 @@ return state
 """
 
 
+def _digests(manifest: Manifest) -> list[str]:
+    """Each distinct blob of a manifest once, in shard order."""
+    return list(dict.fromkeys(s.blob_sha256 for s in manifest.shards))
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     node_id: str
@@ -208,6 +253,8 @@ class Metadata:
         self._abort = self.r.register_script(_ABORT)
         self._remove_begin = self.r.register_script(_REMOVE_BEGIN)
         self._remove_finish = self.r.register_script(_REMOVE_FINISH)
+        self._blob_deleted = self.r.register_script(_BLOB_DELETED)
+        self._reopen = self.r.register_script(_REOPEN)
         self._open_request = self.r.register_script(_OPEN_REQUEST)
         self._start_request = self.r.register_script(_START_REQUEST)
 
@@ -279,6 +326,7 @@ class Metadata:
                 K.VERSIONS.format(name=manifest.name),
                 K.CURRENT,
                 K.CURRENT_SEQ,
+                *(K.BLOB_REFS.format(digest=d) for d in _digests(manifest)),
             ],
             args=[
                 seq,
@@ -380,6 +428,13 @@ class Metadata:
     def mark_commit_enqueued(self, vkey: str) -> None:
         """Record that the commit is queued (only after it is: see _BARRIER)."""
         self.r.hset(K.VERSION.format(vkey=vkey), "commit_enqueued", repr(time.time()))
+
+    def reopen_shards(self, vkey: str, shards: list[int]) -> bool:
+        """Send the barrier back for `shards` of a pending version (their copies are gone)."""
+        plan = self.plan(vkey)
+        args = [x for i in shards for x in (i, len(plan[i]))]
+        keys = [K.VERSION.format(vkey=vkey), K.SETTLED.format(vkey=vkey), K.READY.format(vkey=vkey)]
+        return bool(self._reopen(keys=keys, args=args))
 
     def barrier_complete(self, vkey: str) -> bool:
         """Every transfer settled and every shard has a verified copy."""
@@ -544,6 +599,11 @@ class Metadata:
         name = self.r.hget(K.VERSION.format(vkey=vkey), "name")
         if name is None:
             return None
+        raw = self.r.get(K.MANIFEST.format(vkey=vkey))
+        digests = _digests(Manifest.from_json(raw)) if raw else []
+        blob_keys = []
+        for d in digests:
+            blob_keys += [K.BLOB_REFS.format(digest=d), K.BLOB_DELETING.format(digest=d)]
         return self._remove_begin(
             keys=[
                 K.VERSION.format(vkey=vkey),
@@ -551,9 +611,34 @@ class Metadata:
                 K.CURRENT,
                 K.CURRENT_SEQ,
                 K.VERSION.format(vkey=""),
+                K.REMOVE_BLOBS.format(vkey=vkey),
+                *blob_keys,
             ],
-            args=[name, vkey, time.time()],
+            args=[name, vkey, time.time(), defaults.BLOB_TOMBSTONE_TTL_S, *digests],
         )
+
+    def blobs_to_delete(self, vkey: str) -> set[str]:
+        """Blobs a removing version left unreferenced, not yet deleted from the nodes."""
+        return set(self.r.smembers(K.REMOVE_BLOBS.format(vkey=vkey)))
+
+    def blob_deleted(self, vkey: str, digest: str, nodes: Iterable[str]) -> None:
+        """The remove of `vkey` deleted `digest` from every node in `nodes` that held it."""
+        self._blob_deleted(
+            keys=[
+                K.PLACEMENT.format(digest=digest),
+                K.BLOB_REFS.format(digest=digest),
+                K.BLOB_DELETING.format(digest=digest),
+                K.REMOVE_BLOBS.format(vkey=vkey),
+            ],
+            args=[digest, *nodes],
+        )
+
+    def blob_deleting(self, digest: str) -> bool:
+        """Whether a remove is deleting this blob from the nodes right now."""
+        return bool(self.r.exists(K.BLOB_DELETING.format(digest=digest)))
+
+    def blob_refs(self, digest: str) -> set[str]:
+        return set(self.r.smembers(K.BLOB_REFS.format(digest=digest)))
 
     def finish_remove(self, vkey: str) -> bool:
         """removing -> removed, deleting the version's keys: the last step of a remove,
@@ -563,22 +648,15 @@ class Metadata:
             return False
         return bool(
             self._remove_finish(
-                keys=[*self._version_keys(vkey), K.VERSIONS.format(name=name), K.NAMES],
+                keys=[
+                    *self._version_keys(vkey),
+                    K.VERSIONS.format(name=name),
+                    K.NAMES,
+                    K.REMOVE_BLOBS.format(vkey=vkey),
+                ],
                 args=[name, vkey, time.time(), defaults.REMOVED_TOMBSTONE_TTL_S],
             )
         )
-
-    def blob_in_use(self, digest: str, besides: str) -> bool:
-        """Whether a version other than `besides`, not itself being removed, references
-        the blob (content addressing)."""
-        for name in self.names():
-            for vkey in self.versions(name):
-                if vkey == besides or self.state(vkey) in (REMOVING, REMOVED):
-                    continue
-                raw = self.r.get(K.MANIFEST.format(vkey=vkey))
-                if raw and digest in raw:
-                    return True
-        return False
 
     def record_bad_copy(self, digest: str, node_id: str, reason: str) -> None:
         """Note a copy that served wrong bytes, for the integrity sweep to repair."""

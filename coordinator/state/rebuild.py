@@ -21,6 +21,8 @@ def rebuild_metadata(
 ) -> dict:
     manifests: dict[str, Manifest] = {}
     unreachable: list[str] = []
+    skipped: list[str] = []
+    held: set[str] = set()
     placements = 0
     nodes_read = 0
     for address in addresses:
@@ -28,23 +30,37 @@ def rebuild_metadata(
         try:
             stat = client.stat()
             blobs = client.list_blobs()
-            for key in client.list_manifests():
-                if key not in manifests:
-                    manifests[key] = Manifest.from_json(client.get_manifest(key))
+            keys = client.list_manifests()
         except (NodeUnavailableError, NodeError, SmoltorrentError) as exc:
             unreachable.append(f"{address}: {exc}")
             continue
+        # One unreadable manifest costs only itself, never the node's whole inventory.
+        for key in keys:
+            if key in manifests:
+                continue
+            try:
+                manifests[key] = Manifest.from_json(client.get_manifest(key))
+            except (NodeUnavailableError, NodeError, SmoltorrentError) as exc:
+                skipped.append(f"manifest {key} on {address}: {exc}")
         nodes_read += 1
         md.add_node(stat.node_id, address)
         md.mark_alive(stat.node_id, dataclasses.asdict(stat))
         for digest in blobs:
             md.add_placement(digest, stat.node_id)
+            held.add(digest)
             placements += 1
     restored = 0
     for key, manifest in sorted(manifests.items(), key=lambda kv: kv[1].created_at):
         vkey = manifest.storage_key()
         if vkey != key:
-            unreachable.append(f"manifest {key} names another version ({vkey}); skipped")
+            skipped.append(f"manifest {key} names another version ({vkey})")
+            continue
+        missing = [i for i, s in enumerate(manifest.shards) if s.blob_sha256 not in held]
+        if missing:
+            # Committed means gatherable: a version with a shard on no node is not.
+            skipped.append(
+                f"{manifest.name} {manifest.version_id[:12]}: shards {missing} on no node"
+            )
             continue
         restored += md.restore_committed(manifest, vkey)
     return {
@@ -53,5 +69,5 @@ def rebuild_metadata(
         "restored": restored,
         "names": len({m.name for m in manifests.values()}),
         "placements": placements,
-        "unreachable": unreachable,
+        "unreachable": unreachable + skipped,
     }

@@ -50,6 +50,12 @@ ATTEMPTS = PREFIX + "version:{vkey}:attempts"
 
 # set of node ids holding a verified copy of a blob
 PLACEMENT = PREFIX + "blob:{digest}:nodes"
+# set of vkeys of the versions (not removing or removed) whose manifest uses a blob
+BLOB_REFS = PREFIX + "blob:{digest}:refs"
+# tombstone: a remove is deleting this unreferenced blob from the nodes right now
+BLOB_DELETING = PREFIX + "blob:{digest}:deleting"
+# set of blob digests a removing version left unreferenced, still to delete from nodes
+REMOVE_BLOBS = PREFIX + "version:{vkey}:remove_blobs"
 # hash "digest:node_id" -> JSON {reason, at}: copies a reader found corrupt, to repair
 BAD_COPIES = PREFIX + "bad_copies"
 

@@ -77,6 +77,27 @@ def test_a_crash_between_barrier_and_commit_is_committed_by_reconcile(make_clust
     assert sha(out) == sha(src)
 
 
+def test_commit_asks_the_holders_and_resends_a_shard_no_node_has(make_cluster, beat, tmp_path):
+    """Every copy of a shard deleted between the barrier and the commit (a remove that
+    raced, a foreign tool): the commit asks the holders, sends the shard again, and only
+    then commits."""
+    from coordinator.dataplane.node_client import NodeClient
+
+    c = make_cluster(3, **FAST)
+    src = make_ckpt(tmp_path / "h.safetensors")
+    vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
+    lost = c.md.manifest(vkey).shards[1].blob_sha256
+    for n in c.node_procs:
+        NodeClient(n.address).delete(lost)
+    assert c.md.placement(lost)  # the metadata still believes in the copies
+    beat(c)
+    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
+    assert any(lost in NodeClient(n.address).list_blobs() for n in c.node_procs)
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "h.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
 def test_lost_transfer_messages_are_sent_again_by_reconcile(make_cluster, beat, tmp_path):
     c = make_cluster(3, retries=0, SMOLTORRENT_TRANSFER_TIME_BASE_S="2", **FAST)
     src = make_ckpt(tmp_path / "t.safetensors")
