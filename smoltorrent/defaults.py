@@ -74,6 +74,9 @@ REMOVED_TOMBSTONE_TTL_S = 30 * 24 * 3600
 # seconds a blob's "being deleted" tombstone lasts if its remove dies mid-way; the
 # reconcile sweep resumes the remove long before (RECONCILE_GRACE_S)
 BLOB_TOMBSTONE_TTL_S = 3600
+MANIFEST_EXTRA_TIMEOUT_S = 5.0  # seconds a non-holder gets to take a manifest (a few KB)
+ATTEMPTS_KEPT = 1000  # entries of a version's transfer attempt log kept (the latest ones)
+ATTEMPTS_TTL_S = 7 * 24 * 3600  # seconds a committed version's attempt log stays readable
 REQUEST_TTL_S = 7 * 24 * 3600  # seconds a finished request stays readable (CLI, API, audit)
 
 # --- Celery control plane (tasks/) ------------------------------------------

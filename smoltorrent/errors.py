@@ -102,3 +102,7 @@ class ConfigError(SmoltorrentError):
 
 class UsageError(SmoltorrentError):
     """A command's arguments do not fit together."""
+
+
+class ManifestNotDurableError(SmoltorrentError):
+    """A commit could not put the manifest on every holder (at least min(R, live nodes))."""

@@ -6,16 +6,21 @@ from coordinator import config
 from coordinator.dataplane.store_engine import write_manifest
 from coordinator.state.metadata import COMMITTED, PENDING
 from smoltorrent import defaults
-from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
+from smoltorrent.errors import (
+    ManifestNotDurableError,
+    NodeError,
+    NodeUnavailableError,
+    SmoltorrentError,
+)
 from tasks.app import app
-from tasks.context import REDIS_TRANSIENT, metadata, node_client
+from tasks.context import REDIS_TRANSIENT, client, metadata, node_client
 from tasks.enqueue import send_transfers
 
 
 @app.task(
     name="smoltorrent.commit",
     bind=True,
-    autoretry_for=(NodeUnavailableError, NodeError, *REDIS_TRANSIENT),
+    autoretry_for=(NodeUnavailableError, NodeError, ManifestNotDurableError, *REDIS_TRANSIENT),
     retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
     retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
     retry_jitter=False,
@@ -45,11 +50,40 @@ def commit(self, vkey: str) -> str:
         keep = {f"{i}:{r}" for i, t in enumerate(plan) for r in range(len(t)) if i not in lost}
         send_transfers(vkey, manifest, plan, v["host"], skip=keep)
         return f"shards {lost} had no copy left; sent again"
-    # Every node holding a blob also keeps the manifest: Redis can be rebuilt from them.
-    nodes = sorted(set().union(*holders.values()))
-    write_manifest(manifest, [node_client(n, registered) for n in nodes])
+    write_manifest_durably(md, manifest, set().union(*holders.values()), registered)
     md.commit(vkey, manifest.name)
     return COMMITTED
+
+
+def write_manifest_durably(md, manifest, holders: set[str], registered) -> None:
+    """Every node holding a blob keeps the manifest, so Redis can be rebuilt from them;
+    anything less raises ManifestNotDurableError and the commit retries. An
+    under-replicated (or empty) version also puts it on other live nodes, up to
+    min(R, live): a node that cannot take a few KB within MANIFEST_EXTRA_TIMEOUT_S does
+    not count as live, so a hung node delays the commit by that much, not for ever."""
+    if holders:
+        try:
+            written = write_manifest(manifest, [node_client(n, registered) for n in holders])
+        except SmoltorrentError as exc:  # no node took it at all
+            raise ManifestNotDurableError(str(exc)) from exc
+        if written < len(holders):
+            raise ManifestNotDurableError(
+                f"the manifest of {manifest.name} reached {written} of {len(holders)} holders; "
+                "the commit retries until every holder keeps it."
+            )
+    kept = len(holders)
+    for node_id in sorted(set(md.alive(registered)) - holders):
+        if kept >= manifest.replicas:
+            break
+        extra = client(registered[node_id].address, timeout=defaults.MANIFEST_EXTRA_TIMEOUT_S)
+        try:
+            kept += write_manifest(manifest, [extra])
+        except SmoltorrentError:
+            continue  # not live after all
+    if not kept:
+        raise ManifestNotDurableError(
+            f"no live node took the manifest of {manifest.name}; the commit retries."
+        )
 
 
 def confirm_holders(md, manifest, registered) -> dict[str, set[str]]:

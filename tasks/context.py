@@ -28,8 +28,8 @@ def metadata() -> Metadata:
     return Metadata(REDIS_URL)
 
 
-def client(address: NodeAddress) -> NodeClient:
-    return NodeClient(address, cluster_key=config.cluster_key())
+def client(address: NodeAddress, timeout: float | None = None) -> NodeClient:
+    return NodeClient(address, cluster_key=config.cluster_key(), timeout=timeout)
 
 
 def node_client(node_id: str, nodes: dict[str, NodeRecord]) -> NodeClient:

@@ -58,5 +58,6 @@ def remove(self, vkey: str) -> dict:
             if node_id in involved:
                 kept.append(f"manifest on {node_id}: {exc}")
     if not kept:
+        md.drop_dead_letters_of(vkey)
         md.finish_remove(vkey)  # Redis forgets it last: until then it stays "removing"
     return {"vkey": vkey, "removed": True, "blobs_deleted": deleted, "left_behind": kept}

@@ -397,7 +397,12 @@ class Metadata:
         return bool(self.r.hsetnx(K.VERSION.format(vkey=vkey), flag, "1"))
 
     def record_attempt(self, vkey: str, entry: dict) -> None:
-        self.r.rpush(K.ATTEMPTS.format(vkey=vkey), json.dumps({**entry, "at": time.time()}))
+        """Append to the version's attempt log, keeping its last ATTEMPTS_KEPT entries."""
+        key = K.ATTEMPTS.format(vkey=vkey)
+        with self.r.pipeline() as p:
+            p.rpush(key, json.dumps({**entry, "at": time.time()}))
+            p.ltrim(key, -defaults.ATTEMPTS_KEPT, -1)
+            p.execute()
 
     def attempts(self, vkey: str) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(K.ATTEMPTS.format(vkey=vkey), 0, -1)]
@@ -473,10 +478,12 @@ class Metadata:
     def commit(self, vkey: str, name: str) -> bool:
         """pending -> committed, and current unless a later request's version already is;
         True if it is current now. A version aborted or being removed stays as it is."""
-        _state, current = self._commit(
+        state, current = self._commit(
             keys=[K.VERSION.format(vkey=vkey), K.CURRENT, K.CURRENT_SEQ],
             args=[name, vkey, time.time()],
         )
+        if state == COMMITTED:  # its attempt log is history now: kept a while, then gone
+            self.r.expire(K.ATTEMPTS.format(vkey=vkey), defaults.ATTEMPTS_TTL_S)
         return bool(current)
 
     def restore_committed(self, manifest: Manifest, vkey: str) -> bool:
@@ -730,6 +737,11 @@ class Metadata:
 
     def remove_dead_letter(self, task_id: str) -> None:
         self.r.hdel(K.DLQ, task_id)
+
+    def drop_dead_letters_of(self, vkey: str) -> int:
+        """Forget the dead letters of a removed version (nothing left to replay them for)."""
+        ids = [tid for tid, _ in self.r.hscan_iter(K.DLQ, match=f"*{vkey}*")]
+        return self.r.hdel(K.DLQ, *ids) if ids else 0
 
     def dead_letter_depth(self) -> int:
         return self.r.hlen(K.DLQ)

@@ -89,3 +89,26 @@ def test_redis_killed_mid_store_and_restarted_from_its_aof(make_cluster, tmp_pat
     out = tmp_path / "out.safetensors"
     c.cli("gather", "r.safetensors", "-o", str(out), timeout=300)
     assert sha(out) == sha(src)
+
+
+def test_a_checkpoint_with_no_tensors_commits_with_its_manifest_on_nodes(make_cluster, tmp_path):
+    import json as _json
+    import struct
+
+    c = make_cluster(3)
+    empty = tmp_path / "empty.safetensors"
+    header = _json.dumps({"__metadata__": {"step": "0"}}).encode()
+    empty.write_bytes(struct.pack("<Q", len(header)) + header)
+    past = time.time() - 60
+    os.utime(empty, (past, past))
+    row = c.cli_json("store", str(empty))
+    assert row["state"] == COMMITTED and row["shards"] == 0
+    v = c.md.version(row["vkey"])
+    assert v["commit_enqueued"]  # it went through the barrier like any other version
+    from coordinator.dataplane.node_client import NodeClient
+
+    keeping = [n for n in c.node_procs if row["vkey"] in NodeClient(n.address).list_manifests()]
+    assert len(keeping) == 2  # min(R, live nodes)
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "empty.safetensors", "-o", str(out))
+    assert sha(out) == sha(empty)

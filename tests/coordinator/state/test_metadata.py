@@ -160,3 +160,40 @@ def test_requests_take_one_counter_and_close_once(md):
     assert md.start_request("r1", "boot-2") == "done"  # a re-drive does not run it again
     assert [rid for rid, _ in md.open_requests()] == ["r2"]
     assert md.r.ttl("smoltorrent:request:r1") > 0
+
+
+def test_bookkeeping_is_bounded_once_settled(md, tmp_path):
+    p = prepared(tmp_path, "bounded", 11)
+    pending(md, p)
+    for i in range(1200):
+        md.record_attempt(p.vkey, {"shard": 0, "replica": 0, "node": "node-a", "attempt": i})
+    assert len(md.attempts(p.vkey)) == 1000 and md.attempts(p.vkey)[-1]["attempt"] == 1199
+    settle_all(md, p)
+    md.commit(p.vkey, "bounded")
+    assert md.r.ttl(f"smoltorrent:version:{p.vkey}:attempts") > 0
+    md.add_dead_letter(f"transfer-{p.vkey}-0-1", {"task": "smoltorrent.transfer"})
+    md.add_dead_letter("transfer-other-0-1", {"task": "smoltorrent.transfer"})
+    assert md.begin_remove(p.vkey) == COMMITTED
+    assert md.blobs_to_delete(p.vkey) == {s.blob_sha256 for s in p.manifest.shards}
+    for s in p.manifest.shards:
+        md.blob_deleted(p.vkey, s.blob_sha256, ["node-a", "node-b"])
+        assert not md.r.exists(f"smoltorrent:blob:{s.blob_sha256}:nodes")  # placement gone
+    assert md.drop_dead_letters_of(p.vkey) == 1
+    assert md.finish_remove(p.vkey)
+    assert [r["task_id"] for r in md.dead_letters()] == ["transfer-other-0-1"]
+    leftovers = [k for k in md.r.scan_iter(f"smoltorrent:*{p.vkey}*")]
+    assert leftovers == [f"smoltorrent:version:{p.vkey}"]  # the expiring tombstone only
+
+
+def test_a_blob_shared_by_two_versions_is_deleted_only_with_the_last(md, tmp_path):
+    p = prepared(tmp_path, "one", 12)
+    twin = prepare_store(p.path, "two", FREE, replicas=2, shards=2)  # same bytes, other name
+    pending(md, p)
+    pending(md, twin)
+    digests = {s.blob_sha256 for s in p.manifest.shards}
+    assert md.blob_refs(next(iter(digests))) == {p.vkey, twin.vkey}
+    md.begin_remove(p.vkey)
+    assert md.blobs_to_delete(p.vkey) == set()
+    md.begin_remove(twin.vkey)
+    assert md.blobs_to_delete(twin.vkey) == digests
+    assert all(md.blob_deleting(d) for d in digests)  # a store now waits, then re-sends
