@@ -64,9 +64,15 @@ def connected_metadata() -> Metadata:
 
 def require_worker(host: str | None = None) -> None:
     """Fail fast, with the fix, when no worker would ever run the task: this host's worker
-    refreshes a Redis key while it runs (tasks/heartbeat.py), so one read answers."""
+    refreshes a Redis key while it runs (tasks/heartbeat.py), so one read answers. Only
+    when the key is missing (Redis was just flushed or restored) is the worker asked by
+    name, which returns as soon as it answers."""
     host = host or config.host_id()
-    if metadata().worker_boot(host) is None:
+    if metadata().worker_boot(host) is not None:
+        return
+    name = f"smoltorrent@{host}"
+    inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
+    if not (inspect.ping() or {}).get(name):
         raise SmoltorrentError(
             f"no smoltorrent worker is serving this host ({host}); start one with "
             "`smoltorrent worker` (or run `smoltorrent demo` for a complete local cluster)."
