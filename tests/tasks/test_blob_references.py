@@ -61,3 +61,22 @@ def test_a_remove_a_down_node_interrupted_is_never_rebuilt(make_cluster, tmp_pat
     c.md.r.flushall()
     summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
     assert summary["versions"] == 0 and c.cli_json("ls") == []
+
+
+def test_rebuild_restores_only_versions_whose_every_shard_is_on_a_node(make_cluster, tmp_path):
+    c = make_cluster(3)
+    whole = make_ckpt(tmp_path / "whole.safetensors")
+    holed = make_ckpt(tmp_path / "holed.safetensors", 3_000_000)
+    c.cli("store", str(whole), "--shards", "3")
+    c.cli("store", str(holed), "--shards", "3")
+    lost = c.md.manifest(c.md.current("holed.safetensors")).shards[2].blob_sha256
+    for n in c.node_procs:  # every copy of one shard goes (disks lost, a foreign tool)
+        NodeClient(n.address).delete(lost)
+    c.md.r.flushall()
+    summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
+    assert summary["versions"] == 2 and summary["restored"] == 1
+    assert any("holed.safetensors" in line for line in summary["unreachable"])
+    assert [r["name"] for r in c.cli_json("ls")] == ["whole.safetensors"]
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "whole.safetensors", "-o", str(out))
+    assert sha(out) == sha(whole)
