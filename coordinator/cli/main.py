@@ -20,6 +20,7 @@ from smoltorrent.errors import (
     SmoltorrentError,
     UsageError,
 )
+from worker_server.options import add_serve_arguments, serve, tcp_port
 
 # What `pip install smoltorrent` leaves out: the coordinator side, an extra.
 COORDINATOR_PACKAGES = frozenset(
@@ -62,16 +63,6 @@ def _count(minimum: int):
     return parse
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535, or 0: any)")
-    return value
-
-
 EPILOG = """\
 Quick start on one machine (everything local, nothing to configure):
   smoltorrent demo
@@ -103,30 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run a shard server (on each storage node)")
-    s.add_argument("--data-dir", required=True, help="where blobs and manifests are kept")
-    s.add_argument(
-        "--host",
-        help="address to listen on (default: all interfaces with a cluster key, 127.0.0.1"
-        " without one)",
-    )
-    s.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow listening beyond loopback without a cluster key (anyone who can reach"
-        " the node can then read, write and delete its blobs)",
-    )
-    s.add_argument(
-        "--port",
-        type=_port,
-        default=defaults.DEFAULT_PORT,
-        help=f"TCP port (default {defaults.DEFAULT_PORT}; 0 picks a free one)",
-    )
-    s.add_argument("--cluster-key", help="shared secret (or SMOLTORRENT_CLUSTER_KEY)")
-    s.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus /metrics on this port (or SMOLTORRENT_METRICS_PORT; default off)",
-    )
+    add_serve_arguments(s)
 
     n = sub.add_parser("nodes", help="register, list and remove storage nodes")
     nsub = n.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
@@ -241,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     rdsub.add_parser("stop", help="stop it; its data stays for the next start")
 
     f = sub.add_parser("flower", help="run Flower (Celery monitoring) on the same broker")
-    f.add_argument("--port", type=_port, default=defaults.FLOWER_PORT)
+    f.add_argument("--port", type=tcp_port, default=defaults.FLOWER_PORT)
     f.add_argument(
         "--address",
         default="127.0.0.1",
@@ -319,16 +287,7 @@ def _report(message: str, hint: str | None, as_json: bool) -> None:
 
 def dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
-        from worker_server.server import run_from_args
-
-        return run_from_args(
-            args.data_dir,
-            args.host,
-            args.port,
-            args.cluster_key,
-            metrics_port=args.metrics_port,
-            insecure=args.insecure,
-        )
+        return serve(args)
     from coordinator import config
 
     config.check_environment()

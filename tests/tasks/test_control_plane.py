@@ -153,7 +153,9 @@ def test_dead_letter_then_replay_completes_the_checkpoint(make_cluster, tmp_path
     assert sha(out) == sha(src)
 
 
-def test_store_with_a_dead_node_commits_under_replicated(make_cluster, tmp_path):
+def test_store_with_a_dead_node_commits_under_replicated_and_a_later_replay_keeps_it(
+    make_cluster, tmp_path
+):
     c = make_cluster(4, retries=1)
     src = make_ckpt(tmp_path / "u.safetensors")
     c.node_procs[2].kill()
@@ -167,6 +169,21 @@ def test_store_with_a_dead_node_commits_under_replicated(make_cluster, tmp_path)
     out = tmp_path / "out.safetensors"
     c.cli("gather", "u.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
+    # A dead-letter replay after the commit adds the missing replicas and never touches
+    # the committed version's state (a late transfer must not abort or re-commit it).
+    (vkey,) = c.md.versions("u.safetensors")
+    c.node_procs[2].start()
+    c.cli("dlq", "replay", "--all")
+    manifest = c.md.manifest(vkey)
+    wait_until(
+        lambda: all(len(c.md.placement(s.blob_sha256)) >= 2 for s in manifest.shards),
+        timeout=60,
+        what="the replayed transfers bring every shard to two copies",
+    )
+    assert c.md.version(vkey)["state"] == COMMITTED
+    assert c.md.current("u.safetensors") == vkey
+    assert c.cli_json("dlq", "ls") == []
+    assert c.cli_json("status")["under_replicated"] == []
 
 
 def store_until_first_transfer(c, src: Path) -> str:

@@ -112,3 +112,34 @@ def test_a_checkpoint_with_no_tensors_commits_with_its_manifest_on_nodes(make_cl
     out = tmp_path / "out.safetensors"
     c.cli("gather", "empty.safetensors", "-o", str(out))
     assert sha(out) == sha(empty)
+
+
+def test_a_refused_manifest_is_retried_not_dead_lettered(make_cluster, tmp_path):
+    """Every node refuses the manifest (its manifests directory is a plain file, as after
+    a foreign tool or a damaged card): the commit retries with backoff instead of turning
+    the first failure into a dead letter, and commits once the nodes take manifests."""
+    import shutil
+
+    from coordinator.dataplane.node_client import NodeClient
+
+    c = make_cluster(2)
+    src = make_ckpt(tmp_path / "m.safetensors")
+    for node in c.node_procs:
+        shutil.rmtree(node.data_dir / "manifests")
+        (node.data_dir / "manifests").write_bytes(b"not a directory")
+    c.cli("store", str(src), "--no-wait")
+    wait_until(
+        lambda: c.worker_log().count("ManifestNotDurableError") >= 2,
+        timeout=60,
+        what="two refused manifest writes, retried",
+    )
+    (vkey,) = c.md.versions("m.safetensors")
+    assert c.md.version(vkey)["state"] != COMMITTED
+    assert c.cli_json("dlq", "ls") == []
+    for node in c.node_procs:
+        (node.data_dir / "manifests").unlink()
+        (node.data_dir / "manifests").mkdir()
+    wait_until(lambda: committed(c, "m.safetensors"), timeout=60, what="commit once fixed")
+    for node in c.node_procs:
+        assert vkey in NodeClient(node.address).list_manifests()
+    assert c.cli_json("dlq", "ls") == []

@@ -130,3 +130,17 @@ def test_port_out_of_range_is_one_line_exit_2(tmp_path: Path, port: str) -> None
     assert result.returncode == 2
     assert "is not a TCP port" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_smoltorrent_serve_and_the_module_take_the_same_options() -> None:
+    import re
+
+    def options(argv: list[str]) -> set[str]:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
+        assert out.returncode == 0, out.stderr
+        return set(re.findall(r"--[a-z][a-z-]+", out.stdout))
+
+    module = options([sys.executable, "-m", "worker_server", "--help"])
+    cli = options([sys.executable, "-m", "coordinator.cli", "serve", "--help"])
+    assert module == cli
+    assert {"--data-dir", "--port", "--socket-timeout", "--metrics-port"} <= module
