@@ -22,6 +22,14 @@ VERIFY_BATCH_DIGESTS = 512  # digests per verify request; ~35 KB of JSON, under 
 # seconds between progress frames of a node copying or re-hashing a blob; a node sends them
 # at a quarter of its socket timeout if that is shorter, so a waiting peer never times out
 PROGRESS_INTERVAL_S = 5.0
+# nodes a chain_put may name to pass a blob on to: R - 1 for any R a cluster of Pis uses,
+# and a bound on the connections one request can make a node open
+MAX_CHAIN_FORWARD = 7
+MAX_CHAIN_MESSAGE_CHARS = 300  # characters of an error sentence per node in a chain report
+# A chain node waits this share of its socket timeout for the next node to take a chunk: a
+# stalled next node is given up before the sender upstream gives up on this one (which
+# waits a whole timeout), so the sender's copy still completes and the stall is reported.
+CHAIN_DOWNSTREAM_TIMEOUT_SHARE = 0.5
 
 # --- shard server (worker_server/server.py) ---------------------------------
 

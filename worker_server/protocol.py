@@ -80,6 +80,8 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "has": (BODY_JSON, frozenset()),
     "list": (BODY_NONE, frozenset()),
     "put": (BODY_BLOB, frozenset({"digest", "size"})),
+    # A put that the node also passes on, while it arrives, to the `forward` nodes in turn.
+    "chain_put": (BODY_BLOB, frozenset({"digest", "size", "forward"})),
     "get": (BODY_NONE, frozenset({"digest", "offset", "length"})),
     "verify": (BODY_NONE, frozenset({"digests"})),
     "delete": (BODY_NONE, frozenset({"digest"})),
@@ -202,8 +204,10 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
         request["digest"] = validate_digest(header.get("digest"))
     if "key" in allowed:
         request["key"] = validate_key(header.get("key"))
-    if op == "put":
+    if op in ("put", "chain_put"):
         request["size"] = validate_length(header.get("size"), "size")
+    if op == "chain_put":
+        request["forward"] = validate_forward(header.get("forward"))
     if op == "get":
         request["offset"] = validate_length(header.get("offset", 0), "offset")
         length = header.get("length")
@@ -279,6 +283,72 @@ def validate_peer(value: Any) -> tuple[str, int]:
             if 0 < port < 65536:
                 return host.strip("[]"), port
     raise ProtocolError(f"peer {_shown(value)} is not a 'host:port' address")
+
+
+def validate_forward(value: Any) -> list[tuple[str, int]]:
+    """A chain_put's forward list: distinct 'host:port' peers, at most MAX_CHAIN_FORWARD, so
+    one request can make a node open only a few bounded connections."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"forward must be a JSON list of 'host:port', got {_shown(value)}")
+    if len(value) > defaults.MAX_CHAIN_FORWARD:
+        raise ProtocolError(
+            f"forward names {len(value)} nodes; a chain passes a blob on to at most"
+            f" {defaults.MAX_CHAIN_FORWARD}"
+        )
+    peers = [validate_peer(item) for item in value]
+    if len(set(peers)) != len(peers):
+        raise ProtocolError(f"forward names a node twice: {_shown(value)}")
+    return peers
+
+
+def peer_text(host: str, port: int) -> str:
+    """(host, port) -> 'host:port' or '[v6]:port', as validate_peer reads it back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# What a chain_put reports for each node of its chain (itself, then each forward node in
+# order): the node's id when known, and what became of its copy.
+CHAIN_STORED, CHAIN_EXISTS, CHAIN_FAILED = "stored", "exists", "failed"
+CHAIN_STATUSES = frozenset({CHAIN_STORED, CHAIN_EXISTS, CHAIN_FAILED})
+
+
+def chain_entry(
+    status: str, node_id: str | None = None, error: str | None = None, message: str = ""
+) -> dict[str, Any]:
+    """One node's fate in a chain; a failed one carries an error code and a short sentence."""
+    entry: dict[str, Any] = {"status": status, "node_id": node_id}
+    if status == CHAIN_FAILED:
+        entry["error"] = error if error in ERROR_CODES else "internal"
+        entry["message"] = message[: defaults.MAX_CHAIN_MESSAGE_CHARS]
+    return entry
+
+
+def validate_chain_entry(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or value.get("status") not in CHAIN_STATUSES:
+        raise ProtocolError(f"chain report entry {_shown(value)} has no known status")
+    node_id = value.get("node_id")
+    if node_id is not None:
+        node_id = _validate_hex(node_id, NODE_ID_CHARS, "node_id")
+    message = value.get("message", "")
+    if not isinstance(message, str):
+        raise ProtocolError(f"chain report message {_shown(message)} is not a string")
+    return chain_entry(value["status"], node_id, value.get("error"), message)
+
+
+def validate_chain_report(header: dict[str, Any], forwarded: int) -> dict[str, Any]:
+    """A chain_put's final answer -> {"self": entry, "forward": [entry per forward node]},
+    checked: exactly one entry for each of the `forwarded` nodes it was asked to pass on to."""
+    forward = header.get("forward")
+    if header.get("status") != "done" or not isinstance(forward, list):
+        raise ProtocolError(f"a chain_put ended with {_shown(header)}, not its chain report")
+    if len(forward) != forwarded:
+        raise ProtocolError(
+            f"a chain report names {len(forward)} forward nodes where {forwarded} were asked"
+        )
+    return {
+        "self": validate_chain_entry(header.get("self")),
+        "forward": [validate_chain_entry(item) for item in forward],
+    }
 
 
 def validate_hello(header: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from smoltorrent.errors import (
     SmoltorrentError,
     UnsupportedVersionError,
 )
-from worker_server import protocol, wire
+from worker_server import chain, protocol, wire
 from worker_server.blob_store import BlobStore
 from worker_server.limits import MemoryBudget
 from worker_server.metrics import NodeMetrics
@@ -137,7 +137,7 @@ class Session:
             return False
         header, body_len = frame
         # A put's body only follows our "continue", so nothing is pending until we say so.
-        self._unread_body = 0 if header.get("op") == "put" else body_len
+        self._unread_body = 0 if header.get("op") in ("put", "chain_put") else body_len
         started = time.monotonic()
         try:
             request = protocol.validate_request(header, body_len)
@@ -259,6 +259,101 @@ class Session:
         self.metrics.received(size)
         log.info("stored blob %s (%d bytes) from %s", digest, size, self.peer)
         wire.send_frame(self.sock, {"ok": True, "status": "stored"})
+
+    def op_chain_put(self, request: dict[str, Any]) -> None:
+        """A put that passes the blob on down `forward` while it arrives (see chain.py).
+
+        Answers "exists" (no body wanted: our verified copy is pushed down the chain) or
+        "continue", then, after progress frames, {"status": "done", "self": our fate,
+        "forward": one entry per forward node}. Our own failure is in the report, not an
+        error frame, so the sender still learns what became of every other copy."""
+        digest, size, hops = request["digest"], request["size"], request["forward"]
+        tick = self._ticker()
+        if self.store.has(digest):
+            if self.store.intact(digest, size, tick):
+                wire.send_frame(self.sock, {"ok": True, "status": "exists"})
+                own = protocol.chain_entry(protocol.CHAIN_EXISTS, self.store.node_id)
+                forward = self._push_own_copy(digest, hops, tick)
+                self._send_chain_report(digest, own, forward)
+                return
+            log.warning("blob %s here is damaged; quarantining it to receive it again", digest)
+            with contextlib.suppress(FileNotFoundError):
+                self.store.quarantine(digest, inode=self.store.blob_path(digest).stat().st_ino)
+        with self.store.begin_put(digest, size) as incoming:
+            # The next node is asked before our sender is told to go, so the body passes
+            # through in one go; its "continue" or refusal is known before the first byte.
+            forward, link = chain.open_link(
+                hops, digest, size, self.cluster_key, self.socket_timeout, tick
+            )
+            try:
+                wire.send_frame(self.sock, {"ok": True, "status": "continue"})
+                self._unread_body = size
+                received = 0
+
+                def sink(chunk: memoryview) -> None:
+                    nonlocal received
+                    incoming.write(chunk)  # a write error is kept for commit; we go on
+                    if link is not None:
+                        link.send(chunk)
+                    received += len(chunk)
+                    tick(received)
+
+                wire.recv_stream(self.sock, size, sink, digest_covered=True)
+                self._unread_body = 0
+                own = self._commit_chain_copy(incoming, digest, size)
+                if link is not None:
+                    reached, cut_from = link.finish(tick, self.socket_timeout)
+                    self.metrics.sent(link.sent)
+                    cut = [] if cut_from is None else link.hops[cut_from:]
+                    forward += reached[: len(reached) - len(cut)]
+                    if cut and own["status"] == protocol.CHAIN_STORED:
+                        forward += self._push_own_copy(digest, cut, tick)
+                    else:
+                        forward += reached[len(reached) - len(cut) :]
+            finally:
+                if link is not None:
+                    link.close()
+        self._send_chain_report(digest, own, forward)
+
+    def _commit_chain_copy(self, incoming: Any, digest: str, size: int) -> dict[str, Any]:
+        node_id = self.store.node_id
+        try:
+            incoming.commit()
+        except (DigestMismatchError, DiskFullError, OSError) as exc:
+            if isinstance(exc, DigestMismatchError):
+                self.metrics.verify_failed("put")
+            log.warning("chain copy of blob %s from %s failed: %s", digest, self.peer, exc)
+            return protocol.chain_entry(
+                protocol.CHAIN_FAILED, node_id, chain.error_code(exc), str(exc)
+            )
+        self.metrics.received(size)
+        log.info("stored blob %s (%d bytes) from %s, chained", digest, size, self.peer)
+        return protocol.chain_entry(protocol.CHAIN_STORED, node_id)
+
+    def _push_own_copy(
+        self, digest: str, hops: list[tuple[str, int]], tick: Callable[[int], None]
+    ) -> list[dict[str, Any]]:
+        if not hops:
+            return []
+        try:
+            fd, size = self.store.open_blob(digest)
+        except NotFoundError as exc:  # deleted under us meanwhile
+            return chain.unreached(hops, str(exc))
+        try:
+            entries, sent = chain.push_copy(
+                fd, size, digest, hops, self.cluster_key, self.socket_timeout, tick
+            )
+        finally:
+            os.close(fd)
+        self.metrics.sent(sent)
+        return entries
+
+    def _send_chain_report(
+        self, digest: str, own: dict[str, Any], forward: list[dict[str, Any]]
+    ) -> None:
+        fates = [own["status"], *(entry["status"] for entry in forward)]
+        log.info("chain of blob %s: %s", digest[:12], " -> ".join(fates))
+        wire.send_frame(self.sock, {"ok": True, "status": "done", "self": own, "forward": forward})
 
     def op_get(self, request: dict[str, Any]) -> None:
         fd, size = self.store.open_blob(request["digest"])

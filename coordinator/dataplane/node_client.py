@@ -64,6 +64,19 @@ class NodeStat:
     protocol_version: int
 
 
+@dataclass(frozen=True)
+class ChainReport:
+    """What a chain_put did: bytes this link carried, the head's fate, each forward node's.
+
+    A fate is {"status": "stored" | "exists" | "failed", "node_id": the id the node proved
+    (None if never reached), "error": a wire error code, "message": why} (the last two only
+    when failed)."""
+
+    sent: int
+    head: dict[str, Any]
+    forward: list[tuple[NodeAddress, dict[str, Any]]]
+
+
 class NodeClient:
     def __init__(
         self,
@@ -164,6 +177,49 @@ class NodeClient:
             return wire.send_put(
                 sock, str(self.address), digest, prefix, src_fd, src_offset, length
             )
+
+    def chain_put(
+        self,
+        digest: str,
+        prefix: bytes,
+        src_fd: int,
+        src_offset: int,
+        length: int,
+        forward: list[NodeAddress],
+        progress: Callable[[int], None] | None = None,
+    ) -> ChainReport:
+        """Store a blob on this node and have it passed on, node to node while it arrives,
+        to each of `forward` in turn (chain replication): this link carries the bytes once.
+
+        When the node already holds a verified copy, no byte is sent: it pushes its own copy
+        down the chain. Returns what became of every copy; errors before the node took the
+        request (unreachable, busy, disk full) are raised as from put_blob.
+        """
+        size = len(prefix) + length
+        peer = str(self.address)
+        with self._connection() as sock:
+            request = {
+                "op": "chain_put",
+                "digest": digest,
+                "size": size,
+                "forward": [str(a) for a in forward],
+            }
+            # The node checks the blob against its digest, so the body goes untagged (sendfile).
+            wire.send_frame_header(sock, request, size)
+            header, _ = wire.recv_final_response(sock, peer, progress)
+            status = header.get("status")
+            if status == "continue":
+                sock.sendall(prefix)
+                wire.send_file_range(sock, src_fd, src_offset, length, progress)
+            elif status != "exists":
+                raise ProtocolError(f"node {peer} answered a chain_put with {header!r}")
+            header, _ = wire.recv_final_response(sock, peer, progress)
+            report = protocol.validate_chain_report(header, len(forward))
+        return ChainReport(
+            sent=size if status == "continue" else 0,
+            head=report["self"],
+            forward=list(zip(forward, report["forward"], strict=True)),
+        )
 
     def get_blob_to_file(
         self,

@@ -290,3 +290,39 @@ def test_struct_layout_is_big_endian_and_fixed() -> None:
     frame = protocol.encode_frame({"op": "ping"}, body_len=258)
     assert frame[:4] == b"SMTR"
     assert struct.unpack(">Q", frame[12:20]) == (258,)
+
+
+def test_chain_put_forward_list_is_validated() -> None:
+    ok = protocol.validate_request(
+        {"op": "chain_put", "digest": DIGEST, "size": 4, "forward": ["pi2:7411", "[::1]:7412"]},
+        body_len=4,
+    )
+    assert ok["forward"] == [("pi2", 7411), ("::1", 7412)]
+    assert protocol.peer_text("::1", 7412) == "[::1]:7412"
+    for forward in (
+        "pi2:7411",
+        ["pi2"],
+        ["pi2:7411", "pi2:7411"],
+        [f"pi{i}:7411" for i in range(defaults.MAX_CHAIN_FORWARD + 1)],
+        [{"host": "pi2"}],
+    ):
+        with pytest.raises(ProtocolError):
+            protocol.validate_request(
+                {"op": "chain_put", "digest": DIGEST, "size": 4, "forward": forward}, body_len=4
+            )
+
+
+def test_chain_report_is_checked_entry_by_entry() -> None:
+    entry = protocol.chain_entry("failed", None, "no_such_code", "x" * 10_000)
+    assert entry["error"] == "internal"
+    assert len(entry["message"]) == defaults.MAX_CHAIN_MESSAGE_CHARS
+    good = {"status": "done", "self": {"status": "stored", "node_id": None}, "forward": []}
+    assert protocol.validate_chain_report(good, 0)["self"]["status"] == "stored"
+    for bad, forwarded in (
+        (good, 1),  # one entry per forward node, no fewer
+        ({**good, "status": "stored"}, 0),
+        ({**good, "self": {"status": "maybe"}}, 0),
+        ({**good, "self": {"status": "stored", "node_id": "../etc"}}, 0),
+    ):
+        with pytest.raises(ProtocolError):
+            protocol.validate_chain_report(bad, forwarded)

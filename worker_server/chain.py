@@ -1,0 +1,209 @@
+"""Chain replication on a node: keep a blob and pass it on to the next node as it arrives.
+
+A chain_put names the nodes after this one (`forward`). Before it asks its sender
+for the body, the node opens a chain_put to the first of them that answers; every
+chunk then goes to its own temp file and on to that next node in the same pass,
+through the one receive buffer, so the blob crosses each link once and memory
+stays flat. Each node verifies its own copy, and the final answers flow back up
+the chain: every node reports itself and every node after it, in order.
+
+A next node that cannot be reached is reported and skipped for the one after it;
+one that breaks off mid-blob is reported, and once this node holds its own
+verified copy it pushes that copy to the nodes the broken link cut off. Nothing
+here ever fails the upstream because of a downstream node: the sender always
+gets a report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    AuthenticationError,
+    DigestMismatchError,
+    DiskFullError,
+    NodeError,
+    NotFoundError,
+    PeerClosedError,
+    ProtocolError,
+    SmoltorrentError,
+)
+from worker_server import protocol, wire
+
+log = logging.getLogger(__name__)
+
+Hop = tuple[str, int]  # (host, port) of a node further down the chain
+Tick = Callable[[int], None]  # keeps our own sender's wait alive while we wait downstream
+
+
+def error_code(exc: BaseException) -> str:
+    """The wire error code that best names why a node in a chain failed."""
+    if isinstance(exc, NodeError):
+        return exc.code
+    if isinstance(exc, DigestMismatchError):
+        return "digest_mismatch"
+    if isinstance(exc, DiskFullError):
+        return "disk_full"
+    if isinstance(exc, AuthenticationError):
+        return "unauthorized"
+    if isinstance(exc, NotFoundError):
+        return "not_found"
+    if isinstance(exc, (OSError, PeerClosedError)):
+        return "peer_unavailable"
+    if isinstance(exc, ProtocolError):
+        return "bad_request"
+    return "internal"
+
+
+def unreached(hops: list[Hop], why: str) -> list[dict[str, Any]]:
+    return [
+        protocol.chain_entry(protocol.CHAIN_FAILED, None, "peer_unavailable", why) for _ in hops
+    ]
+
+
+class Link:
+    """An open chain_put to the next node that answered, and the nodes it serves after it.
+
+    streaming: the next node said "continue" and takes the body from us; otherwise it
+    said "exists" and passes its own copy on, and we only collect its report.
+    """
+
+    def __init__(
+        self, sock: socket.socket, peer: str, node_id: str, hops: list[Hop], streaming: bool
+    ) -> None:
+        self.sock, self.peer, self.node_id = sock, peer, node_id
+        self.hops = hops  # this next node first, then the ones it forwards to
+        self.streaming = streaming
+        self.broken: str | None = None  # why the body stopped reaching it
+        self.sent = 0
+
+    def send(self, chunk: memoryview) -> None:
+        """Pass a chunk on; a failure only marks the link broken (our own copy goes on)."""
+        if not self.streaming or self.broken is not None:
+            return
+        try:
+            self.sock.sendall(chunk)
+            self.sent += len(chunk)
+        except OSError as exc:
+            self._break(f"the link to {self.peer} broke after {self.sent} bytes ({exc})")
+
+    def send_file(self, fd: int, size: int) -> None:
+        if not self.streaming:
+            return
+        try:
+            wire.send_file_range(self.sock, fd, 0, size)
+            self.sent = size
+        except (OSError, ProtocolError) as exc:
+            self._break(f"the link to {self.peer} broke while pushing our copy ({exc})")
+
+    def _break(self, why: str) -> None:
+        self.broken = why
+        log.warning("chain: %s", why)
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def finish(self, tick: Tick, timeout: float) -> tuple[list[dict[str, Any]], int | None]:
+        """(one entry per hop of this link, the index in self.hops from which nodes were cut
+        off by a broken link and may still take our copy, or None)."""
+        if self.broken is not None:
+            entry = protocol.chain_entry(
+                protocol.CHAIN_FAILED, self.node_id, "peer_unavailable", self.broken
+            )
+            return [entry, *unreached(self.hops[1:], self.broken)], 1
+        try:
+            self.sock.settimeout(timeout)
+            header, _ = wire.recv_final_response(self.sock, self.peer, tick)
+            report = protocol.validate_chain_report(header, len(self.hops) - 1)
+        except (OSError, SmoltorrentError) as exc:
+            why = f"{self.peer} sent no chain report ({exc})"
+            log.warning("chain: %s", why)
+            entry = protocol.chain_entry(protocol.CHAIN_FAILED, self.node_id, error_code(exc), why)
+            return [entry, *unreached(self.hops[1:], why)], 1
+        finally:
+            self.close()
+        own = {**report["self"], "node_id": self.node_id}  # the id its handshake proved
+        return [own, *report["forward"]], None
+
+
+def open_link(
+    hops: list[Hop],
+    digest: str,
+    size: int,
+    cluster_key: bytes | None,
+    timeout: float,
+    tick: Tick,
+) -> tuple[list[dict[str, Any]], Link | None]:
+    """Ask hops in turn to take the blob until one answers; (entries of the hops that did
+    not, the link to the one that did, which serves every hop after it, or None)."""
+    skipped: list[dict[str, Any]] = []
+    for index, (host, port) in enumerate(hops):
+        peer = protocol.peer_text(host, port)
+        rest = hops[index + 1 :]
+        sock: socket.socket | None = None
+        node_id: str | None = None
+        try:
+            sock = wire.connect(host, port, timeout)
+            # The next node checks us like any client: the same key, the same proofs.
+            node_id = wire.client_handshake(sock, cluster_key, peer)
+            request = {
+                "op": "chain_put",
+                "digest": digest,
+                "size": size,
+                "forward": [protocol.peer_text(h, p) for h, p in rest],
+            }
+            wire.send_frame_header(sock, request, size)
+            header, _ = wire.recv_final_response(sock, peer, tick)
+            status = header.get("status")
+            if status not in ("continue", "exists"):
+                raise ProtocolError(f"node {peer} answered a chain_put with {header!r}")
+            # Downstream writes must not outlast our own sender's patience (see defaults).
+            sock.settimeout(timeout * defaults.CHAIN_DOWNSTREAM_TIMEOUT_SHARE)
+            return skipped, Link(sock, peer, node_id, hops[index:], status == "continue")
+        except (OSError, SmoltorrentError) as exc:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            log.warning("chain: skipping %s for blob %s: %s", peer, digest[:12], exc)
+            skipped.append(
+                protocol.chain_entry(
+                    protocol.CHAIN_FAILED, node_id, error_code(exc), f"node {peer}: {exc}"
+                )
+            )
+    return skipped, None
+
+
+def push_copy(
+    fd: int,
+    size: int,
+    digest: str,
+    hops: list[Hop],
+    cluster_key: bytes | None,
+    timeout: float,
+    tick: Tick,
+) -> tuple[list[dict[str, Any]], int]:
+    """Pass our verified copy (fd) down the chain `hops`; (one entry per hop, bytes sent)."""
+    entries: list[dict[str, Any]] = []
+    sent = 0
+    while len(entries) < len(hops):
+        todo = hops[len(entries) :]
+        skipped, link = open_link(todo, digest, size, cluster_key, timeout, tick)
+        entries += skipped
+        if link is None:
+            break
+        link.send_file(fd, size)
+        sent += link.sent
+        reached, cut_from = link.finish(tick, timeout)
+        if cut_from is None:
+            entries += reached
+        else:
+            # Only the node that broke off is given up; the ones after it get our copy next.
+            entries += reached[:cut_from]
+    return entries, sent
