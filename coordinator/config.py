@@ -80,6 +80,12 @@ def transfer_retries() -> int:
     )
 
 
+def chain_replication() -> bool:
+    """Whether a store of R >= 2 copies sends each shard once, down a chain of its nodes
+    (SMOLTORRENT_CHAIN, default 1); 0 sends every copy from this host, one transfer each."""
+    return os.environ.get("SMOLTORRENT_CHAIN", "1").strip() not in ("0", "false", "no", "off")
+
+
 def transfer_time_base() -> int:
     """Seconds every transfer's time limit starts from (SMOLTORRENT_TRANSFER_TIME_BASE_S)."""
     return _int_from_env(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,44 @@ def error_code(exc: BaseException) -> str:
     if isinstance(exc, ProtocolError):
         return "bad_request"
     return "internal"
+
+
+class Keepalive:
+    """Progress frames to our own sender every `interval` seconds from a thread of its own,
+    for as long as the chain_put runs: however long the nodes after us take to answer, or
+    to time out, our sender hears from us, so only a node that is itself stuck is given up.
+    Every frame to the sender goes through send(), under one lock (frame tags are numbered)."""
+
+    def __init__(self, sock: socket.socket, interval: float) -> None:
+        self._sock = sock
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chain-keepalive", daemon=True)
+        self.progress = 0  # bytes received so far, reported as is
+
+    def __enter__(self) -> Keepalive:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def send(self, header: dict[str, Any]) -> None:
+        with self._lock:
+            wire.send_frame(self._sock, header)
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval):
+            try:
+                self.send({"ok": True, "progress": self.progress})
+            except OSError:
+                return  # the sender is gone; the main thread finds out on its next read
 
 
 def unreached(hops: list[Hop], why: str) -> list[dict[str, Any]]:
@@ -119,7 +158,8 @@ class Link:
             )
             return [entry, *unreached(self.hops[1:], self.broken)], 1
         try:
-            self.sock.settimeout(timeout)
+            # It sends progress at a quarter of its timeout; silence for half of ours is death.
+            self.sock.settimeout(timeout * defaults.CHAIN_DOWNSTREAM_TIMEOUT_SHARE)
             header, _ = wire.recv_final_response(self.sock, self.peer, tick)
             report = protocol.validate_chain_report(header, len(self.hops) - 1)
         except (OSError, SmoltorrentError) as exc:
@@ -150,7 +190,9 @@ def open_link(
         sock: socket.socket | None = None
         node_id: str | None = None
         try:
-            sock = wire.connect(host, port, timeout)
+            # A next node that does not answer is given up sooner than our sender would give
+            # up on us, though our keepalive frames keep it waiting anyway.
+            sock = wire.connect(host, port, timeout * defaults.CHAIN_DOWNSTREAM_TIMEOUT_SHARE)
             # The next node checks us like any client: the same key, the same proofs.
             node_id = wire.client_handshake(sock, cluster_key, peer)
             request = {
@@ -164,8 +206,6 @@ def open_link(
             status = header.get("status")
             if status not in ("continue", "exists"):
                 raise ProtocolError(f"node {peer} answered a chain_put with {header!r}")
-            # Downstream writes must not outlast our own sender's patience (see defaults).
-            sock.settimeout(timeout * defaults.CHAIN_DOWNSTREAM_TIMEOUT_SHARE)
             return skipped, Link(sock, peer, node_id, hops[index:], status == "continue")
         except (OSError, SmoltorrentError) as exc:
             if sock is not None:

@@ -267,15 +267,26 @@ class Session:
         "continue", then, after progress frames, {"status": "done", "self": our fate,
         "forward": one entry per forward node}. Our own failure is in the report, not an
         error frame, so the sender still learns what became of every other copy."""
+        interval = min(defaults.PROGRESS_INTERVAL_S, self.socket_timeout / 4)
+        with chain.Keepalive(self.sock, interval) as keepalive:
+            own, forward = self._chain_put(request, keepalive)
+        self._send_chain_report(request["digest"], own, forward)
+
+    def _chain_put(
+        self, request: dict[str, Any], keepalive: chain.Keepalive
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(our own fate, one per forward node); every frame to our sender until the report
+        goes through `keepalive`, which sends progress frames meanwhile."""
         digest, size, hops = request["digest"], request["size"], request["forward"]
-        tick = self._ticker()
+
+        def tick(done: int) -> None:
+            pass  # the keepalive thread reports progress; nothing else may write to our sender
+
         if self.store.has(digest):
             if self.store.intact(digest, size, tick):
-                wire.send_frame(self.sock, {"ok": True, "status": "exists"})
+                keepalive.send({"ok": True, "status": "exists"})
                 own = protocol.chain_entry(protocol.CHAIN_EXISTS, self.store.node_id)
-                forward = self._push_own_copy(digest, hops, tick)
-                self._send_chain_report(digest, own, forward)
-                return
+                return own, self._push_own_copy(digest, hops, tick)
             log.warning("blob %s here is damaged; quarantining it to receive it again", digest)
             with contextlib.suppress(FileNotFoundError):
                 self.store.quarantine(digest, inode=self.store.blob_path(digest).stat().st_ino)
@@ -286,7 +297,7 @@ class Session:
                 hops, digest, size, self.cluster_key, self.socket_timeout, tick
             )
             try:
-                wire.send_frame(self.sock, {"ok": True, "status": "continue"})
+                keepalive.send({"ok": True, "status": "continue"})
                 self._unread_body = size
                 received = 0
 
@@ -296,7 +307,7 @@ class Session:
                     if link is not None:
                         link.send(chunk)
                     received += len(chunk)
-                    tick(received)
+                    keepalive.progress = received
 
                 wire.recv_stream(self.sock, size, sink, digest_covered=True)
                 self._unread_body = 0
@@ -313,7 +324,7 @@ class Session:
             finally:
                 if link is not None:
                     link.close()
-        self._send_chain_report(digest, own, forward)
+        return own, forward
 
     def _commit_chain_copy(self, incoming: Any, digest: str, size: int) -> dict[str, Any]:
         node_id = self.store.node_id

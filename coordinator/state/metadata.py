@@ -101,6 +101,20 @@ end
 return 0
 """
 
+# Swaps one node of a pending version's shard plan for another, if it is still the old one.
+# KEYS: version hash, plan; ARGV: shard index, replica (1-based), old node id, new node id
+_REPLACE_TARGET = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
+local raw = redis.call('HGET', KEYS[2], ARGV[1])
+if not raw then return 0 end
+local nodes = cjson.decode(raw)
+local at = tonumber(ARGV[2])
+if nodes[at] ~= ARGV[3] then return 0 end
+nodes[at] = ARGV[4]
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(nodes))
+return 1
+"""
+
 # pending -> committed, then current if its request is the latest accepted one.
 # KEYS: version hash, current, current seq; ARGV: name, vkey, now
 # Returns {state after, 1 if current}.
@@ -249,6 +263,7 @@ class Metadata:
         )
         self._create = self.r.register_script(_CREATE)
         self._barrier = self.r.register_script(_BARRIER)
+        self._replace_target = self.r.register_script(_REPLACE_TARGET)
         self._commit = self.r.register_script(_COMMIT)
         self._abort = self.r.register_script(_ABORT)
         self._remove_begin = self.r.register_script(_REMOVE_BEGIN)
@@ -384,6 +399,18 @@ class Metadata:
     def plan(self, vkey: str) -> list[tuple[str, ...]]:
         raw = self.r.hgetall(K.PLAN.format(vkey=vkey))
         return [tuple(json.loads(raw[str(i)])) for i in range(len(raw))]
+
+    def replace_target(self, vkey: str, shard: int, replica: int, old: str, new: str) -> bool:
+        """The plan of a pending version's shard names `new` for `replica` instead of `old` (a
+        node lost mid-store, replaced): re-sends and repairs then aim at the node that holds
+        the copy. A no-op (False) once the plan names another node there or the version left
+        pending."""
+        return bool(
+            self._replace_target(
+                keys=[K.VERSION.format(vkey=vkey), K.PLAN.format(vkey=vkey)],
+                args=[str(shard), replica + 1, old, new],
+            )
+        )
 
     def state(self, vkey: str) -> str | None:
         return self.r.hget(K.VERSION.format(vkey=vkey), "state")

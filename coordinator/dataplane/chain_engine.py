@@ -1,0 +1,220 @@
+"""Store one shard on several nodes by chain replication, and settle every replica's fate.
+
+The source sends the shard once, to the head of the chain; each node keeps a copy and
+passes the bytes on while they arrive (worker_server/chain.py). The report that comes
+back says, node by node, which copies are verified. What the chain could not place is
+tried again in rounds, never by the source when a node already holds a verified copy:
+
+- a node that already holds the blob heads the chain and pushes its own copy;
+- a head the source cannot reach is dropped and the next node heads the chain;
+- a node another node could not reach gets one direct try from the source (a link
+  between two nodes may be down while both still answer us);
+- only the first digest mismatch in a chain is that node's fault: the nodes after it
+  received the same bad bytes and are tried again;
+- a target that stops answering or is full is replaced by `spare` (another live node
+  that does not hold the blob), so the shard still ends at R copies on the survivors.
+
+Whatever is still unplaced at the end is returned with its error: the caller retries
+it, and dead-letters it when the retries run out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.store_engine import _hash_blob
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.source_file import SourceIdentity
+from smoltorrent.errors import (
+    BadTargetError,
+    DigestMismatchError,
+    NodeError,
+    NodeUnavailableError,
+    ProtocolError,
+    SourceChangedError,
+)
+
+# Errors that make a target worth replacing by another node: it does not answer, or it
+# cannot hold the blob. A node that corrupts bytes or refuses for other reasons is
+# retried and dead-lettered as before, so the failure stays visible.
+REPLACEABLE_CODES = frozenset({"peer_unavailable", "disk_full"})
+NODE_FAILURES = (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError)
+
+
+@dataclass
+class Target:
+    replica: int
+    node_id: str
+    client: NodeClient
+
+
+@dataclass
+class ChainOutcome:
+    """Per replica index: how it was placed and where, or why it was not."""
+
+    placed: dict[int, tuple[str, str]] = field(default_factory=dict)  # replica -> (node, how)
+    failed: dict[int, tuple[str, Exception]] = field(default_factory=dict)  # -> (node, error)
+    replaced: dict[int, tuple[str, str]] = field(default_factory=dict)  # -> (old, new node)
+    bytes_from_source: int = 0  # what the source's own link carried
+
+
+def replaceable(exc: Exception) -> bool:
+    if isinstance(exc, NodeUnavailableError):
+        return True
+    return isinstance(exc, NodeError) and exc.code in REPLACEABLE_CODES
+
+
+def _fate_error(target: Target, fate: dict) -> Exception:
+    code, message = fate.get("error", "internal"), fate.get("message", "")
+    text = f"node {target.client.address} (chain): {message}"
+    if code == "digest_mismatch":
+        return BadTargetError(
+            "digest_mismatch",
+            f"node {target.client.address} stored other bytes than its chain passed on: {message}",
+        )
+    if code == "peer_unavailable":
+        return NodeUnavailableError(text)
+    return NodeError(code, text)
+
+
+def store_shard_chain(
+    path: str,
+    identity: SourceIdentity,
+    manifest: Manifest,
+    shard_index: int,
+    prefix: bytes,
+    targets: list[Target],
+    holders: list[NodeClient] = (),
+    spare: Callable[[set[str]], Target | None] | None = None,
+) -> ChainOutcome:
+    """Make every target hold shard `shard_index`, by chain; see the module docstring."""
+    shard = manifest.shards[shard_index]
+    digest = shard.blob_sha256
+    offset, length = manifest.data_start + shard.data_start, shard.data_end - shard.data_start
+    out = ChainOutcome()
+    todo = list(targets)  # in chain order
+    sources = list(holders)  # nodes holding a verified copy: they head the chain
+    direct = set()  # node ids to try once from the source alone
+    tried_direct: set[str] = set()
+    seen = {t.node_id for t in targets}
+
+    def give_up(target: Target, exc: Exception) -> None:
+        todo.remove(target)
+        replacement = spare(seen) if spare is not None and replaceable(exc) else None
+        if replacement is None:
+            out.failed[target.replica] = (target.node_id, exc)
+            return
+        seen.add(replacement.node_id)
+        replacement.replica = target.replica
+        out.replaced[target.replica] = (
+            out.replaced.get(target.replica, (target.node_id, ""))[0],
+            replacement.node_id,
+        )
+        todo.append(replacement)
+
+    def placed(target: Target, how: str, client: NodeClient) -> None:
+        todo.remove(target)
+        out.placed[target.replica] = (target.node_id, how)
+        sources.append(client)
+
+    def source_changed_or_bad(target: Target, exc: Exception) -> Exception:
+        """A head hashed other bytes than the plan: the source changed, or the head is bad."""
+        identity.check(path)
+        if _hash_blob(path, shard_index, prefix, offset, length) != digest:
+            raise SourceChangedError(
+                f"{path} changed while shard {shard_index} was sent (the node hashed different"
+                " bytes); the partial version was abandoned."
+            ) from exc
+        return BadTargetError(
+            "digest_mismatch",
+            f"node {target.client.address} stored other bytes than the unchanged source sent"
+            f" for shard {shard_index} ({exc}): its disk, memory or network link corrupts data."
+            " Check that node (`smoltorrent status`), or remove it from the cluster.",
+        )
+
+    # Each round places at least one target, gives one up, drops a source or uses up a
+    # direct try; bounded all the same, so a confused node cannot loop us.
+    for _ in range(4 * (len(targets) + len(sources)) + 4):
+        if not todo:
+            break
+        alone = [t for t in todo if t.node_id in direct]
+        if alone:
+            head_target, chain, head_client = alone[0], [], alone[0].client
+            direct.discard(head_target.node_id)
+        elif sources:
+            head_target, chain, head_client = None, list(todo), sources[0]
+        else:
+            head_target, chain, head_client = todo[0], todo[1:], todo[0].client
+        if head_target is not None:
+            identity.check(path)
+        try:
+            with open(path, "rb") as f:
+                report = head_client.chain_put(
+                    digest, prefix, f.fileno(), offset, length, [t.client.address for t in chain]
+                )
+        except DigestMismatchError as exc:  # not a chain report: a plain refusal
+            if head_target is None:
+                sources.remove(head_client)
+                continue
+            give_up(head_target, source_changed_or_bad(head_target, exc))
+            continue
+        except NODE_FAILURES as exc:
+            if head_target is None:
+                sources.remove(head_client)  # the holder is gone or bad: the next one heads
+            else:
+                give_up(head_target, exc)
+            continue
+        out.bytes_from_source += report.sent
+        tainted = False  # a node in this chain stored other bytes: the ones after it got them
+        if head_target is not None:
+            fate = report.head
+            if fate["node_id"] not in (None, head_target.node_id):
+                give_up(head_target, NodeError("internal", _wrong_node(head_target, fate)))
+            elif fate["status"] != "failed":
+                placed(head_target, "sent" if report.sent else "exists", head_client)
+            elif fate.get("error") == "digest_mismatch":
+                tainted = True
+                give_up(
+                    head_target, source_changed_or_bad(head_target, _fate_error(head_target, fate))
+                )
+            else:
+                give_up(head_target, _fate_error(head_target, fate))
+        elif report.head["status"] == "failed":
+            sources.remove(head_client)  # its copy went bad meanwhile
+        for target, (_, fate) in zip(chain, report.forward, strict=True):
+            if target not in todo:
+                continue
+            if fate["node_id"] not in (None, target.node_id):
+                give_up(target, NodeError("internal", _wrong_node(target, fate)))
+            elif fate["status"] != "failed":
+                placed(
+                    target, "replicated" if fate["status"] == "stored" else "exists", target.client
+                )
+            elif fate.get("error") == "digest_mismatch":
+                if not tainted:
+                    tainted = True
+                    give_up(target, _fate_error(target, fate))
+                # else: it got the bad bytes of a node before it; it stays for the next round
+            elif fate.get("error") == "peer_unavailable" and target.node_id not in tried_direct:
+                tried_direct.add(target.node_id)  # another node could not reach it: can we?
+                direct.add(target.node_id)
+            else:
+                give_up(target, _fate_error(target, fate))
+    for target in todo:
+        out.failed[target.replica] = (
+            target.node_id,
+            NodeError(
+                "internal", f"shard {shard_index} did not reach node {target.client.address}"
+            ),
+        )
+    return out
+
+
+def _wrong_node(target: Target, fate: dict) -> str:
+    return (
+        f"node {target.client.address} answered as node {fate['node_id']}, not"
+        f" {target.node_id}: its address now belongs to another node; update it with"
+        " `smoltorrent nodes add`"
+    )

@@ -1,0 +1,167 @@
+"""One shard to all its nodes by chain replication: the default for R >= 2.
+
+The source sends the shard once, to the head of the chain, and the nodes pass it on
+to each other (coordinator/dataplane/chain_engine.py). Every replica settles in the
+commit barrier on its own, as a per-replica transfer does: a placed one at once, with
+the node that really holds it (a lost node's replica moves to another live node); the
+rest retry with the same exact 2^n backoff, and dead-letter when the retries run out.
+A retry only moves what is still unsettled.
+"""
+
+from __future__ import annotations
+
+import json
+
+from celery.utils.log import get_task_logger
+
+from coordinator import config
+from coordinator.dataplane.chain_engine import Target, store_shard_chain
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.plan.manifest import blob_prefixes
+from coordinator.plan.source_file import SourceIdentity
+from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    NodeError,
+    NodeUnavailableError,
+    NotFoundError,
+    ProtocolError,
+    SmoltorrentError,
+    SourceChangedError,
+)
+from tasks.app import app
+from tasks.context import REDIS_TRANSIENT, client, metadata, node_client
+from tasks.enqueue import settle
+from tasks.transfer import abandon
+
+log = get_task_logger(__name__)
+
+RETRYABLE = (NodeUnavailableError, NodeError, ProtocolError)
+
+
+@app.task(
+    name="smoltorrent.chain",
+    bind=True,
+    autoretry_for=RETRYABLE + REDIS_TRANSIENT,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
+    retry_jitter=False,
+    max_retries=config.transfer_retries(),
+    default_retry_delay=defaults.RETRY_BACKOFF_BASE_S,  # after worker loss; see transfer
+)
+def chain_transfer(
+    self,
+    vkey: str,
+    name: str,
+    shard: int,
+    replicas: list[int],
+    node_ids: list[str],
+    digest: str,
+) -> str:
+    """Make the nodes of `node_ids` (replicas `replicas` of shard `shard`, in chain order)
+    hold the shard; settle each replica in the barrier as it is placed."""
+    md = metadata()
+    try:
+        v = md.version(vkey)
+    except NotFoundError:
+        return "version removed"
+    if v["state"] in (ABORTED, REMOVING, REMOVED):
+        return f"version {v['state']}"
+    if md.blob_deleting(digest):
+        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
+    manifest = md.manifest(vkey)
+    plan = md.plan(vkey)[shard]
+    settled = md.settled(vkey)
+    registered = md.nodes()
+    # The plan names the node a replica moved to if an earlier try replaced a lost one.
+    todo = [
+        (r, plan[r] if r < len(plan) else n)
+        for r, n in zip(replicas, node_ids, strict=True)
+        if f"{shard}:{r}" not in settled
+    ]
+    if not todo:
+        return "settled"
+    holding = md.placement(digest)
+    keep_off = set(plan) | holding | {n for _, n in todo}
+    blob_size = manifest.shards[shard].blob_size
+
+    def spare(seen: set[str]) -> Target | None:
+        return pick_spare(registered, keep_off | seen, blob_size)
+
+    targets, lost = [], []
+    # A node that already holds the blob heads the chain and pushes its own copy.
+    for r, n in sorted(todo, key=lambda item: item[1] not in holding):
+        if n in registered:
+            targets.append(Target(r, n, node_client(n, registered)))
+        else:
+            lost.append((r, n))
+    for r, n in lost:  # its node was removed from the cluster: another takes the replica
+        replacement = spare({t.node_id for t in targets})
+        if replacement is None:
+            raise NodeUnavailableError(
+                f"node {n} is not registered and no other node can hold"
+                f" shard {shard}; see `smoltorrent nodes ls`."
+            )
+        replacement.replica = r
+        keep_off.add(replacement.node_id)
+        md.replace_target(vkey, shard, r, n, replacement.node_id)
+        targets.append(replacement)
+    holders = [
+        node_client(h, registered)
+        for h in sorted(holding)
+        if h in registered and h not in {t.node_id for t in targets}
+    ]
+    base = {"shard": shard, "attempt": self.request.retries, "chain": True}
+    try:
+        outcome = store_shard_chain(
+            v["path"],
+            SourceIdentity.from_dict(json.loads(v["identity"])),
+            manifest,
+            shard,
+            blob_prefixes(manifest)[shard],
+            targets,
+            holders,
+            spare,
+        )
+    except SourceChangedError as exc:
+        md.record_attempt(vkey, {**base, "error": str(exc)})
+        abandon(vkey, v, str(exc))
+        return "source changed"
+    for r, (old, new) in outcome.replaced.items():
+        if r in outcome.placed and md.replace_target(vkey, shard, r, old, new):
+            log.warning(
+                "%s shard %d: replica %d moved from node %s to %s", name, shard, r, old, new
+            )
+    for r, (node, how) in sorted(outcome.placed.items()):
+        md.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
+        settle(vkey, shard, r, node, digest)
+    for r, (node, exc) in sorted(outcome.failed.items()):
+        md.record_attempt(vkey, {**base, "replica": r, "node": node, "error": str(exc)})
+    if outcome.failed:
+        errors = [exc for _, exc in outcome.failed.values()]
+        first = next((e for e in errors if isinstance(e, RETRYABLE)), None)
+        raise first or NodeError("internal", "; ".join(str(e) for e in errors))
+    hows = sorted({how for _, how in outcome.placed.values()})
+    return "+".join(hows)
+
+
+def pick_spare(registered, keep_off: set[str], size: int) -> Target | None:
+    """Another node for a lost replica: registered, not kept off (the shard's other nodes,
+    its holders, those tried), answering a stat now and with room; the one with most room."""
+    best: tuple[int, str] | None = None
+    for node_id in sorted(set(registered) - keep_off):
+        probe = client(registered[node_id].address, timeout=defaults.CONNECT_TIMEOUT_S)
+        try:
+            stat = probe.stat()
+        except (SmoltorrentError, OSError):
+            continue
+        roomy = stat.node_id == node_id and stat.free_bytes >= size
+        if roomy and (best is None or stat.free_bytes > best[0]):
+            best = (stat.free_bytes, node_id)
+    if best is None:
+        return None
+    return Target(-1, best[1], _client(registered, best[1]))
+
+
+def _client(registered, node_id: str) -> NodeClient:
+    return node_client(node_id, registered)

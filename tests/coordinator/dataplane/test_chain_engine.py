@@ -1,0 +1,114 @@
+"""store_shard_chain against real node processes: what the chain misses is placed in
+rounds, by the nodes that hold a copy, and a lost target is replaced by a spare."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+from pathlib import Path
+
+import pytest
+
+from coordinator.dataplane.chain_engine import Target, store_shard_chain
+from coordinator.dataplane.store_engine import PreparedStore, prepare_store
+from smoltorrent.errors import NodeUnavailableError
+from tests.checkpoints import write_llm_like
+from tests.nodeproc import start_node
+
+KEY = b"chain-engine-key"
+STALL_TIMEOUT_S = 2.0  # seconds; node and client socket timeouts in these tests
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    started = [
+        start_node(tmp_path / f"node{i}", KEY, socket_timeout=STALL_TIMEOUT_S) for i in range(4)
+    ]
+    yield started
+    for node in started:
+        node.kill()
+
+
+def prepared(path: Path, nodes) -> PreparedStore:
+    write_llm_like(path)
+    free = {n.client().ping(): 10**12 for n in nodes}
+    return prepare_store(path, path.name, free, replicas=3, shards=1)
+
+
+def target(node, replica: int) -> Target:
+    return Target(replica, node.client().ping(), node.client(timeout=STALL_TIMEOUT_S))
+
+
+def run(p: PreparedStore, targets, holders=(), spare=None):
+    return store_shard_chain(
+        p.path, p.identity, p.manifest, 0, p.prefixes[0], targets, list(holders), spare
+    )
+
+
+def held(node, digest: str) -> bool:
+    path = node.data_dir / "blobs" / digest[:2] / digest
+    return path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_a_healthy_chain_sends_the_shard_once(nodes, tmp_path):
+    p = prepared(tmp_path / "a.safetensors", nodes)
+    digest = p.manifest.shards[0].blob_sha256
+    out = run(p, [target(n, r) for r, n in enumerate(nodes[:3])])
+    assert out.failed == {} and out.replaced == {}
+    assert [how for _, how in (out.placed[r] for r in range(3))] == ["sent", "replicated"] * 1 + [
+        "replicated"
+    ]
+    assert out.bytes_from_source == p.manifest.shards[0].blob_size
+    assert all(held(n, digest) for n in nodes[:3]) and not held(nodes[3], digest)
+
+
+def test_a_dead_head_hands_the_chain_to_the_next_node_and_a_spare_takes_its_replica(
+    nodes, tmp_path
+):
+    p = prepared(tmp_path / "b.safetensors", nodes)
+    digest = p.manifest.shards[0].blob_sha256
+    targets = [target(n, r) for r, n in enumerate(nodes[:3])]
+    nodes[0].kill()
+    spare_node = nodes[3]
+    offered: list[set[str]] = []
+
+    def spare(seen: set[str]) -> Target | None:
+        offered.append(set(seen))
+        return target(spare_node, -1)
+
+    out = run(p, targets, spare=spare)
+    assert out.failed == {}
+    assert out.replaced == {0: (targets[0].node_id, targets[2].node_id and out.placed[0][0])}
+    assert out.placed[0][0] == spare_node.client().ping()
+    assert offered and targets[0].node_id in offered[0]
+    # The source sent the shard once (to the new head); the spare got a node's copy.
+    assert out.bytes_from_source == p.manifest.shards[0].blob_size
+    assert all(held(n, digest) for n in nodes[1:])
+
+
+def test_a_frozen_middle_node_is_given_up_and_the_tail_still_gets_its_copy(nodes, tmp_path):
+    """SIGSTOP: the middle node's kernel accepts connections but nothing answers. The
+    head gives up on it within its share of the timeout; the tail is served past it."""
+    p = prepared(tmp_path / "c.safetensors", nodes)
+    digest = p.manifest.shards[0].blob_sha256
+    targets = [target(n, r) for r, n in enumerate(nodes[:3])]
+    nodes[1].send_signal(signal.SIGSTOP)
+    try:
+        out = run(p, targets)
+    finally:
+        nodes[1].send_signal(signal.SIGCONT)
+    assert set(out.placed) == {0, 2}
+    node, error = out.failed[1]
+    assert node == targets[1].node_id and isinstance(error, NodeUnavailableError)
+    assert held(nodes[0], digest) and held(nodes[2], digest) and not held(nodes[1], digest)
+
+
+def test_holders_head_the_chain_and_the_source_sends_nothing(nodes, tmp_path):
+    p = prepared(tmp_path / "d.safetensors", nodes)
+    digest = p.manifest.shards[0].blob_sha256
+    first = run(p, [target(nodes[0], 0)])
+    assert first.bytes_from_source > 0
+    out = run(p, [target(n, r) for r, n in enumerate(nodes[1:3], start=1)], [nodes[0].client()])
+    assert out.bytes_from_source == 0 and out.failed == {}
+    assert {how for _, how in out.placed.values()} == {"replicated"}
+    assert held(nodes[1], digest) and held(nodes[2], digest)
