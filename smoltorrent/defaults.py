@@ -111,6 +111,12 @@ LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to co
 # seconds; a small shard on loopback (~10 ms) to a checkpoint of tens of GB over 100 Mbit/s (hours)
 WORKER_SECONDS_BUCKETS = (0.01, 0.05, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
 FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
+# characters of a task's readable args or kwargs (tasks/readable.py): a name, a shard, a
+# node and a size fit; a path longer than this is cut rather than widen Flower's table
+TASK_REPR_MAX_CHARS = 200
+# The columns of Flower's task list: its default hides args and kwargs, which name the
+# checkpoint, shard, node and bytes of each of our tasks (tasks/readable.py)
+FLOWER_TASKS_COLUMNS = "name,args,kwargs,state,received,runtime,worker,uuid"
 DEMO_CHECKPOINT_MB = 64  # MB; big enough to show parallel shards, small enough for a laptop
 # A task publishing while Redis restarts (AOF load included) retries for about a minute:
 # 0, 0.5, 1, 1.5, 2, 2, ... s between attempts, 30 attempts.

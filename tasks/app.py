@@ -24,6 +24,8 @@ app = Celery(
     "smoltorrent",
     broker=REDIS_URL,
     backend=REDIS_URL,
+    # Every message carries a readable argsrepr/kwargsrepr (what Flower shows).
+    amqp="tasks.readable:ReadableAMQP",
     include=[
         "tasks.store",
         "tasks.transfer",

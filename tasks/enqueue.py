@@ -14,6 +14,7 @@ from coordinator.plan.manifest import Manifest
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.context import metadata
+from tasks.readable import transfer_repr
 
 
 def transfer_time_limit(blob_size: int) -> int:
@@ -37,6 +38,10 @@ def send_transfers(
         for replica, node_id in enumerate(nodes):
             if f"{index}:{replica}" in skip:
                 continue
+            # Flower's line for it, with the bytes the task's own arguments do not carry.
+            argsrepr, kwargsrepr = transfer_repr(
+                manifest.name, index, replica, node_id, shard.blob_size
+            )
             app.send_task(
                 "smoltorrent.transfer",
                 kwargs={
@@ -52,19 +57,31 @@ def send_transfers(
                 time_limit=limit,
                 # The soft limit lets the task close its sockets; the hard one kills it.
                 soft_time_limit=max(1, limit - config.transfer_time_base() // 2),
+                argsrepr=argsrepr,
+                kwargsrepr=kwargsrepr,
             )
             sent += 1
     if not manifest.shards:
         # No tensors, no transfers: the barrier is complete as it stands.
-        send_commit(vkey)
+        send_commit(vkey, manifest.name)
         metadata().mark_commit_enqueued(vkey)
     return sent
 
 
-def send_commit(vkey: str) -> None:
+def send_commit(vkey: str, name: str | None = None) -> None:
     app.send_task(
-        "smoltorrent.commit", args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"commit-{vkey}"
+        "smoltorrent.commit",
+        args=(vkey,),
+        queue=config.CONTROL_QUEUE,
+        task_id=f"commit-{vkey}",
+        **_named(name, vkey),
     )
+
+
+def _named(name: str | None, vkey: str) -> dict[str, str]:
+    """Flower's line for a task whose arguments hold only a version key, when the sender
+    knows the checkpoint's name (tasks/readable.py covers the rest)."""
+    return {} if name is None else {"argsrepr": name, "kwargsrepr": f"version {vkey[:12]}"}
 
 
 def send_store(
@@ -94,7 +111,7 @@ def send_store(
     return request_id
 
 
-def send_gather(vkey: str, out: str, host: str, request_id: str) -> None:
+def send_gather(vkey: str, out: str, host: str, request_id: str, name: str | None = None) -> None:
     """A gather on the host that will hold the output, for a recorded request."""
     app.send_task(
         "smoltorrent.gather",
@@ -102,6 +119,7 @@ def send_gather(vkey: str, out: str, host: str, request_id: str) -> None:
         kwargs={"request_id": request_id},
         task_id=request_id,
         queue=config.host_queue(host),
+        **({} if name is None else {"argsrepr": name, "kwargsrepr": f"into {out}"}),
     )
 
 
@@ -125,17 +143,28 @@ def redrive_request(request_id: str, record: dict[str, str]) -> None:
         send_gather(args["vkey"], args["out"], record["host"], request_id)
 
 
-def settle(vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> None:
+def settle(
+    vkey: str,
+    shard: int,
+    replica: int,
+    node_id: str | None,
+    digest: str,
+    name: str | None = None,
+) -> None:
     """Record a finished transfer; the one that completes the set enqueues the commit and
     only then marks it enqueued (a crash in between is found by the reconcile sweep)."""
     md = metadata()
     if md.settle(vkey, shard, replica, node_id, digest):
-        send_commit(vkey)
+        send_commit(vkey, name)
         md.mark_commit_enqueued(vkey)
 
 
-def send_remove(vkey: str) -> None:
+def send_remove(vkey: str, name: str | None = None) -> None:
     """Remove a version (again: a remove is resumable and idempotent)."""
     app.send_task(
-        "smoltorrent.remove", args=(vkey,), queue=config.CONTROL_QUEUE, task_id=f"remove-{vkey}"
+        "smoltorrent.remove",
+        args=(vkey,),
+        queue=config.CONTROL_QUEUE,
+        task_id=f"remove-{vkey}",
+        **_named(name, vkey),
     )

@@ -167,7 +167,7 @@ def submit_gather(name: str, out: str, version: str | None = None) -> GatherRequ
     require_worker(host)
     request_id = new_request_id()
     md.open_request(request_id, "gather", host, {"vkey": vkey, "out": out})
-    send_gather(vkey, out, host, request_id)
+    send_gather(vkey, out, host, request_id, name)
     size = int(md.version(vkey)["size"])
     return GatherRequest(task_id=request_id, name=name, vkey=vkey, out=out, size=size)
 

@@ -82,7 +82,7 @@ def transfer(
         md.record_attempt(vkey, {**attempt, "error": str(exc)})
         raise
     md.record_attempt(vkey, {**attempt, "result": how})
-    settle(vkey, shard, replica, node_id, digest)
+    settle(vkey, shard, replica, node_id, digest, name)
     return how
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -171,19 +170,24 @@ def cmd_flower(args: argparse.Namespace) -> int:
     from tasks.app import REDIS_URL
 
     env = dict(os.environ, SMOLTORRENT_REDIS_URL=REDIS_URL)
-    return subprocess.call(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "tasks.app",
-            "flower",
-            f"--port={args.port}",
-            f"--address={args.address}",
-        ],  # fmt: skip
-        env=env,
-    )
+    extra = args.flower_options[1:] if args.flower_options[:1] == ["--"] else args.flower_options
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "tasks.app",
+        "flower",
+        f"--port={args.port}",
+        f"--address={args.address}",
+        f"--tasks-columns={defaults.FLOWER_TASKS_COLUMNS}",
+        *extra,  # after ours: Flower takes the last value given
+    ]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Become Flower rather than wait on it: a SIGTERM or SIGKILL sent to this command
+    # then reaches Flower itself, and nothing is left behind listening on the port.
+    os.execve(sys.executable, command, env)
 
 
 # --- store, gather -----------------------------------------------------------------
@@ -350,7 +354,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
     _require_worker()
     from tasks.remove import remove
 
-    results = [remove.apply_async(args=(v,), queue=config.CONTROL_QUEUE).get() for v in vkeys]
+    results = [
+        remove.apply_async(args=(v,), queue=config.CONTROL_QUEUE, argsrepr=args.name).get()
+        for v in vkeys
+    ]
     if args.json:
         emit_json(results)
     else:

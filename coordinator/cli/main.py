@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to listen on (default 127.0.0.1: Flower has no login and can revoke"
         " tasks; put it behind a proxy with authentication before widening this)",
     )
+    f.add_argument(
+        "flower_options",
+        nargs=argparse.REMAINDER,
+        metavar="-- FLOWER_OPTION",
+        help="passed to Flower as they are, after `--` (e.g. -- --basic-auth=user:pass);"
+        " Flower also reads FLOWER_* variables (FLOWER_BASIC_AUTH=user:pass)",
+    )
 
     demo = sub.add_parser("demo", help="a complete local cluster, end to end, then cleaned up")
     demo.add_argument("--checkpoint", help="a .safetensors file to use (default: a built one)")
