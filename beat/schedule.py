@@ -13,4 +13,9 @@ SCHEDULE = {
         "schedule": config.reconcile_interval(),
         "options": {"queue": config.CONTROL_QUEUE},
     },
+    "retention": {
+        "task": "smoltorrent.sweep.retention",
+        "schedule": config.retention_interval(),
+        "options": {"queue": config.CONTROL_QUEUE},
+    },
 }

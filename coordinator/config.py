@@ -98,6 +98,7 @@ def check_environment() -> None:
     redis_url_from_env()
     transfer_retries()
     transfer_time_base()
+    keep_last()
 
 
 def host_queue(host: str) -> str:
@@ -119,3 +120,19 @@ def reconcile_interval() -> float:
 def reconcile_grace() -> float:
     """Seconds a step may take before the sweep re-sends it (SMOLTORRENT_RECONCILE_GRACE_S)."""
     return float(os.environ.get("SMOLTORRENT_RECONCILE_GRACE_S", defaults.RECONCILE_GRACE_S))
+
+
+def keep_last() -> int:
+    """Committed versions kept per name (SMOLTORRENT_KEEP_LAST, at least 1)."""
+    keep = _int_from_env("SMOLTORRENT_KEEP_LAST", defaults.KEEP_LAST, "a number of versions")
+    if keep < 1:
+        raise ConfigError(
+            "SMOLTORRENT_KEEP_LAST=0 would leave a name with no version to gather: set 1 or"
+            f" more, or unset it for the default ({defaults.KEEP_LAST})"
+        )
+    return keep
+
+
+def retention_interval() -> float:
+    """Seconds between retention sweeps (SMOLTORRENT_RETENTION_INTERVAL_S)."""
+    return float(os.environ.get("SMOLTORRENT_RETENTION_INTERVAL_S", defaults.RETENTION_INTERVAL_S))

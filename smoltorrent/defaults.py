@@ -137,6 +137,19 @@ EMBEDDED_REDIS_ATTEMPT_S = 2.0  # seconds one redis-server start may take before
 EMBEDDED_PORT_LOW = 20000  # lowest port picked for our own Redis: above common services
 EPHEMERAL_PORT_LOW = 32768  # Linux's default start of outgoing ports, if /proc does not say
 
+# --- retention (beat/retention.py) -----------------------------------------------
+
+# committed versions kept per name (SMOLTORRENT_KEEP_LAST): the current one and two to roll
+# back to; a name re-saved every few minutes would otherwise fill the nodes' SD cards
+KEEP_LAST = 3
+# seconds between retention sweeps (SMOLTORRENT_RETENTION_INTERVAL_S): old versions only
+# cost disk, so a few minutes late is fine, and a pass reads every name's versions
+RETENTION_INTERVAL_S = 300.0
+# seconds a gather's reader mark lasts unless refreshed: retention never removes a version
+# with a live mark; a gather killed mid-way blocks the removal at most this long
+GATHER_LEASE_TTL_S = 60
+GATHER_LEASE_REFRESH_S = 15.0  # seconds between refreshes: four chances before it lapses
+
 # --- watcher (coordinator/watcher.py) -----------------------------------------
 
 # The original looked every 10 s; a stat is cheap, an unstored checkpoint is not.

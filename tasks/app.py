@@ -35,6 +35,7 @@ app = Celery(
         "tasks.dead_letters",
         "tasks.heartbeat",
         "beat.reconcile",
+        "beat.retention",
     ],
 )
 

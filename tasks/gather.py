@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
 
 from coordinator import config
 from coordinator.dataplane.gather_engine import BadCopy, check_destination, gather_checkpoint
-from coordinator.state.metadata import COMMITTED, DONE, Metadata, NodeRecord
+from coordinator.state.metadata import DONE, Metadata, NodeRecord
+from coordinator.state.reader_mark import reading
 from smoltorrent import defaults
-from smoltorrent.errors import GatherError
 from tasks.app import app
 from tasks.context import BOOT_ID, client, metadata
 
@@ -24,11 +25,31 @@ def gather(self, vkey: str, out_path: str, request_id: str | None = None) -> dic
     if request_id is not None and md.start_request(request_id, BOOT_ID) == DONE:
         return json.loads(md.request(request_id)["result"])  # re-driven after it finished
     v = md.version(vkey)
-    if v["state"] != COMMITTED:
-        raise GatherError(
-            f"{v['name']} version {v['version_id'][:12]} is {v['state']}, not committed; only "
-            "committed versions are gathered. See `smoltorrent ls`."
-        )
+    what = f"{v['name']} version {v.get('version_id', vkey)[:12]}"
+    # The reader mark keeps retention off this version until the file is complete.
+    reader = f"{config.host_id()}:{os.getpid()}:{self.request.id}"
+    with reading(md, vkey, reader, what):
+        report, seconds, manifest = _gather(self, md, vkey, out_path)
+    result = {
+        "path": report.path,
+        "name": manifest.name,
+        "version_id": manifest.version_id,
+        "size": report.size,
+        "seconds": seconds,
+        "served_by": {str(k): v for k, v in report.served_by.items()},
+        "fallbacks": report.fallbacks,
+        "bad_copies": [
+            {"shard": b.shard, "node": b.address, "reason": b.reason} for b in report.bad_copies
+        ],
+        "host": config.host_id(),
+    }
+    if request_id is not None:
+        md.finish_request(request_id, DONE, result=json.dumps(result))
+    return result
+
+
+def _gather(self, md: Metadata, vkey: str, out_path: str):
+    """Pull every shard of `vkey` into out_path: (report, seconds, manifest)."""
     manifest = md.manifest(vkey)
     nodes = md.nodes()
     alive = md.alive(nodes)
@@ -63,22 +84,7 @@ def gather(self, vkey: str, out_path: str, request_id: str | None = None) -> dic
     report = gather_checkpoint(
         manifest, sources, out_path, progress=progress, on_bad_copy=bad_copy_recorder(md, nodes)
     )
-    result = {
-        "path": report.path,
-        "name": manifest.name,
-        "version_id": manifest.version_id,
-        "size": report.size,
-        "seconds": round(time.monotonic() - started, 3),
-        "served_by": {str(k): v for k, v in report.served_by.items()},
-        "fallbacks": report.fallbacks,
-        "bad_copies": [
-            {"shard": b.shard, "node": b.address, "reason": b.reason} for b in report.bad_copies
-        ],
-        "host": config.host_id(),
-    }
-    if request_id is not None:
-        md.finish_request(request_id, DONE, result=json.dumps(result))
-    return result
+    return report, round(time.monotonic() - started, 3), manifest
 
 
 def bad_copy_recorder(md: Metadata, nodes: dict[str, NodeRecord]) -> Callable[[BadCopy], None]:

@@ -1,11 +1,13 @@
 """A real TCP proxy process for fault tests: it can flip a byte or throttle a link.
 
 python -m tests.tcpproxy --target HOST:PORT --port-file FILE [--flip-at N] [--rate BPS]
+                        [--reply-rate BPS]
 
 Every connection is forwarded to the target. With --flip-at, the byte at offset
 N of what the client sends on that connection is inverted (a node with bad RAM
 or a bad link, for every put larger than N). With --rate, what the client sends
-is forwarded at about BPS bytes per second (a slow network). The bound port is
+is forwarded at about BPS bytes per second (a slow network); with --reply-rate, what
+the target answers is (a slow download: a gather). The bound port is
 written to FILE once listening. start_proxy() runs it as a child process.
 """
 
@@ -45,7 +47,13 @@ def _pipe(src: socket.socket, dst: socket.socket, flip_at: int | None, rate: flo
             dst.shutdown(socket.SHUT_WR)
 
 
-def serve(target: tuple[str, int], port_file: Path, flip_at: int | None, rate: float | None):
+def serve(
+    target: tuple[str, int],
+    port_file: Path,
+    flip_at: int | None,
+    rate: float | None,
+    reply_rate: float | None = None,
+):
     listener = socket.create_server(("127.0.0.1", 0))
     partial = port_file.with_suffix(".partial")
     partial.write_text(str(listener.getsockname()[1]))
@@ -57,7 +65,7 @@ def serve(target: tuple[str, int], port_file: Path, flip_at: int | None, rate: f
         except OSError:
             client.close()
             continue
-        for args in ((client, upstream, flip_at, rate), (upstream, client, None, None)):
+        for args in ((client, upstream, flip_at, rate), (upstream, client, None, reply_rate)):
             threading.Thread(target=_pipe, args=args, daemon=True).start()
 
 
@@ -75,7 +83,12 @@ class Proxy:
 
 
 def start_proxy(
-    target: str, workdir: Path, *, flip_at: int | None = None, rate: float | None = None
+    target: str,
+    workdir: Path,
+    *,
+    flip_at: int | None = None,
+    rate: float | None = None,
+    reply_rate: float | None = None,
 ) -> Proxy:
     workdir.mkdir(parents=True, exist_ok=True)
     port_file = workdir / f"proxy-{time.monotonic_ns()}.port"
@@ -85,6 +98,8 @@ def start_proxy(
         command += ["--flip-at", str(flip_at)]
     if rate is not None:
         command += ["--rate", str(rate)]
+    if reply_rate is not None:
+        command += ["--reply-rate", str(reply_rate)]
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root)}
     process = subprocess.Popen(command, env=env, cwd=root)
@@ -103,9 +118,10 @@ def main() -> None:
     parser.add_argument("--port-file", required=True, type=Path)
     parser.add_argument("--flip-at", type=int)
     parser.add_argument("--rate", type=float)
+    parser.add_argument("--reply-rate", type=float)
     args = parser.parse_args()
     host, port = args.target.rsplit(":", 1)
-    serve((host, int(port)), args.port_file, args.flip_at, args.rate)
+    serve((host, int(port)), args.port_file, args.flip_at, args.rate, args.reply_rate)
 
 
 if __name__ == "__main__":

@@ -145,37 +145,101 @@ return 1
 # of its blobs; a blob no version uses any more gets a tombstone (a store that needs it
 # meanwhile waits, then sends it again) and goes on the list the remove deletes. If it
 # was the name's current version, the latest other committed version becomes current.
-# Returns the state found.
+# Shared by the remove and retire scripts below; blob keys in pairs from KEYS[b], their
+# digests from ARGV[a].
 # KEYS: version hash, versions zset, current, current seq, version-key prefix,
-#       blobs-to-delete set, then per blob its reference set and its tombstone
-# ARGV: name, vkey, now, tombstone ttl seconds, then the digest of every blob
-_REMOVE_BEGIN = """
+#       blobs-to-delete set, ..., then per blob its reference set and its tombstone
+# ARGV: name, vkey, now, tombstone ttl seconds, ..., then the digest of every blob
+_BEGIN_REMOVE_FN = """
+local function begin_remove(b, a)
+  redis.call('HSET', KEYS[1], 'state', 'removing', 'removing_at', ARGV[3])
+  for i = b, #KEYS, 2 do
+    redis.call('SREM', KEYS[i], ARGV[2])
+    if redis.call('SCARD', KEYS[i]) == 0 then
+      redis.call('SET', KEYS[i + 1], ARGV[2], 'EX', tonumber(ARGV[4]))
+      redis.call('SADD', KEYS[6], ARGV[a + (i - b) / 2])
+    end
+  end
+  if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then
+    redis.call('HDEL', KEYS[3], ARGV[1])
+    redis.call('HDEL', KEYS[4], ARGV[1])
+    local vkeys = redis.call('ZREVRANGE', KEYS[2], 0, -1)
+    for _, v in ipairs(vkeys) do
+      if v ~= ARGV[2] and redis.call('HGET', KEYS[5] .. v, 'state') == 'committed' then
+        redis.call('HSET', KEYS[3], ARGV[1], v)
+        redis.call('HSET', KEYS[4], ARGV[1], redis.call('HGET', KEYS[5] .. v, 'seq') or '0')
+        break
+      end
+    end
+  end
+end
+"""
+
+# The time on the Redis server in ms: reader marks are set and checked on one clock,
+# whatever the clocks of the hosts that gather.
+_NOW_MS = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# A remove asked for (rm): any version not already removing or removed. Returns the
+# state found. KEYS and ARGV as begin_remove, blobs from KEYS[7] and ARGV[5].
+_REMOVE_BEGIN = (
+    _BEGIN_REMOVE_FN
+    + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'pending' and state ~= 'committed' and state ~= 'aborted' then
   return state or 'missing'
 end
-redis.call('HSET', KEYS[1], 'state', 'removing', 'removing_at', ARGV[3])
-for i = 7, #KEYS, 2 do
-  redis.call('SREM', KEYS[i], ARGV[2])
-  if redis.call('SCARD', KEYS[i]) == 0 then
-    redis.call('SET', KEYS[i + 1], ARGV[2], 'EX', tonumber(ARGV[4]))
-    redis.call('SADD', KEYS[6], ARGV[5 + (i - 7) / 2])
-  end
-end
-if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('HDEL', KEYS[4], ARGV[1])
-  local vkeys = redis.call('ZREVRANGE', KEYS[2], 0, -1)
-  for _, v in ipairs(vkeys) do
-    if v ~= ARGV[2] and redis.call('HGET', KEYS[5] .. v, 'state') == 'committed' then
-      redis.call('HSET', KEYS[3], ARGV[1], v)
-      redis.call('HSET', KEYS[4], ARGV[1], redis.call('HGET', KEYS[5] .. v, 'seq') or '0')
-      break
-    end
-  end
-end
+begin_remove(7, 5)
 return state
 """
+)
+
+# Retention: committed -> removing only if the version is not current, no gather holds an
+# unexpired reader mark on it, and at least `keep` newer committed versions of its name
+# exist; aborted -> removing once a newer committed version exists. Checked and done in
+# one step, so a gather taking its mark or a store making the version current again
+# either happens before (and the version stays) or finds it removing.
+# KEYS: as begin_remove, then KEYS[7] its readers, blobs from KEYS[8]
+# ARGV: as begin_remove, then ARGV[5] keep, digests from ARGV[6]
+# Returns "retired", or why not: "current", "reading", "kept" or the state found.
+_RETIRE = (
+    _BEGIN_REMOVE_FN
+    + _NOW_MS
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'committed' and state ~= 'aborted' then return state or 'missing' end
+if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then return 'current' end
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now_ms())
+if redis.call('ZCARD', KEYS[7]) > 0 then return 'reading' end
+local newer = 0
+for _, v in ipairs(redis.call('ZREVRANGE', KEYS[2], 0, -1)) do
+  if v == ARGV[2] then break end
+  if redis.call('HGET', KEYS[5] .. v, 'state') == 'committed' then newer = newer + 1 end
+end
+if state == 'committed' and newer < tonumber(ARGV[5]) then return 'kept' end
+if state == 'aborted' and newer == 0 then return 'kept' end
+begin_remove(8, 6)
+return 'retired'
+"""
+)
+
+# A gather's reader mark on a committed version, set or refreshed until now + ttl; the
+# state found (no mark unless "committed"). KEYS: version hash, readers
+# ARGV: reader id, ttl ms
+_READ = (
+    _NOW_MS
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'committed' then return state or 'missing' end
+redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]))
+return state
+"""
+)
 
 # removing -> removed: the last step of a remove, once the nodes are clean. The version's
 # keys go; a small tombstone stays so late transfers and commits see "removed".
@@ -267,6 +331,8 @@ class Metadata:
         self._commit = self.r.register_script(_COMMIT)
         self._abort = self.r.register_script(_ABORT)
         self._remove_begin = self.r.register_script(_REMOVE_BEGIN)
+        self._retire = self.r.register_script(_RETIRE)
+        self._read = self.r.register_script(_READ)
         self._remove_finish = self.r.register_script(_REMOVE_FINISH)
         self._blob_deleted = self.r.register_script(_BLOB_DELETED)
         self._reopen = self.r.register_script(_REOPEN)
@@ -630,6 +696,31 @@ class Metadata:
         """pending | committed | aborted -> removing (another version becomes current if
         this one was); the state found, None if the version is unknown. A version already
         removing is resumed by the caller; one removed is done."""
+        found = self._remove_keys(vkey)
+        if found is None:
+            return None
+        name, keys, blob_keys, digests = found
+        return self._remove_begin(
+            keys=[*keys, *blob_keys],
+            args=[name, vkey, time.time(), defaults.BLOB_TOMBSTONE_TTL_S, *digests],
+        )
+
+    def retire(self, vkey: str, keep: int) -> str:
+        """Retention's remove: committed | aborted -> removing unless the version is
+        current, read by a gather, or among the `keep` newest committed versions of its
+        name (an aborted one: unless no committed version is newer). "retired" (the caller
+        sends the remove), else why not: "current", "reading", "kept" or the state found."""
+        found = self._remove_keys(vkey)
+        if found is None:
+            return "missing"
+        name, keys, blob_keys, digests = found
+        return self._retire(
+            keys=[*keys, K.READERS.format(vkey=vkey), *blob_keys],
+            args=[name, vkey, time.time(), defaults.BLOB_TOMBSTONE_TTL_S, keep, *digests],
+        )
+
+    def _remove_keys(self, vkey: str) -> tuple[str, list[str], list[str], list[str]] | None:
+        """(name, the six leading keys, blob key pairs, digests) of a remove script."""
         name = self.r.hget(K.VERSION.format(vkey=vkey), "name")
         if name is None:
             return None
@@ -638,18 +729,32 @@ class Metadata:
         blob_keys = []
         for d in digests:
             blob_keys += [K.BLOB_REFS.format(digest=d), K.BLOB_DELETING.format(digest=d)]
-        return self._remove_begin(
-            keys=[
-                K.VERSION.format(vkey=vkey),
-                K.VERSIONS.format(name=name),
-                K.CURRENT,
-                K.CURRENT_SEQ,
-                K.VERSION.format(vkey=""),
-                K.REMOVE_BLOBS.format(vkey=vkey),
-                *blob_keys,
-            ],
-            args=[name, vkey, time.time(), defaults.BLOB_TOMBSTONE_TTL_S, *digests],
+        keys = [
+            K.VERSION.format(vkey=vkey),
+            K.VERSIONS.format(name=name),
+            K.CURRENT,
+            K.CURRENT_SEQ,
+            K.VERSION.format(vkey=""),
+            K.REMOVE_BLOBS.format(vkey=vkey),
+        ]
+        return name, keys, blob_keys, digests
+
+    def start_reading(self, vkey: str, reader: str, ttl_s: float) -> str:
+        """Set or refresh a gather's reader mark on a committed version for `ttl_s`; the
+        state found (the mark is set only if it is "committed")."""
+        return self._read(
+            keys=[K.VERSION.format(vkey=vkey), K.READERS.format(vkey=vkey)],
+            args=[reader, int(ttl_s * 1000)],
         )
+
+    def stop_reading(self, vkey: str, reader: str) -> None:
+        self.r.zrem(K.READERS.format(vkey=vkey), reader)
+
+    def readers(self, vkey: str) -> list[str]:
+        """Reader marks on a version not yet expired (by the Redis server's clock)."""
+        seconds, micros = self.r.time()
+        now_ms = seconds * 1000 + micros // 1000
+        return list(self.r.zrangebyscore(K.READERS.format(vkey=vkey), f"({now_ms}", "+inf"))
 
     def blobs_to_delete(self, vkey: str) -> set[str]:
         """Blobs a removing version left unreferenced, not yet deleted from the nodes."""

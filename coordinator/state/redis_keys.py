@@ -47,6 +47,9 @@ SETTLED = PREFIX + "version:{vkey}:settled"
 READY = PREFIX + "version:{vkey}:ready"
 # list of JSON {shard, replica, node, attempt, at, error} per transfer attempt
 ATTEMPTS = PREFIX + "version:{vkey}:attempts"
+# zset reader id -> expiry (ms, Redis server clock) of every gather reading a version;
+# retention never removes a version with an unexpired reader
+READERS = PREFIX + "version:{vkey}:readers"
 
 # set of node ids holding a verified copy of a blob
 PLACEMENT = PREFIX + "blob:{digest}:nodes"

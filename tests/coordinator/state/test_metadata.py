@@ -197,3 +197,51 @@ def test_a_blob_shared_by_two_versions_is_deleted_only_with_the_last(md, tmp_pat
     md.begin_remove(twin.vkey)
     assert md.blobs_to_delete(twin.vkey) == digests
     assert all(md.blob_deleting(d) for d in digests)  # a store now waits, then re-sends
+
+
+def committed_version(md: Metadata, tmp_path, name: str, seed: int) -> PreparedStore:
+    p = prepared(tmp_path, name, seed)
+    pending(md, p)
+    md.commit(p.vkey, name)
+    return p
+
+
+def test_retire_spares_the_current_the_pending_the_read_and_the_newest_k(md, tmp_path):
+    pa, pb, pc = (committed_version(md, tmp_path, "r", seed) for seed in (20, 21, 22))
+    a, b, c = pa.vkey, pb.vkey, pc.vkey
+    d = prepared(tmp_path, "r", 23)
+    pending(md, d)  # being stored: the newest request of all
+    assert md.retire(d.vkey, 1) == "pending"
+    assert md.retire(c, 1) == "current"
+    assert md.retire(b, 2) == "kept"  # c and b are the newest two committed
+    # A gather reading b: retention waits for it, however old b is.
+    assert md.start_reading(b, "host:1:task", 60) == COMMITTED
+    assert md.readers(b) == ["host:1:task"]
+    assert md.retire(b, 1) == "reading"
+    md.stop_reading(b, "host:1:task")
+    assert md.retire(b, 1) == "retired"
+    assert md.state(b) == "removing"
+    assert md.start_reading(b, "host:2:task", 60) == "removing"  # no gather starts now
+    assert md.readers(b) == []
+    # A store of a's bytes again (a rollback) makes it current: it stays, c goes.
+    assert pending(md, pa) is False
+    assert md.current("r") == a
+    assert md.retire(a, 1) == "current"
+    assert md.retire(c, 1) == "retired"
+    # A mark that is not refreshed lapses (a gather killed mid-way blocks nothing for long).
+    e = committed_version(md, tmp_path, "r", 24).vkey
+    assert md.start_reading(a, "host:3:task", 0.001) == COMMITTED
+    while md.readers(a):
+        pass
+    assert md.retire(a, 1) == "retired"
+    assert md.current("r") == e
+
+
+def test_retire_takes_an_aborted_version_only_under_a_newer_committed_one(md, tmp_path):
+    old = prepared(tmp_path, "s", 30)
+    pending(md, old)
+    md.abort(old.vkey, "source changed")
+    assert md.retire(old.vkey, 3) == "kept"  # its reason stays visible until a store lands
+    committed_version(md, tmp_path, "s", 31)
+    assert md.retire(old.vkey, 3) == "retired"
+    assert md.blobs_to_delete(old.vkey) == {s.blob_sha256 for s in old.manifest.shards}

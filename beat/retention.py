@@ -1,0 +1,65 @@
+"""The retention sweep: keep the last K committed versions of every name.
+
+Which versions are past K is decided here from the versions zset (ordered by the
+sequence number of their latest request, never by wall clocks); the decision is
+made again, atomically with the state change, by the retire script, which also
+refuses the current version and any version a gather holds a reader mark on. A
+retired version is removing: the usual remove task deletes the blobs no other
+version uses (the reference sets) and its manifests on the nodes, and the
+reconcile sweep resumes it if that remove dies.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from celery.utils.log import get_task_logger
+
+from beat.sweeps import sweep
+from coordinator import config
+from coordinator.state.metadata import ABORTED, COMMITTED, Metadata
+from tasks.context import metadata
+from tasks.enqueue import send_remove
+
+log = get_task_logger(__name__)
+
+
+def candidates(md: Metadata, name: str, keep: int) -> list[str]:
+    """Versions of `name` retention would remove: committed ones past the `keep` newest
+    committed, aborted ones older than a committed one. Pending and removing versions
+    are never candidates."""
+    out, newer = [], 0
+    for vkey in reversed(md.versions(name)):  # newest request first
+        state = md.state(vkey)
+        if state == COMMITTED:
+            if newer >= keep:
+                out.append(vkey)
+            newer += 1
+        elif state == ABORTED and newer:
+            out.append(vkey)
+    return out
+
+
+def run_pass(keep: int | None = None) -> dict[str, int]:
+    """Retire every candidate the script agrees to, and send its remove; a count of
+    outcomes ("retired", "reading", ...)."""
+    md = metadata()
+    keep = config.keep_last() if keep is None else keep
+    outcomes: Counter[str] = Counter()
+    for name in md.names():
+        for vkey in candidates(md, name, keep):
+            outcome = md.retire(vkey, keep)
+            outcomes[outcome] += 1
+            if outcome == "retired":
+                send_remove(vkey)
+            elif outcome == "reading":
+                log.info("retention: %s %s is being gathered; removed later", name, vkey[:12])
+    if outcomes:
+        log.warning("retention (keep %d): %s", keep, dict(outcomes))
+    return dict(outcomes)
+
+
+@sweep("retention")
+def retention() -> dict[str, int]:
+    """One pass over every name."""
+    return run_pass()
