@@ -267,21 +267,25 @@ def cmd_gather(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows = reports.checkpoints(_md())
+    rows = reports.checkpoints(_md(), args.name)
     if args.json:
         emit_json(rows)
         return 0
     if not rows:
         console.print("no checkpoints stored yet; store one with `smoltorrent store PATH`.")
         return 0
+    columns = ["name", "version", "state", "tensors", "size", "shards", "copies", "created"]
     table(
-        "checkpoints",
-        ["name", "version", "state", "size", "shards", "copies", "created"],
+        args.name or "checkpoints",
+        columns[1:] if args.name else columns,
         [
             (
-                r["name"] + (" *" if r["current"] else ""),
-                r["version_id"][:12],
+                # The current marker goes on the first column: the name, or with one
+                # name listed, the version.
+                *(() if args.name else (r["name"] + (" *" if r["current"] else ""),)),
+                r["version_id"][:12] + (" *" if r["current"] and args.name else ""),
                 r["state"],
+                r["tensors"],
                 human_bytes(r["size"]),
                 r["shards"],
                 f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
@@ -291,6 +295,40 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ],
     )
     console.print("* current version   ! under-replicated")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    h = reports.header(_md(), args.name, args.version)
+    if not args.tensors:
+        del h["tensors"]
+    if args.json:
+        emit_json(h)
+        return 0
+    console.print(
+        f"{h['name']} version {h['version_id'][:12]} ({h['state']}"
+        + (", current" if h["current"] else "")
+        + f"): {h['tensor_count']} tensors, {h['parameters']:,} parameters, "
+        f"{human_bytes(h['size'])} in {h['shards']} shards (header {h['header_bytes']} B)"
+    )
+    console.print("dtypes: " + ", ".join(f"{d} x{n}" for d, n in h["dtypes"].items()))
+    for key, value in sorted(h["metadata"].items()):
+        console.print(f"metadata {key}: {value}")
+    if args.tensors:
+        table(
+            "tensors",
+            ["name", "dtype", "shape", "size", "shard"],
+            [
+                (
+                    t["name"],
+                    t["dtype"],
+                    "x".join(map(str, t["shape"])) or "()",
+                    human_bytes(t["bytes"]),
+                    t["shard"],
+                )
+                for t in h["tensors"]
+            ],  # fmt: skip
+        )
     return 0
 
 

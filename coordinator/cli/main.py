@@ -149,7 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("ls", help="list checkpoints and their versions")
+    ls.add_argument("name", nargs="?", help="list this checkpoint's versions only")
     ls.add_argument("--json", action="store_true")
+
+    sh = sub.add_parser(
+        "show",
+        help="print a checkpoint's safetensors header (no data is gathered)",
+        description="Print the safetensors header of a version (the current one by default):"
+        " tensor count, dtypes, parameters and metadata, and with --tensors every tensor's"
+        " name, dtype and shape. Read from the manifest in Redis: no node is asked and no"
+        " tensor byte moves.",
+    )
+    sh.add_argument("name")
+    sh.add_argument("--version", help="a version id prefix (default: the current version)")
+    sh.add_argument("--tensors", action="store_true", help="list every tensor")
+    sh.add_argument("--json", action="store_true")
 
     stat = sub.add_parser("status", help="nodes, under-replicated shards, dead letters")
     stat.add_argument("--json", action="store_true")

@@ -1,29 +1,33 @@
-"""What `ls` and `status` show, as plain data (the CLI renders it or prints JSON)."""
+"""What `ls`, `show` and `status` show, as plain data (the CLI renders it or prints JSON)."""
 
 from __future__ import annotations
 
+import struct
+from collections import Counter
+
+from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
 from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import COMMITTED, Metadata
+from smoltorrent.errors import NotFoundError
 
 
-def _shard_holders(md: Metadata, vkey: str, registered: set[str]) -> list[set[str]]:
-    """Per shard, the registered nodes holding a verified copy."""
-    return [md.placement(s.blob_sha256) & registered for s in md.manifest(vkey).shards]
+def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
+    """Every version of every checkpoint, or of `name` only (NotFoundError if unknown)."""
+    if name is not None and name not in md.names():
+        raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
+    return [row for row, _ in _versions(md, [name] if name is not None else None)]
 
 
-def checkpoints(md: Metadata) -> list[dict]:
-    return [row for row, _ in _versions(md)]
-
-
-def _versions(md: Metadata) -> list[tuple[dict, list[set[str]]]]:
+def _versions(md: Metadata, names: list[str] | None = None) -> list[tuple[dict, list[set[str]]]]:
     """Every version as a listing row, with its per-shard holders for `status`."""
     registered = set(md.nodes())
     out = []
-    for name in md.names():
+    for name in md.names() if names is None else names:
         current = md.current(name)
         for vkey in md.versions(name):
             v = md.version(vkey)
-            holders = _shard_holders(md, vkey, registered)
+            manifest = md.manifest(vkey)
+            holders = [md.placement(s.blob_sha256) & registered for s in manifest.shards]
             counts = [len(h) for h in holders]
             replicas = int(v["replicas"])
             settled, total = md.progress(vkey)
@@ -37,6 +41,7 @@ def _versions(md: Metadata) -> list[tuple[dict, list[set[str]]]]:
                         "current": vkey == current,
                         "size": int(v["size"]),
                         "shards": int(v["shards"]),
+                        "tensors": sum(len(s.tensors) for s in manifest.shards),
                         "replicas": replicas,
                         "min_copies": min(counts) if counts else replicas,
                         "under_replicated": [i for i, c in enumerate(counts) if c < replicas],
@@ -97,3 +102,50 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
         "pending": [c for c in ckpts if c["state"] == "pending"],
         "dead_letters": md.dead_letter_depth(),
     }
+
+
+def header(md: Metadata, name: str, version: str | None = None) -> dict:
+    """The safetensors header of a version (its current one by default), read from its
+    manifest alone: no node is asked and no tensor byte moves."""
+    vkey = md.resolve(name, version)
+    v = md.version(vkey)
+    manifest = md.manifest(vkey)
+    parsed = parse_header(
+        struct.pack("<Q", len(manifest.header_bytes)),
+        manifest.header_bytes,
+        manifest.source_size,
+        source=f"manifest of {name}",
+    )
+    shard_of = {t: shard.index for shard in manifest.shards for t in shard.tensors}
+    tensors = [
+        {
+            "name": t.name,
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "bytes": t.size,
+            "offset": t.start,
+            "shard": shard_of.get(t.name),
+        }
+        for t in parsed.tensors
+    ]
+    return {
+        "name": name,
+        "version_id": v["version_id"],
+        "state": v["state"],
+        "current": vkey == md.current(name),
+        "size": manifest.source_size,
+        "header_bytes": LENGTH_PREFIX_BYTES + len(manifest.header_bytes),
+        "shards": len(manifest.shards),
+        "tensor_count": len(tensors),
+        "parameters": sum(_numel(t["shape"]) for t in tensors),
+        "dtypes": dict(sorted(Counter(t["dtype"] for t in tensors).items())),
+        "metadata": parsed.metadata or {},
+        "tensors": tensors,
+    }
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
