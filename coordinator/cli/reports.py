@@ -25,8 +25,11 @@ def _versions(md: Metadata, names: list[str] | None = None) -> list[tuple[dict, 
     for name in md.names() if names is None else names:
         current = md.current(name)
         for vkey in md.versions(name):
-            v = md.version(vkey)
-            manifest = md.manifest(vkey)
+            try:
+                v = md.version(vkey)
+                manifest = md.manifest(vkey)
+            except NotFoundError:
+                continue  # a remove finished between listing the name's versions and here
             holders = [md.placement(s.blob_sha256) & registered for s in manifest.shards]
             counts = [len(h) for h in holders]
             replicas = int(v["replicas"])
