@@ -18,4 +18,10 @@ SCHEDULE = {
         "schedule": config.retention_interval(),
         "options": {"queue": config.CONTROL_QUEUE},
     },
+    "health": {
+        "task": "smoltorrent.sweep.health",
+        "schedule": config.health_interval(),
+        # A probe older than the next one is worth nothing: drop it if no worker took it.
+        "options": {"queue": config.CONTROL_QUEUE, "expires": config.health_interval()},
+    },
 }

@@ -93,12 +93,41 @@ def transfer_time_base() -> int:
     )
 
 
+def _seconds_from_env(name: str, default: float) -> float:
+    """A positive number of seconds from `name`, else `default`; ConfigError if malformed."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(
+            f"{name}={text!r} is not a positive number of seconds: set one such as {default:g},"
+            f" or unset it for the default ({default:g})"
+        )
+    return value
+
+
+def health_interval() -> float:
+    """Seconds between health sweeps (SMOLTORRENT_HEALTH_INTERVAL_S)."""
+    return _seconds_from_env("SMOLTORRENT_HEALTH_INTERVAL_S", defaults.HEALTH_INTERVAL_S)
+
+
+def dead_after() -> float:
+    """Seconds of silence after which a node is dead (SMOLTORRENT_DEAD_AFTER_S)."""
+    return _seconds_from_env("SMOLTORRENT_DEAD_AFTER_S", defaults.DEAD_AFTER_S)
+
+
 def check_environment() -> None:
     """Read every setting once, so a bad one is a one-line ConfigError before any work."""
     redis_url_from_env()
     transfer_retries()
     transfer_time_base()
     keep_last()
+    health_interval()
+    dead_after()
 
 
 def host_queue(host: str) -> str:

@@ -130,6 +130,13 @@ RECONCILE_INTERVAL_S = 60.0  # seconds between reconcile sweeps: a lost step wai
 # sweep sends it again; every one of them is idempotent, so a repeat costs only work
 RECONCILE_GRACE_S = 120.0
 PENDING_DEADLINE_S = 7 * 24 * 3600  # seconds a version may stay pending before it is aborted
+# seconds between health sweeps (SMOLTORRENT_HEALTH_INTERVAL_S): each pings every node and
+# refreshes its alive key; well under NODE_ALIVE_TTL_S so a live node never looks down
+HEALTH_INTERVAL_S = 10.0
+# seconds a node may stay silent before it is dead (SMOLTORRENT_DEAD_AFTER_S) and its shards
+# are copied elsewhere: a Pi reboot (~1 min) or a Wi-Fi drop must not set off a whole
+# node's worth of copying, while a shard waits at R-1 copies no longer than this
+DEAD_AFTER_S = 300.0
 SWEEP_LOCK_TTL_S = 600  # seconds; a sweep's lock expires if its holder died mid-sweep
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
 LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)

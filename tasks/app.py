@@ -36,6 +36,7 @@ app = Celery(
         "tasks.heartbeat",
         "beat.reconcile",
         "beat.retention",
+        "beat.health",
     ],
 )
 

@@ -93,7 +93,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
                     (
                         n["node_id"][:12],
                         n["address"],
-                        "up" if n["up"] else "DOWN",
+                        _NODE_STATE[n["state"]],
                         human_bytes(n["free_bytes"]) if n["up"] else "-",
                         human_bytes(n["used_bytes"]) if n["up"] else "-",
                         n["blobs"] if n["up"] else "-",
@@ -343,14 +343,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             " storage node, then register them here with `smoltorrent nodes add HOST`"
         )
         return 0
+    now = time.time()
     table(
         "nodes",
-        ["id", "address", "state", "free", "blobs"],
+        ["id", "address", "state", "last seen", "free", "blobs"],
         [
             (
                 n["node_id"][:12],
                 n["address"],
-                "up" if n["up"] else "DOWN",
+                _NODE_STATE[n["state"]],
+                "now" if n["up"] else _ago(n["last_seen"], now),
                 human_bytes(n["free_bytes"]) if n["up"] else "-",
                 n["blobs"] if n["up"] else "-",
             )
@@ -358,7 +360,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         ],
     )
     up = sum(n["up"] for n in s["nodes"])
-    console.print(f"{up}/{len(s['nodes'])} nodes up")
+    dead = sum(n["state"] == "dead" for n in s["nodes"])
+    console.print(
+        f"{up}/{len(s['nodes'])} nodes up"
+        + (f", {dead} dead (their shards are copied to the others)" if dead else "")
+    )
     if s["under_replicated"]:
         table(
             "under-replicated shards",
@@ -379,6 +385,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         + (" (see `smoltorrent dlq ls`)" if s["dead_letters"] else "")
     )
     return 0
+
+
+# down: missed its latest probe, not yet dead; dead: silent past SMOLTORRENT_DEAD_AFTER_S
+_NODE_STATE = {"up": "up", "down": "down", "dead": "DEAD"}
+
+
+def _ago(t: float | None, now: float) -> str:
+    if t is None:
+        return "never"
+    seconds = max(0.0, now - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

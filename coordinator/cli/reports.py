@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import struct
+import time
 from collections import Counter
 
+from coordinator import config
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
-from coordinator.state.liveness import probe_registered
+from coordinator.state.liveness import node_health, probe_registered
 from coordinator.state.metadata import COMMITTED, Metadata
 from smoltorrent.errors import NotFoundError
 
@@ -60,9 +62,11 @@ def _versions(md: Metadata, names: list[str] | None = None) -> list[tuple[dict, 
 
 
 def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[str]]:
-    """Every registered node, probed now; and the ids of those that answered."""
+    """Every registered node, probed now (up, down or dead, and when it last answered);
+    and the ids of those that answered."""
     nodes = md.nodes()
     live = probe_registered(md, cluster_key)
+    health = node_health(md, time.time(), config.dead_after(), set(live))
     rows = []
     for node_id, rec in sorted(nodes.items(), key=lambda kv: str(kv[1].address)):
         stat = live.get(node_id)
@@ -71,6 +75,8 @@ def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[
                 "node_id": node_id,
                 "address": str(rec.address),
                 "up": stat is not None,
+                "state": health[node_id].state,
+                "last_seen": health[node_id].last_seen,
                 "free_bytes": stat.free_bytes if stat else None,
                 "total_bytes": stat.total_bytes if stat else None,
                 "used_bytes": stat.used_bytes if stat else None,

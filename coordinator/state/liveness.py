@@ -1,18 +1,32 @@
-"""Which registered nodes are up, recorded as TTL keys in Redis.
+"""Which registered nodes are up, down or dead, recorded in Redis.
 
-A node that answered within NODE_ALIVE_TTL_S counts as up without another
-round trip (the health sweep keeps those keys fresh); a node that died
-inside that window is found out by its transfers, which retry and then
-dead-letter, and its shards show as under-replicated.
+up: answered a probe within NODE_ALIVE_TTL_S (a TTL key the health sweep keeps
+fresh, so a store places shards without another round trip). down: missed its
+latest probe but silent for less than the dead timeout; its copies still count,
+since a reboot or a network blip should not set off a node's worth of copying.
+dead: silent for the dead timeout or longer; its copies no longer count and its
+shards are copied elsewhere. A dead node that answers again is up at once
+(re-admitted). The time each node last answered is kept, so `status` can say
+when a dead node was last seen.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from coordinator.dataplane.node_client import NodeStat
 from coordinator.dataplane.store_engine import probe_nodes
 from coordinator.state.metadata import Metadata
+
+UP, DOWN, DEAD = "up", "down", "dead"
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    node_id: str
+    state: str  # UP, DOWN or DEAD
+    last_seen: float | None  # unix time of its last answer; None if it never answered
 
 
 def probe_registered(
@@ -34,3 +48,26 @@ def probe_registered(
         md.mark_alive(node_id, dataclasses.asdict(stat))
         live[node_id] = stat
     return live
+
+
+def node_health(
+    md: Metadata, now: float, dead_after: float, up: set[str] | None = None
+) -> dict[str, NodeHealth]:
+    """Every registered node's health at `now`. `up` is the set that answered a probe
+    just now (default: the nodes whose alive key is fresh). A node that never answered
+    counts its silence from when it was registered."""
+    nodes = md.nodes()
+    if up is None:
+        up = set(md.alive(nodes))
+    seen = md.last_seen()
+    out = {}
+    for node_id, rec in nodes.items():
+        last = seen.get(node_id)
+        if node_id in up:
+            state = UP
+        elif now - (last if last is not None else rec.added_at) >= dead_after:
+            state = DEAD
+        else:
+            state = DOWN
+        out[node_id] = NodeHealth(node_id, state, last)
+    return out

@@ -356,8 +356,13 @@ class Metadata:
         )
 
     def remove_node(self, node_id: str) -> bool:
-        self.r.delete(K.NODE_ALIVE.format(node_id=node_id))
-        return bool(self.r.hdel(K.NODES, node_id))
+        with self.r.pipeline() as p:
+            p.delete(K.NODE_ALIVE.format(node_id=node_id))
+            p.hdel(K.NODE_SEEN, node_id)
+            p.srem(K.NODES_DEAD, node_id)
+            p.hdel(K.NODES, node_id)
+            *_, removed = p.execute()
+        return bool(removed)
 
     def nodes(self) -> dict[str, NodeRecord]:
         out = {}
@@ -367,9 +372,31 @@ class Metadata:
         return out
 
     def mark_alive(self, node_id: str, stat: dict) -> None:
-        self.r.set(
-            K.NODE_ALIVE.format(node_id=node_id), json.dumps(stat), ex=defaults.NODE_ALIVE_TTL_S
-        )
+        """The node answered just now: up for NODE_ALIVE_TTL_S, and last seen now."""
+        with self.r.pipeline() as p:
+            p.set(
+                K.NODE_ALIVE.format(node_id=node_id),
+                json.dumps(stat),
+                ex=defaults.NODE_ALIVE_TTL_S,
+            )
+            p.hset(K.NODE_SEEN, node_id, repr(time.time()))
+            p.execute()
+
+    def last_seen(self) -> dict[str, float]:
+        """Node id -> unix time it last answered, for every node that ever did."""
+        return {n: float(t) for n, t in self.r.hgetall(K.NODE_SEEN).items()}
+
+    def declared_dead(self) -> set[str]:
+        """Nodes the health sweep declared dead and has not seen come back."""
+        return set(self.r.smembers(K.NODES_DEAD))
+
+    def declare_dead(self, node_id: str) -> bool:
+        """True the first time a node is declared dead (until it comes back)."""
+        return bool(self.r.sadd(K.NODES_DEAD, node_id))
+
+    def readmit(self, node_id: str) -> bool:
+        """True if the node was declared dead and is now back."""
+        return bool(self.r.srem(K.NODES_DEAD, node_id))
 
     def mark_down(self, node_id: str) -> None:
         self.r.delete(K.NODE_ALIVE.format(node_id=node_id))

@@ -17,6 +17,11 @@ PREFIX = os.environ.get("SMOLTORRENT_REDIS_PREFIX", "smoltorrent") + ":"
 NODES = PREFIX + "nodes"
 # TTL key per node: JSON of its last stat; absent = not heard from recently
 NODE_ALIVE = PREFIX + "node:{node_id}:alive"
+# hash node_id -> unix time it last answered a probe (kept while it is registered, so a
+# dead node still shows when it was last seen)
+NODE_SEEN = PREFIX + "nodes:seen"
+# set of node ids the health sweep has declared dead (to log each death and return once)
+NODES_DEAD = PREFIX + "nodes:dead"
 
 # set of checkpoint names
 NAMES = PREFIX + "names"

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-
-import pytest
 
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
 from coordinator.state.metadata import COMMITTED
@@ -14,28 +10,6 @@ from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
 
 FAST = {"SMOLTORRENT_RECONCILE_INTERVAL_S": "1", "SMOLTORRENT_RECONCILE_GRACE_S": "1"}
-
-
-@pytest.fixture
-def beat(tmp_path):
-    procs = []
-
-    def start(cluster) -> subprocess.Popen:
-        log = open(tmp_path / "beat.log", "ab")  # noqa: SIM115  (closed with the process)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "beat", "--loglevel", "INFO"],
-            env=cluster.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append((proc, log))
-        return proc
-
-    yield start
-    for proc, log in procs:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
 
 
 def pending_as_left_by_a_crash(c, src, *, send_blobs: bool):

@@ -1,0 +1,46 @@
+"""The health sweep: ping every registered node, refresh its alive key and last-seen
+time, declare dead the nodes silent past the dead timeout, and re-admit those that
+answer again. The repair sweep acts on what this records."""
+
+from __future__ import annotations
+
+import time
+
+from celery.utils.log import get_task_logger
+
+from beat.sweeps import sweep
+from coordinator import config
+from coordinator.state.liveness import DEAD, UP, node_health, probe_registered
+from tasks.context import metadata
+
+log = get_task_logger(__name__)
+
+
+def run_pass() -> dict[str, int]:
+    md = metadata()
+    live = probe_registered(md, config.cluster_key())
+    now = time.time()
+    health = node_health(md, now, config.dead_after(), set(live))
+    counts = {"up": 0, "down": 0, "dead": 0, "newly_dead": 0, "readmitted": 0}
+    declared = md.declared_dead()
+    for node_id, h in sorted(health.items()):
+        counts[h.state] += 1
+        if h.state == DEAD and node_id not in declared and md.declare_dead(node_id):
+            counts["newly_dead"] += 1
+            silent = now - h.last_seen if h.last_seen is not None else None
+            log.warning(
+                "node %s is dead (silent for %s): its copies no longer count, its shards"
+                " are copied to the other nodes",
+                node_id,
+                f"{silent:.0f} s" if silent is not None else "ever since it was added",
+            )
+        elif h.state == UP and node_id in declared and md.readmit(node_id):
+            counts["readmitted"] += 1
+            log.warning("node %s answers again: re-admitted; copies above R are trimmed", node_id)
+    return counts
+
+
+@sweep("health")
+def health() -> dict[str, int]:
+    """One probe of every registered node."""
+    return run_pass()
