@@ -24,4 +24,9 @@ SCHEDULE = {
         # A probe older than the next one is worth nothing: drop it if no worker took it.
         "options": {"queue": config.CONTROL_QUEUE, "expires": config.health_interval()},
     },
+    "repair": {
+        "task": "smoltorrent.sweep.repair",
+        "schedule": config.repair_interval(),
+        "options": {"queue": config.CONTROL_QUEUE, "expires": config.repair_interval()},
+    },
 }

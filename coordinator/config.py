@@ -120,6 +120,19 @@ def dead_after() -> float:
     return _seconds_from_env("SMOLTORRENT_DEAD_AFTER_S", defaults.DEAD_AFTER_S)
 
 
+def repair_interval() -> float:
+    """Seconds between repair sweeps (SMOLTORRENT_REPAIR_INTERVAL_S)."""
+    return _seconds_from_env("SMOLTORRENT_REPAIR_INTERVAL_S", defaults.REPAIR_INTERVAL_S)
+
+
+def repairs_per_node() -> int:
+    """Repair copies one node takes part in at once (SMOLTORRENT_REPAIRS_PER_NODE)."""
+    value = _int_from_env(
+        "SMOLTORRENT_REPAIRS_PER_NODE", defaults.REPAIRS_PER_NODE, "a number of copies"
+    )
+    return max(value, 1)
+
+
 def check_environment() -> None:
     """Read every setting once, so a bad one is a one-line ConfigError before any work."""
     redis_url_from_env()
@@ -128,6 +141,8 @@ def check_environment() -> None:
     keep_last()
     health_interval()
     dead_after()
+    repair_interval()
+    repairs_per_node()
 
 
 def host_queue(host: str) -> str:

@@ -137,6 +137,19 @@ HEALTH_INTERVAL_S = 10.0
 # are copied elsewhere: a Pi reboot (~1 min) or a Wi-Fi drop must not set off a whole
 # node's worth of copying, while a shard waits at R-1 copies no longer than this
 DEAD_AFTER_S = 300.0
+# seconds between repair sweeps (SMOLTORRENT_REPAIR_INTERVAL_S): each only reads Redis and
+# sends copies, so it can run often; a shard below R waits at most this (plus the dead
+# timeout when a node died) before its copy starts
+REPAIR_INTERVAL_S = 30.0
+# repair copies touching one node at once, as sender or receiver (SMOLTORRENT_REPAIRS_PER_NODE):
+# one out and one in keeps a Pi's 100 Mbit/s port and SD card free enough for gathers
+REPAIRS_PER_NODE = 2
+# repair copies in flight in the whole cluster: each holds a worker process while its nodes
+# copy, so half of WORKER_CONCURRENCY stays free for stores, commits and gathers
+REPAIRS_MAX_IN_FLIGHT = 2
+# seconds a trim (re-hash the copies kept, delete the surplus) may take before the sweep
+# may send it again; a trim is rare (a dead node came back) and each step is idempotent
+TRIM_TIME_LIMIT_S = 3600
 SWEEP_LOCK_TTL_S = 600  # seconds; a sweep's lock expires if its holder died mid-sweep
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
 LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)

@@ -37,6 +37,8 @@ app = Celery(
         "beat.reconcile",
         "beat.retention",
         "beat.health",
+        "beat.repair",
+        "tasks.repair",
     ],
 )
 

@@ -168,3 +168,26 @@ def send_remove(vkey: str, name: str | None = None) -> None:
         task_id=f"remove-{vkey}",
         **_named(name, vkey),
     )
+
+
+def send_repair(digest: str, source: str, target: str, time_limit: int) -> None:
+    """Copy a blob node to node; one id per (blob, target), so a copy is sent once."""
+    app.send_task(
+        "smoltorrent.repair",
+        kwargs={"digest": digest, "source": source, "target": target},
+        task_id=f"repair-{digest}-{target}",
+        queue=config.CONTROL_QUEUE,
+        time_limit=time_limit,
+        soft_time_limit=max(1, time_limit - config.transfer_time_base() // 2),
+    )
+
+
+def send_trim(digest: str, replicas: int) -> None:
+    """Delete the copies of a blob above `replicas`, once the ones kept are verified."""
+    app.send_task(
+        "smoltorrent.trim",
+        kwargs={"digest": digest, "replicas": replicas},
+        task_id=f"trim-{digest}",
+        queue=config.CONTROL_QUEUE,
+        time_limit=defaults.TRIM_TIME_LIMIT_S,
+    )

@@ -376,6 +376,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     else:
         console.print("every shard of every committed version has all its live copies")
+    copies = [r for r in s["repairs_in_flight"] if r["target"] != "trim"]
+    if copies:
+        console.print(
+            f"{len(copies)} repair copies in flight: "
+            + ", ".join(f"{r['digest'][:12]} {r['source'][:8]}->{r['target'][:8]}" for r in copies)
+        )
+    if s["unrepairable"]:
+        table(
+            "cannot repair now (retried every repair sweep)",
+            ["blob", "copies", "checkpoints", "why"],
+            [
+                (
+                    u["digest"][:12],
+                    f"{u['copies']}/{u['replicas']}",
+                    ", ".join(u["names"]),
+                    u["reason"],
+                )
+                for u in s["unrepairable"]
+            ],
+        )
     if s["pending"]:
         console.print(
             f"{len(s['pending'])} version(s) pending: " + ", ".join(p["name"] for p in s["pending"])

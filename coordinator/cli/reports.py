@@ -8,6 +8,7 @@ from collections import Counter
 
 from coordinator import config
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
+from coordinator.state import repairs
 from coordinator.state.liveness import node_health, probe_registered
 from coordinator.state.metadata import COMMITTED, Metadata
 from smoltorrent.errors import NotFoundError
@@ -108,6 +109,14 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
     return {
         "nodes": nodes,
         "under_replicated": under,
+        "unrepairable": [
+            {"digest": d, **info} for d, info in sorted(repairs.unrepairable(md).items())
+        ],
+        "repairs_in_flight": [
+            {"digest": r.digest, "source": r.source, "target": r.target, "size": r.size}
+            for r in sorted(repairs.in_flight(md), key=lambda r: (r.digest, r.target))
+        ],
+        "repairs_done": repairs.counts(md),
         "pending": [c for c in ckpts if c["state"] == "pending"],
         "dead_letters": md.dead_letter_depth(),
     }

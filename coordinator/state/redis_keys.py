@@ -67,6 +67,15 @@ REMOVE_BLOBS = PREFIX + "version:{vkey}:remove_blobs"
 # hash "digest:node_id" -> JSON {reason, at}: copies a reader found corrupt, to repair
 BAD_COPIES = PREFIX + "bad_copies"
 
+# hash "digest:target" -> JSON {source, size, at, deadline}: repair copies sent and not
+# yet finished (the throttle counts them; a record past its deadline is a dead task's)
+REPAIRS = PREFIX + "repairs"
+# hash digest -> JSON {copies, replicas, reason, names}: blobs below R that no repair can
+# raise now (fewer live nodes than R, no reachable copy, no space), rewritten every pass
+UNREPAIRABLE = PREFIX + "unrepairable"
+# hash counter -> number: repairs done, copies trimmed (for status and the closing note)
+REPAIR_COUNTS = PREFIX + "repairs:counts"
+
 # TTL key per host: the boot id of the worker serving it, refreshed while it runs
 WORKER_ALIVE = PREFIX + "worker:{host}:alive"
 # lock held while one sweep runs, so two beat instances never run it twice at once

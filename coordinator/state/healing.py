@@ -1,0 +1,110 @@
+"""The repair steps themselves, callable with or without Celery (the repair task and
+`smoltorrent verify` both run them): copy a blob node to node, trim surplus copies.
+
+Every step reads the placement again before acting, so a retry, a redelivery or two
+sweeps sending the same step leave the same state as one clean run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.state import repairs
+from coordinator.state.metadata import Metadata, NodeRecord
+from smoltorrent.errors import DigestMismatchError, NodeError, NodeUnavailableError
+
+log = logging.getLogger(__name__)
+
+# What a node may answer when it cannot take part in a step right now.
+UNREACHABLE = (NodeUnavailableError, NodeError)
+
+
+def copy_blob(
+    md: Metadata,
+    nodes: dict[str, NodeRecord],
+    cluster_key: bytes | None,
+    digest: str,
+    source: str,
+    target: str,
+    timeout: float | None = None,
+) -> str:
+    """Make `target` hold a verified copy of `digest`, pushed by `source`, and only then
+    count it in the placement. What happened, as a word: stored, exists, unused,
+    source-bad, source-missing. NodeUnavailableError or NodeError if a node failed."""
+    if target in md.placement(digest):
+        return "exists"  # a redelivery of a repair that finished
+    if not md.blob_refs(digest) or md.blob_deleting(digest):
+        return "unused"  # removed meanwhile: nothing to repair
+    sender = NodeClient(nodes[source].address, cluster_key=cluster_key, timeout=timeout)
+    try:
+        stored = sender.replicate(digest, nodes[target].address)
+    except DigestMismatchError:
+        # The target hashed other bytes than the digest: the sender's copy is bad, or the
+        # target corrupts what it receives. The sender re-hashes its copy to tell (and
+        # quarantines it if bad); a good one leaves the fault with the target.
+        if digest in sender.verify([digest]):
+            md.remove_placement(digest, source)
+            log.error("repair of %s: the copy on %s is bad; quarantined there", digest, source)
+            return "source-bad"
+        raise
+    except NodeError as exc:
+        if exc.code != "not_found":
+            raise
+        md.remove_placement(digest, source)
+        log.error("repair of %s: %s no longer holds it; out of the placement", digest, source)
+        return "source-missing"
+    # The target verified the digest as the bytes arrived (or re-hashed the copy it had).
+    if not repairs.placed(md, digest, target):
+        NodeClient(nodes[target].address, cluster_key=cluster_key).delete(digest)
+        return "unused"
+    repairs.count(md, "repaired")
+    log.info("repaired %s: %s -> %s", digest, source, target)
+    return "stored" if stored else "exists"
+
+
+def trim_blob(
+    md: Metadata,
+    nodes: dict[str, NodeRecord],
+    cluster_key: bytes | None,
+    digest: str,
+    replicas: int,
+    up: dict[str, dict],
+) -> dict:
+    """Delete the copies of `digest` above `replicas` on the up nodes `up` (node id -> its
+    last stat), keeping the copies on the nodes with the most free space. Keepers are
+    re-hashed first (a bad one is quarantined there and replaced by the next holder): a
+    copy is deleted only while `replicas` verified copies stay."""
+    holders = sorted(
+        md.placement(digest) & set(up) & set(nodes),
+        key=lambda n: (-int(up[n].get("free_bytes", 0)), n),
+    )
+    if len(holders) <= replicas:
+        return {"kept": holders, "deleted": []}
+    keep, spare = [], []
+    for node_id in holders:
+        if len(keep) == replicas:
+            spare.append(node_id)
+            continue
+        try:
+            bad = NodeClient(nodes[node_id].address, cluster_key=cluster_key).verify([digest])
+        except UNREACHABLE:
+            continue  # neither kept nor deleted: it may be back next pass
+        if digest in bad:
+            md.remove_placement(digest, node_id)
+            continue
+        keep.append(node_id)
+    if len(keep) < replicas:
+        return {"kept": keep, "deleted": []}
+    deleted = []
+    for node_id in spare:
+        try:
+            NodeClient(nodes[node_id].address, cluster_key=cluster_key).delete(digest)
+        except UNREACHABLE:
+            continue  # still holds it and still counts: the next pass trims it
+        md.remove_placement(digest, node_id)
+        deleted.append(node_id)
+        log.info("trimmed the surplus copy of %s on %s", digest, node_id)
+    if deleted:
+        repairs.count(md, "trimmed", len(deleted))
+    return {"kept": keep, "deleted": deleted}

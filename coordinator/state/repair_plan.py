@@ -1,0 +1,176 @@
+"""What the repair sweep must do: which blobs are below R copies on nodes that are not
+dead, which node copies each to which, and which blobs have copies to spare.
+
+Decided from Redis alone (placement, liveness, repairs in flight), so the sweep can run
+it every few seconds; coordinator/state/healing.py carries each step out. Rules:
+- A copy counts unless its node is dead (silent past the dead timeout); only nodes that
+  answer now (up) send or receive a copy.
+- Fewest copies first: a blob down to its last copy before one missing only its second.
+- Never two copies on one node: a target holds no copy and is not receiving one.
+- Throttled: at most `per_node` repair copies touch a node at once (as sender or
+  receiver), at most `max_in_flight` in the whole cluster.
+- A blob that no step can raise now (fewer live nodes than R, no reachable copy, no
+  space) is reported, not retried in a loop: the next pass looks again.
+- A blob with more copies on up nodes than R, and nothing in flight for it, is trimmed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from coordinator.state import redis_keys as K
+from coordinator.state.liveness import DEAD, UP, NodeHealth
+from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.repairs import InFlight
+
+TRIM = "trim"  # the target of an in-flight record that is a trim, not a copy
+
+
+@dataclass(frozen=True)
+class Blob:
+    digest: str
+    size: int
+    replicas: int  # the most copies any version using it asks for
+    names: tuple[str, ...]  # checkpoints using it, for status
+
+
+@dataclass(frozen=True)
+class Repair:
+    digest: str
+    source: str
+    target: str
+    size: int
+    copies: int  # copies that count before this repair
+
+
+@dataclass
+class Plan:
+    repairs: list[Repair] = field(default_factory=list)
+    trims: list[str] = field(default_factory=list)  # digests with copies to spare
+    unrepairable: dict[str, dict] = field(default_factory=dict)
+    throttled: int = 0  # copies needed that wait for a free slot
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "repairs": len(self.repairs),
+            "trims": len(self.trims),
+            "unrepairable": len(self.unrepairable),
+            "throttled": self.throttled,
+        }
+
+
+def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, Blob]:
+    """Every blob of a committed version (or of `vkeys`), with its size, the most copies
+    any version using it asks for, and the names using it. Pending versions are left to
+    their own transfers, which retry and are re-driven by the reconcile sweep: a repair
+    racing them could only add a surplus copy."""
+    if vkeys is None:
+        vkeys = [vkey for vkey, _ in md.versions_in(COMMITTED)]
+    sizes: dict[str, int] = {}
+    replicas: dict[str, int] = {}
+    names: dict[str, set[str]] = defaultdict(set)
+    for vkey in vkeys:
+        manifest = md.manifest(vkey)
+        for shard in manifest.shards:
+            d = shard.blob_sha256
+            sizes[d] = shard.blob_size
+            replicas[d] = max(replicas.get(d, 0), manifest.replicas)
+            names[d].add(manifest.name)
+    return {d: Blob(d, sizes[d], replicas[d], tuple(sorted(names[d]))) for d in sizes}
+
+
+def placements(md: Metadata, digests: Iterable[str]) -> dict[str, set[str]]:
+    """Digest -> node ids of its verified copies, in one round trip."""
+    digests = list(digests)
+    with md.r.pipeline(transaction=False) as p:
+        for d in digests:
+            p.smembers(K.PLACEMENT.format(digest=d))
+        found = p.execute()
+    return {d: set(nodes) for d, nodes in zip(digests, found, strict=True)}
+
+
+def plan(
+    blobs: Mapping[str, Blob],
+    placement: Mapping[str, set[str]],
+    health: Mapping[str, NodeHealth],
+    free_bytes: Mapping[str, int],
+    busy: Iterable[InFlight],
+    *,
+    per_node: int,
+    max_in_flight: int,
+) -> Plan:
+    """Decide one pass (pure: every input passed in)."""
+    out = Plan()
+    up = {n for n, h in health.items() if h.state == UP}
+    counted = {n for n, h in health.items() if h.state != DEAD}
+    load: Counter[str] = Counter()
+    arriving: dict[str, set[str]] = defaultdict(set)
+    in_flight = 0
+    for r in busy:
+        arriving[r.digest].add(r.target)
+        if r.target == TRIM:
+            continue
+        load[r.source] += 1
+        load[r.target] += 1
+        in_flight += 1
+    free = dict(free_bytes)
+
+    short: list[tuple[int, str]] = []
+    for d, blob in blobs.items():
+        holders = placement.get(d, set())
+        copies = len(holders & counted)
+        if copies < blob.replicas:
+            short.append((copies, d))
+        elif len(holders & up) > blob.replicas and not arriving[d]:
+            out.trims.append(d)
+
+    for copies, d in sorted(short):
+        blob, holders = blobs[d], placement.get(d, set())
+        wanted = blob.replicas - copies - len(arriving[d])
+        if wanted <= 0:
+            continue
+        sources = sorted(holders & up)
+        candidates = sorted(up - holders - arriving[d])
+        room = [n for n in candidates if free.get(n, 0) >= blob.size]
+        reason = None
+        if not sources:
+            on_dead = sorted(holders & (set(health) - counted))
+            reason = (
+                f"no copy on a node that answers (copies on dead nodes: {', '.join(on_dead)})"
+                if on_dead
+                else "no copy left on any node that answers"
+                if holders & counted
+                else "no copy left on any registered node"
+            )
+        elif len(candidates) < wanted:
+            reason = f"{len(up)} live node(s) for {blob.replicas} copies: add or bring back a node"
+        elif len(room) < wanted:
+            reason = f"no live node without a copy has {blob.size} bytes free"
+        if reason is not None:
+            out.unrepairable[d] = {
+                "copies": copies,
+                "replicas": blob.replicas,
+                "reason": reason,
+                "names": list(blob.names),
+            }
+        for _ in range(min(wanted, len(room)) if sources else 0):
+            source = min(
+                (s for s in sources if load[s] < per_node), key=load.__getitem__, default=None
+            )
+            target = max(
+                (t for t in room if load[t] < per_node),
+                key=lambda t: free.get(t, 0),
+                default=None,
+            )
+            if in_flight >= max_in_flight or source is None or target is None:
+                out.throttled += 1
+                continue
+            out.repairs.append(Repair(d, source, target, blob.size, copies))
+            room.remove(target)
+            load[source] += 1
+            load[target] += 1
+            free[target] = free.get(target, 0) - blob.size
+            in_flight += 1
+    return out

@@ -1,0 +1,105 @@
+"""Repair records in Redis: copies in flight (the throttle), blobs no repair can raise
+now (shown by `status`), and the one step that makes a repaired copy count.
+
+A repaired copy joins the placement only after its target verified it, and only while
+some version still uses the blob and no remove is deleting it (one script, so a remove
+racing the repair cannot leave a copy of a removed blob in the placement).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from coordinator.state import redis_keys as K
+from coordinator.state.metadata import Metadata
+
+# KEYS: placement, reference set, deleting tombstone; ARGV: node id
+# Returns 1 if the copy now counts, 0 if the blob is unused or being deleted (the caller
+# deletes the copy it made).
+_PLACED = """
+if redis.call('SCARD', KEYS[2]) == 0 or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class InFlight:
+    digest: str
+    target: str
+    source: str
+    size: int
+    at: float
+    deadline: float
+
+
+def _field(digest: str, target: str) -> str:
+    return f"{digest}:{target}"
+
+
+def placed(md: Metadata, digest: str, node_id: str) -> bool:
+    """Count node_id's verified copy of digest; False if no version uses the blob now."""
+    script = md.r.register_script(_PLACED)
+    keys = [
+        K.PLACEMENT.format(digest=digest),
+        K.BLOB_REFS.format(digest=digest),
+        K.BLOB_DELETING.format(digest=digest),
+    ]
+    return bool(script(keys=keys, args=[node_id]))
+
+
+def claim(md: Metadata, digest: str, target: str, source: str, size: int, limit_s: float) -> bool:
+    """Record a repair about to be sent; False if the same copy is in flight already."""
+    now = time.time()
+    record = {"source": source, "size": size, "at": now, "deadline": now + limit_s}
+    return bool(md.r.hsetnx(K.REPAIRS, _field(digest, target), json.dumps(record)))
+
+
+def finished(md: Metadata, digest: str, target: str) -> None:
+    """The repair ended (well or not): its throttle slot is free."""
+    md.r.hdel(K.REPAIRS, _field(digest, target))
+
+
+def in_flight(md: Metadata, now: float | None = None) -> list[InFlight]:
+    """Repairs sent and not finished; records past their deadline (a task that died) are
+    dropped, so the next pass may send them again."""
+    now = time.time() if now is None else now
+    out, stale = [], []
+    for key, raw in md.r.hgetall(K.REPAIRS).items():
+        digest, _, target = key.partition(":")
+        record = json.loads(raw)
+        if record["deadline"] < now:
+            stale.append(key)
+            continue
+        out.append(
+            InFlight(
+                digest, target, record["source"], record["size"], record["at"], record["deadline"]
+            )
+        )
+    if stale:
+        md.r.hdel(K.REPAIRS, *stale)
+    return out
+
+
+def set_unrepairable(md: Metadata, blobs: dict[str, dict]) -> None:
+    """Replace the list of blobs below R that no repair can raise now."""
+    with md.r.pipeline() as p:
+        p.delete(K.UNREPAIRABLE)
+        if blobs:
+            p.hset(K.UNREPAIRABLE, mapping={d: json.dumps(v) for d, v in blobs.items()})
+        p.execute()
+
+
+def unrepairable(md: Metadata) -> dict[str, dict]:
+    return {d: json.loads(v) for d, v in md.r.hgetall(K.UNREPAIRABLE).items()}
+
+
+def count(md: Metadata, what: str, n: int = 1) -> None:
+    """Add to a repair counter ("repaired", "trimmed", ...)."""
+    md.r.hincrby(K.REPAIR_COUNTS, what, n)
+
+
+def counts(md: Metadata) -> dict[str, int]:
+    return {k: int(v) for k, v in md.r.hgetall(K.REPAIR_COUNTS).items()}

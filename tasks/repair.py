@@ -1,0 +1,65 @@
+"""Repair tasks: one node-to-node copy of a blob, one trim of a blob's surplus copies.
+
+Both are sent by the repair sweep (beat/repair.py), which records each in flight
+first; whatever happens, the task frees that record, and a failure is only logged: the
+next pass decides again from fresh liveness, so a failed copy is retried at the sweep's
+pace, never in a loop, and never becomes a dead letter.
+"""
+
+from __future__ import annotations
+
+from celery.utils.log import get_task_logger
+
+from coordinator import config
+from coordinator.state import repairs
+from coordinator.state.healing import copy_blob, trim_blob
+from coordinator.state.repair_plan import TRIM
+from smoltorrent import defaults
+from smoltorrent.errors import NodeError, NodeUnavailableError, ProtocolError
+from tasks.app import app
+from tasks.context import REDIS_TRANSIENT, metadata
+
+log = get_task_logger(__name__)
+
+NODE_FAILURES = (NodeUnavailableError, NodeError, ProtocolError)
+
+
+@app.task(
+    name="smoltorrent.repair",
+    bind=True,
+    autoretry_for=REDIS_TRANSIENT,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_jitter=False,
+    max_retries=config.transfer_retries(),
+    default_retry_delay=defaults.RETRY_BACKOFF_BASE_S,
+)
+def repair(self, digest: str, source: str, target: str) -> str:
+    md = metadata()
+    try:
+        nodes = md.nodes()
+        if source not in nodes or target not in nodes:
+            return "node removed"
+        return copy_blob(md, nodes, config.cluster_key(), digest, source, target)
+    except NODE_FAILURES as exc:
+        log.warning("repair of %s from %s to %s failed: %s", digest, source, target, exc)
+        return f"failed: {exc}"
+    finally:
+        repairs.finished(md, digest, target)
+
+
+@app.task(
+    name="smoltorrent.trim",
+    bind=True,
+    autoretry_for=REDIS_TRANSIENT,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_jitter=False,
+    max_retries=config.transfer_retries(),
+    default_retry_delay=defaults.RETRY_BACKOFF_BASE_S,
+)
+def trim(self, digest: str, replicas: int) -> dict:
+    md = metadata()
+    try:
+        nodes = md.nodes()
+        return trim_blob(md, nodes, config.cluster_key(), digest, replicas, md.alive(nodes))
+    finally:
+        repairs.finished(md, digest, TRIM)

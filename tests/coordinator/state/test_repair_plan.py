@@ -1,0 +1,90 @@
+"""The repair planner's rules on plain inputs (it is pure: no Redis, no nodes)."""
+
+from __future__ import annotations
+
+from coordinator.state.liveness import DEAD, DOWN, UP, NodeHealth
+from coordinator.state.repair_plan import TRIM, Blob, plan
+from coordinator.state.repairs import InFlight
+
+GB = 10**9
+
+
+def health(**states: str) -> dict[str, NodeHealth]:
+    return {n: NodeHealth(n, s, 0.0) for n, s in states.items()}
+
+
+def blob(d: str, replicas: int = 2) -> Blob:
+    return Blob(d, 1000, replicas, ("ckpt",))
+
+
+def decide(blobs, placement, nodes, busy=(), per_node=2, max_in_flight=10, free=None):
+    free = free or {n: GB for n in nodes}
+    return plan(
+        {b.digest: b for b in blobs},
+        placement,
+        nodes,
+        free,
+        list(busy),
+        per_node=per_node,
+        max_in_flight=max_in_flight,
+    )
+
+
+def test_copies_on_dead_nodes_do_not_count_and_on_down_nodes_do():
+    nodes = health(a=UP, b=DEAD, c=UP, d=DOWN)
+    p = decide([blob("x"), blob("y")], {"x": {"a", "b"}, "y": {"a", "d"}}, nodes)
+    assert [(r.digest, r.source, r.target) for r in p.repairs] == [("x", "a", "c")]
+
+
+def test_the_last_copy_goes_before_the_second_under_a_throttle():
+    nodes = health(a=UP, b=UP, c=UP, z=DEAD)
+    blobs = [blob("two", replicas=3), blob("one", replicas=3)]
+    placement = {"two": {"a", "b"}, "one": {"c", "z"}}
+    p = decide(blobs, placement, nodes, max_in_flight=1)
+    assert [r.digest for r in p.repairs] == ["one"]
+    assert p.throttled >= 1
+
+
+def test_never_a_target_that_holds_or_is_receiving_a_copy():
+    nodes = health(a=UP, b=UP, c=UP, d=UP)
+    busy = [InFlight("x", "b", "a", 1000, 0.0, 1e18)]
+    p = decide([blob("x", replicas=4)], {"x": {"a"}}, nodes, busy=busy, per_node=5)
+    targets = [r.target for r in p.repairs]
+    assert sorted(targets) == ["c", "d"]
+    assert len(set(targets)) == len(targets)
+
+
+def test_one_node_takes_part_in_at_most_per_node_copies():
+    nodes = health(a=UP, b=UP, c=UP, d=UP, z=DEAD)
+    blobs = [blob(f"x{i}") for i in range(4)]
+    placement = {f"x{i}": {"a", "z"} for i in range(4)}
+    p = decide(blobs, placement, nodes, per_node=1)
+    assert len(p.repairs) == 1  # every copy needs a, and a sends one at a time
+    assert p.throttled == 3
+
+
+def test_fewer_live_nodes_than_r_is_unrepairable_and_sends_nothing():
+    nodes = health(a=UP, b=DEAD)
+    p = decide([blob("x")], {"x": {"a", "b"}}, nodes)
+    assert p.repairs == []
+    assert "1 live node(s) for 2 copies" in p.unrepairable["x"]["reason"]
+
+
+def test_no_space_and_no_reachable_copy_are_unrepairable():
+    nodes = health(a=UP, b=UP, c=DOWN, z=DEAD)
+    p = decide(
+        [blob("full"), blob("far")],
+        {"full": {"a", "z"}, "far": {"c", "z"}},
+        nodes,
+        free={"a": GB, "b": 10},
+    )
+    assert p.repairs == []
+    assert "bytes free" in p.unrepairable["full"]["reason"]
+    assert "no copy on a node that answers" in p.unrepairable["far"]["reason"]
+
+
+def test_surplus_on_up_nodes_is_trimmed_unless_a_step_is_in_flight():
+    nodes = health(a=UP, b=UP, c=UP)
+    assert decide([blob("x")], {"x": {"a", "b", "c"}}, nodes).trims == ["x"]
+    busy = [InFlight("x", TRIM, "", 0, 0.0, 1e18)]
+    assert decide([blob("x")], {"x": {"a", "b", "c"}}, nodes, busy=busy).trims == []
