@@ -29,4 +29,9 @@ SCHEDULE = {
         "schedule": config.repair_interval(),
         "options": {"queue": config.CONTROL_QUEUE, "expires": config.repair_interval()},
     },
+    "scrub": {
+        "task": "smoltorrent.sweep.scrub",
+        "schedule": config.scrub_interval(),
+        "options": {"queue": config.CONTROL_QUEUE, "expires": config.scrub_interval()},
+    },
 }

@@ -120,6 +120,11 @@ def dead_after() -> float:
     return _seconds_from_env("SMOLTORRENT_DEAD_AFTER_S", defaults.DEAD_AFTER_S)
 
 
+def scrub_interval() -> float:
+    """Seconds between scrub sweeps (SMOLTORRENT_SCRUB_INTERVAL_S)."""
+    return _seconds_from_env("SMOLTORRENT_SCRUB_INTERVAL_S", defaults.SCRUB_INTERVAL_S)
+
+
 def repair_interval() -> float:
     """Seconds between repair sweeps (SMOLTORRENT_REPAIR_INTERVAL_S)."""
     return _seconds_from_env("SMOLTORRENT_REPAIR_INTERVAL_S", defaults.REPAIR_INTERVAL_S)
@@ -143,6 +148,7 @@ def check_environment() -> None:
     dead_after()
     repair_interval()
     repairs_per_node()
+    scrub_interval()
 
 
 def host_queue(host: str) -> str:

@@ -137,6 +137,12 @@ HEALTH_INTERVAL_S = 10.0
 # are copied elsewhere: a Pi reboot (~1 min) or a Wi-Fi drop must not set off a whole
 # node's worth of copying, while a shard waits at R-1 copies no longer than this
 DEAD_AFTER_S = 300.0
+# seconds between scrub sweeps (SMOLTORRENT_SCRUB_INTERVAL_S): each collects every node's
+# scrub report (bad copies it quarantined) and starts a pass where none runs, so a node re-
+# hashes its whole inventory at least this often; a node of 100 GB at SCRUB_RATE_BPS needs
+# ~3 h, so its passes run back to back. A bad copy is out of reads at once; its shard waits
+# at most this long at R-1 before the repair starts
+SCRUB_INTERVAL_S = 3600.0
 # seconds between repair sweeps (SMOLTORRENT_REPAIR_INTERVAL_S): each only reads Redis and
 # sends copies, so it can run often; a shard below R waits at most this (plus the dead
 # timeout when a node died) before its copy starts

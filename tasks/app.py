@@ -38,6 +38,7 @@ app = Celery(
         "beat.retention",
         "beat.health",
         "beat.repair",
+        "beat.scrub",
         "tasks.repair",
     ],
 )

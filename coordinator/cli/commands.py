@@ -346,7 +346,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     now = time.time()
     table(
         "nodes",
-        ["id", "address", "state", "last seen", "free", "blobs"],
+        ["id", "address", "state", "last seen", "free", "blobs", "last scrub", "bad copies"],
         [
             (
                 n["node_id"][:12],
@@ -355,6 +355,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "now" if n["up"] else _ago(n["last_seen"], now),
                 human_bytes(n["free_bytes"]) if n["up"] else "-",
                 n["blobs"] if n["up"] else "-",
+                ("running, " if n["scrubbing"] else "") + _ago(n["last_scrub"], now),
+                f"{n['bad_copies_found']} found, {n['quarantined']} held"
+                if n["bad_copies_found"] or n["quarantined"]
+                else "0",
             )
             for n in s["nodes"]
         ],

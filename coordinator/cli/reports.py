@@ -8,7 +8,7 @@ from collections import Counter
 
 from coordinator import config
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
-from coordinator.state import repairs
+from coordinator.state import repairs, scrub_reports
 from coordinator.state.liveness import node_health, probe_registered
 from coordinator.state.metadata import COMMITTED, Metadata
 from smoltorrent.errors import NotFoundError
@@ -68,11 +68,17 @@ def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[
     nodes = md.nodes()
     live = probe_registered(md, cluster_key)
     health = node_health(md, time.time(), config.dead_after(), set(live))
+    scrubs = scrub_reports.reports(md)
     rows = []
     for node_id, rec in sorted(nodes.items(), key=lambda kv: str(kv[1].address)):
         stat = live.get(node_id)
+        scrub = scrubs.get(node_id, {})
         rows.append(
             {
+                "last_scrub": scrub.get("last_pass_finished"),
+                "scrubbing": scrub.get("running", False),
+                "bad_copies_found": scrub.get("bad_found", 0),
+                "quarantined": len(scrub.get("quarantined", [])),
                 "node_id": node_id,
                 "address": str(rec.address),
                 "up": stat is not None,

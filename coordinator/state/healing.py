@@ -108,3 +108,52 @@ def trim_blob(
     if deleted:
         repairs.count(md, "trimmed", len(deleted))
     return {"kept": keep, "deleted": deleted}
+
+
+def settle_quarantined(
+    md: Metadata,
+    nodes: dict[str, NodeRecord],
+    cluster_key: bytes | None,
+    node_id: str,
+    quarantined: list[str],
+    counted: set[str],
+) -> dict[str, list[str]]:
+    """A node's quarantined (bad) copies: each leaves the placement at once (the node
+    already keeps it out of reads), so the repair sweep copies the blob again, possibly
+    to this very node, whose put replaces the bad copy (a two-node cluster cannot
+    deadlock). A quarantined copy is discarded only once a good copy is counted on
+    another node `counted` (not dead), or once no version uses the blob."""
+    released, discarded = [], []
+    client = NodeClient(nodes[node_id].address, cluster_key=cluster_key)
+    for digest in quarantined:
+        if node_id in md.placement(digest):
+            md.remove_placement(digest, node_id)
+            released.append(digest)
+            log.warning(
+                "bad copy of %s on %s: out of the placement, to be repaired", digest, node_id
+            )
+        elsewhere = (md.placement(digest) - {node_id}) & counted
+        if (elsewhere or not md.blob_refs(digest)) and client.discard(digest):
+            discarded.append(digest)
+    return {"released": released, "discarded": discarded}
+
+
+def check_reported_bad(
+    md: Metadata, nodes: dict[str, NodeRecord], cluster_key: bytes | None
+) -> list[tuple[str, str]]:
+    """Copies a gather found corrupt: the node re-hashes each (quarantining a bad one) and
+    a copy that is bad or gone leaves the placement. (digest, node) of those it left."""
+    out = []
+    for digest, node_id in md.reported_bad_copies():
+        if node_id not in nodes:
+            md.forget_bad_copy(digest, node_id)
+            continue
+        try:
+            bad = NodeClient(nodes[node_id].address, cluster_key=cluster_key).verify([digest])
+        except UNREACHABLE:
+            continue  # asked again next pass
+        if digest in bad:
+            md.remove_placement(digest, node_id)
+            out.append((digest, node_id))
+        md.forget_bad_copy(digest, node_id)
+    return out

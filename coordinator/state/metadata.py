@@ -359,6 +359,7 @@ class Metadata:
         with self.r.pipeline() as p:
             p.delete(K.NODE_ALIVE.format(node_id=node_id))
             p.hdel(K.NODE_SEEN, node_id)
+            p.hdel(K.NODE_SCRUB, node_id)
             p.srem(K.NODES_DEAD, node_id)
             p.hdel(K.NODES, node_id)
             *_, removed = p.execute()
@@ -829,6 +830,13 @@ class Metadata:
         self.r.hset(
             K.BAD_COPIES, f"{digest}:{node_id}", json.dumps({"reason": reason, "at": time.time()})
         )
+
+    def reported_bad_copies(self) -> list[tuple[str, str]]:
+        """(digest, node id) of every copy a reader found corrupt, not yet checked."""
+        return [tuple(f.split(":", 1)) for f in self.r.hkeys(K.BAD_COPIES)]
+
+    def forget_bad_copy(self, digest: str, node_id: str) -> None:
+        self.r.hdel(K.BAD_COPIES, f"{digest}:{node_id}")
 
     # --- requests (intents) -----------------------------------------------------
 

@@ -20,6 +20,9 @@ NODE_ALIVE = PREFIX + "node:{node_id}:alive"
 # hash node_id -> unix time it last answered a probe (kept while it is registered, so a
 # dead node still shows when it was last seen)
 NODE_SEEN = PREFIX + "nodes:seen"
+# hash node_id -> JSON of its latest scrub report as the scrub sweep saw it: running,
+# passes, last_pass_finished, scrubbed_bytes, quarantined digests, bad_found (ever), at
+NODE_SCRUB = PREFIX + "nodes:scrub"
 # set of node ids the health sweep has declared dead (to log each death and return once)
 NODES_DEAD = PREFIX + "nodes:dead"
 

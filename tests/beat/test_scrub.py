@@ -1,0 +1,98 @@
+"""The scrub sweep (checksum_sync) on a real cluster: a byte flipped on one node's disk
+is found by that node's scrub, and with `smoltorrent beat` running and nothing else
+done, the blob is back to 2 verified copies."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from tests.beat.test_repair import stored
+from tests.tasks.conftest import wait_until
+from tests.tasks.test_control_plane import make_ckpt, sha
+
+FAST = {
+    "SMOLTORRENT_HEALTH_INTERVAL_S": "1",
+    "SMOLTORRENT_DEAD_AFTER_S": "30",
+    "SMOLTORRENT_REPAIR_INTERVAL_S": "1",
+    "SMOLTORRENT_SCRUB_INTERVAL_S": "1",
+    "SMOLTORRENT_SCRUB_RATE_BPS": str(100 * 1024 * 1024),
+}
+
+
+def blob_file(node, digest: str):
+    return node.data_dir / "blobs" / digest[:2] / digest
+
+
+def flip_byte(node, digest: str, at: int) -> None:
+    path = blob_file(node, digest)
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(data)
+
+
+def whole(node, digest: str) -> bool:
+    path = blob_file(node, digest)
+    return path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_a_flipped_byte_on_a_two_node_cluster_is_repaired_onto_the_same_node(
+    make_cluster, beat, tmp_path
+):
+    """Two nodes, R=2: the only node that can take the repair is the one whose copy was
+    bad. Nothing deadlocks: its copy is quarantined, repaired in place, then released."""
+    c = make_cluster(2, **FAST)
+    src = make_ckpt(tmp_path / "flip.safetensors")
+    digests = stored(c, src, "flip.safetensors")
+    victim, other = c.node_procs
+    victim_id = victim.client().ping()
+    digest = digests[0]
+    assert whole(victim, digest) and whole(other, digest)
+    flip_byte(victim, digest, 1234)
+    flipped_at = time.monotonic()
+    beat(c)
+
+    def healed() -> bool:
+        return (
+            whole(victim, digest)
+            and whole(other, digest)
+            and len(c.md.placement(digest)) == 2
+            and not victim.client().scrub(start=False)["quarantined"]
+        )
+
+    wait_until(healed, timeout=120, what="2 verified copies again")
+    print(f"flipped byte to 2 verified copies: {time.monotonic() - flipped_at:.1f} s")
+    rows = {n["node_id"]: n for n in c.cli_json("status")["nodes"]}
+    assert rows[victim_id]["bad_copies_found"] == 1
+    assert rows[victim_id]["last_scrub"] is not None
+    assert "quarantined until the coordinator repairs it" in victim.log()
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "flip.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_a_copy_a_gather_found_corrupt_is_rehashed_and_repaired(make_cluster, beat, tmp_path):
+    """A bad copy the scrub has not reached yet, met by a gather first: the gather records
+    it, the sweep has its node re-hash it, and the repair brings the copy back."""
+    slow = {**FAST, "SMOLTORRENT_SCRUB_RATE_BPS": "1"}  # the node's own pass is no help here
+    c = make_cluster(3, **slow)
+    src = make_ckpt(tmp_path / "read.safetensors")
+    digests = stored(c, src, "read.safetensors")
+    # The gather reads shard 0 from its first holder in id order first: damage that copy.
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    first = by_id[min(c.md.placement(digests[0]))]
+    flip_byte(first, digests[0], 99)
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "read.safetensors", "-o", str(out))  # falls back to the other copies
+    assert sha(out) == sha(src)
+    assert c.md.reported_bad_copies()
+    beat(c)
+    wait_until(
+        lambda: (
+            all(len(c.md.placement(d)) == 2 for d in digests)
+            and not c.md.reported_bad_copies()
+            and all(sum(whole(n, d) for n in c.node_procs) == 2 for d in digests)
+        ),
+        timeout=120,
+        what="every blob back at 2 verified copies",
+    )
