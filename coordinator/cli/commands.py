@@ -411,6 +411,53 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from coordinator.state.verify import verify_now
+
+    r = verify_now(
+        _md(),
+        config.cluster_key(),
+        dead_after=config.dead_after(),
+        per_node=config.repairs_per_node(),
+        name=args.name,
+    )
+    if args.json:
+        emit_json(r)
+        return 1 if r["under_replicated"] else 0
+    console.print(
+        f"checked {r['copies_checked']} copies of {r['blobs']} blobs on"
+        f" {len(r['nodes_checked'])} nodes"
+        + (f" ({len(r['nodes_unreachable'])} did not answer)" if r["nodes_unreachable"] else "")
+    )
+    if r["bad"]:
+        table(
+            "bad or missing copies",
+            ["blob", "node", "problem"],
+            [(b["digest"][:12], b["node"][:12], b["problem"]) for b in r["bad"]],
+        )
+    for item in r["repaired"]:
+        console.print(
+            f"repaired {item['digest'][:12]}: {item['source'][:12]} -> {item['target'][:12]}"
+        )
+    for item in r["failed"]:
+        warn(f"could not repair {item['digest'][:12]} onto {item['target'][:12]}: {item['error']}")
+    for item in r["discarded"]:
+        console.print(f"discarded the bad copy of {item['digest'][:12]} on {item['node'][:12]}")
+    for u in r["unrepairable"]:
+        warn(
+            f"{u['digest'][:12]} ({', '.join(u['names'])}): {u['copies']}/{u['replicas']}"
+            f" copies, {u['reason']}"
+        )
+    if r["under_replicated"]:
+        console.print(
+            f"{len(r['under_replicated'])} blobs have fewer verified copies than they need"
+            + (" (nodes that did not answer could not be checked)" * bool(r["nodes_unreachable"]))
+        )
+        return 1
+    console.print("every blob has all its copies, verified")
+    return 0
+
+
 # down: missed its latest probe, not yet dead; dead: silent past SMOLTORRENT_DEAD_AFTER_S
 _NODE_STATE = {"up": "up", "down": "down", "dead": "DEAD"}
 

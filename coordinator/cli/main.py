@@ -168,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     stat = sub.add_parser("status", help="nodes, under-replicated shards, dead letters")
     stat.add_argument("--json", action="store_true")
 
+    vf = sub.add_parser(
+        "verify",
+        help="re-hash every copy now and repair what is bad or missing",
+        description="Scrub and repair now instead of waiting for the sweeps: every node that "
+        "answers re-hashes the copies it holds of every committed version (or of NAME's), bad "
+        "and missing copies are copied again node to node, and the report says what was found "
+        "and done. Exit 1 if a blob is still below its copies.",
+    )
+    vf.add_argument("name", nargs="?", help="one checkpoint (default: all)")
+    vf.add_argument("--json", action="store_true")
+
     rm = sub.add_parser("rm", help="remove a checkpoint (all versions) or one version")
     rm.add_argument("name")
     rm.add_argument("--version", help="a version id prefix")

@@ -125,13 +125,16 @@ def settle_quarantined(
     another node `counted` (not dead), or once no version uses the blob."""
     released, discarded = [], []
     client = NodeClient(nodes[node_id].address, cluster_key=cluster_key)
+    # The list may predate a repair that already put a good copy there (which releases the
+    # quarantined one): such a copy stays in the placement.
+    whole = client.has(quarantined) if quarantined else set()
     for digest in quarantined:
+        if digest in whole:
+            continue
         if node_id in md.placement(digest):
             md.remove_placement(digest, node_id)
             released.append(digest)
-            log.warning(
-                "bad copy of %s on %s: out of the placement, to be repaired", digest, node_id
-            )
+            log.warning("bad copy of %s on %s: out of the placement", digest, node_id)
         elsewhere = (md.placement(digest) - {node_id}) & counted
         if (elsewhere or not md.blob_refs(digest)) and client.discard(digest):
             discarded.append(digest)

@@ -1,0 +1,65 @@
+"""`smoltorrent verify` on a real cluster: no beat, no worker; the command itself has
+the nodes re-hash and repairs what they found."""
+
+from __future__ import annotations
+
+import time
+
+from tests.beat.test_scrub import flip_byte, whole
+from tests.tasks.test_control_plane import make_ckpt, sha
+
+
+def store(c, src, name: str) -> list[str]:
+    c.cli("store", str(src), "--name", name)
+    md = c.md
+    return [s.blob_sha256 for s in md.manifest(md.current(name)).shards]
+
+
+def test_verify_finds_a_flipped_byte_and_a_deleted_copy_and_repairs_both(make_cluster, tmp_path):
+    c = make_cluster(3)
+    src = make_ckpt(tmp_path / "v.safetensors")
+    digests = store(c, src, "v.safetensors")
+    other = make_ckpt(tmp_path / "w.safetensors", size=1_000_000)
+    untouched = store(c, other, "w.safetensors")
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    flipped_on = by_id[min(c.md.placement(digests[0]))]
+    deleted_on = by_id[min(c.md.placement(digests[1]))]
+    flip_byte(flipped_on, digests[0], 77)
+    (deleted_on.data_dir / "blobs" / digests[1][:2] / digests[1]).unlink()
+    c.kill_worker()  # verify needs no worker
+
+    report = c.cli_json("verify", "v.safetensors")
+    found = {(b["digest"], b["problem"]) for b in report["bad"]}
+    assert found == {(digests[0], "bad"), (digests[1], "missing")}
+    assert {r["digest"] for r in report["repaired"]} == {digests[0], digests[1]}
+    assert report["under_replicated"] == []
+    assert report["copies_checked"] == 2 * len(set(digests))
+    assert not set(untouched) & {r["digest"] for r in report["repaired"]}
+    for d in digests:
+        assert sum(whole(n, d) for n in c.node_procs) == 2
+        assert len(c.md.placement(d)) == 2
+    # The bad copy was repaired in place or elsewhere; either way nothing bad is held.
+    assert all(not n.client().scrub(start=False)["quarantined"] for n in c.node_procs)
+
+    again = c.cli("verify")
+    assert "every blob has all its copies, verified" in again.stdout
+    c.start_worker()
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "v.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_verify_says_what_it_cannot_check_or_repair_and_exits_1(make_cluster, tmp_path):
+    c = make_cluster(2, SMOLTORRENT_DEAD_AFTER_S="2")
+    src = make_ckpt(tmp_path / "u.safetensors")
+    store(c, src, "u.safetensors")
+    c.node_procs[1].kill()
+    # Down, not yet dead: its copies still count, but nothing vouches for them now.
+    proc = c.cli("verify", check=False)
+    assert proc.returncode == 1
+    assert "could not be checked" in proc.stdout
+    time.sleep(2.5)  # past the dead timeout: now no node can take the second copies
+    proc = c.cli("verify", check=False)
+    assert proc.returncode == 1
+    assert "1 live node(s) for 2 copies" in proc.stderr + proc.stdout
+    assert c.cli("verify", "nothing-here", "--json", check=False).returncode == 1
