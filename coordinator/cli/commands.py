@@ -384,7 +384,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if copies:
         console.print(
             f"{len(copies)} repair copies in flight: "
-            + ", ".join(f"{r['digest'][:12]} {r['source'][:8]}->{r['target'][:8]}" for r in copies)
+            + ", ".join(
+                f"{r['digest'][:12]} of {'/'.join(r['names']) or '?'}"
+                f" ({r['source'][:8]} -> {r['target'][:8]})"
+                for r in copies
+            )
         )
     if s["unrepairable"]:
         table(

@@ -97,6 +97,10 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
     nodes, live = node_rows(md, cluster_key)
     versions = _versions(md)
     ckpts = [row for row, _ in versions]
+    names_of: dict[str, set[str]] = {}  # blob -> checkpoints using it, for the repairs
+    for c, _ in versions:
+        for shard in md.manifest(c["vkey"]).shards:
+            names_of.setdefault(shard.blob_sha256, set()).add(c["name"])
     under = []
     for c, holders in versions:
         if c["state"] != COMMITTED:
@@ -119,7 +123,13 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
             {"digest": d, **info} for d, info in sorted(repairs.unrepairable(md).items())
         ],
         "repairs_in_flight": [
-            {"digest": r.digest, "source": r.source, "target": r.target, "size": r.size}
+            {
+                "digest": r.digest,
+                "source": r.source,
+                "target": r.target,
+                "size": r.size,
+                "names": sorted(names_of.get(r.digest, ())),
+            }
             for r in sorted(repairs.in_flight(md), key=lambda r: (r.digest, r.target))
         ],
         "repairs_done": repairs.counts(md),
