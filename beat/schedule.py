@@ -13,6 +13,11 @@ SCHEDULE = {
         "schedule": config.reconcile_interval(),
         "options": {"queue": config.CONTROL_QUEUE},
     },
+    "crosscheck": {
+        "task": "smoltorrent.sweep.crosscheck",
+        "schedule": config.crosscheck_interval(),
+        "options": {"queue": config.CONTROL_QUEUE},
+    },
     "retention": {
         "task": "smoltorrent.sweep.retention",
         "schedule": config.retention_interval(),

@@ -186,3 +186,15 @@ def keep_last() -> int:
 def retention_interval() -> float:
     """Seconds between retention sweeps (SMOLTORRENT_RETENTION_INTERVAL_S)."""
     return float(os.environ.get("SMOLTORRENT_RETENTION_INTERVAL_S", defaults.RETENTION_INTERVAL_S))
+
+
+def crosscheck_interval() -> float:
+    """Seconds between crosscheck sweeps (SMOLTORRENT_CROSSCHECK_INTERVAL_S)."""
+    return float(
+        os.environ.get("SMOLTORRENT_CROSSCHECK_INTERVAL_S", defaults.CROSSCHECK_INTERVAL_S)
+    )
+
+
+def orphan_grace() -> float:
+    """Seconds an unused copy stays before it is collected (SMOLTORRENT_ORPHAN_GRACE_S)."""
+    return float(os.environ.get("SMOLTORRENT_ORPHAN_GRACE_S", defaults.ORPHAN_GRACE_S))

@@ -157,6 +157,7 @@ REPAIRS_MAX_IN_FLIGHT = 2
 # may send it again; a trim is rare (a dead node came back) and each step is idempotent
 TRIM_TIME_LIMIT_S = 3600
 SWEEP_LOCK_TTL_S = 600  # seconds; a sweep's lock expires if its holder died mid-sweep
+SWEEP_RUNS_KEPT = 100  # runs of each sweep kept on record (start, end, by whom)
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
 LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)
 EMBEDDED_REDIS_ATTEMPT_S = 2.0  # seconds one redis-server start may take before trying again
@@ -175,6 +176,17 @@ RETENTION_INTERVAL_S = 300.0
 # with a live mark; a gather killed mid-way blocks the removal at most this long
 GATHER_LEASE_TTL_S = 60
 GATHER_LEASE_REFRESH_S = 15.0  # seconds between refreshes: four chances before it lapses
+
+# --- crosscheck (beat/crosscheck.py) ---------------------------------------------
+
+# seconds between crosscheck sweeps (SMOLTORRENT_CROSSCHECK_INTERVAL_S): each lists every
+# node's blobs and manifests (one JSON answer per node), cheap next to a scrub
+CROSSCHECK_INTERVAL_S = 900.0
+# seconds a copy no version uses stays on a node before the crosscheck deletes it
+# (SMOLTORRENT_ORPHAN_GRACE_S): it only costs disk, and an operator who restored Redis
+# from an old backup has this long to notice before anything it forgot is collected
+# (blobs named by a manifest on any node are never collected as orphans anyway)
+ORPHAN_GRACE_S = 6 * 3600.0
 
 # --- watcher (coordinator/watcher.py) -----------------------------------------
 

@@ -40,6 +40,7 @@ app = Celery(
         "beat.repair",
         "beat.scrub",
         "tasks.repair",
+        "beat.crosscheck",
     ],
 )
 

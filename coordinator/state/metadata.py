@@ -269,6 +269,37 @@ redis.call('SREM', KEYS[4], ARGV[1])
 return 1
 """
 
+# The crosscheck claims a blob no version uses before deleting it from a node: the same
+# tombstone a remove sets, so a store that starts using the blob meanwhile waits, then sends
+# it again; a blob with a reference or a tombstone already is not claimed. 1 if claimed.
+# KEYS: reference set, tombstone; ARGV: owner, tombstone ttl seconds
+_CLAIM_ORPHAN = """
+if redis.call('SCARD', KEYS[1]) > 0 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', tonumber(ARGV[2]))
+return 1
+"""
+
+# A copy found on a node that placement does not list: recorded only if a version uses
+# the blob (checked in the same step, so a remove emptying its references wins). 1 if added.
+# KEYS: placement, reference set; ARGV: node id
+_RECORD_COPY = """
+if redis.call('SCARD', KEYS[2]) == 0 then return 0 end
+return redis.call('SADD', KEYS[1], ARGV[1])
+"""
+
+# An orphan deleted from the nodes ARGV: they leave its placement (all of it, if still no
+# version uses it), its orphan marks go, and its tombstone, if this crosscheck set it.
+# KEYS: placement, reference set, tombstone, orphans hash; ARGV: owner, digest, node ids
+_ORPHAN_DELETED = """
+for i = 3, #ARGV do
+  redis.call('SREM', KEYS[1], ARGV[i])
+  redis.call('HDEL', KEYS[4], ARGV[2] .. ':' .. ARGV[i])
+end
+if redis.call('SCARD', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
+return 1
+"""
+
 # A pending version's shards found with no copy at commit time go back to unsettled, so
 # their transfers run again and the barrier fires again. KEYS: version, settled, ready
 # ARGV: then per lost shard, its index and its number of replicas
@@ -333,6 +364,9 @@ class Metadata:
         self._remove_begin = self.r.register_script(_REMOVE_BEGIN)
         self._retire = self.r.register_script(_RETIRE)
         self._read = self.r.register_script(_READ)
+        self._claim_orphan = self.r.register_script(_CLAIM_ORPHAN)
+        self._record_copy = self.r.register_script(_RECORD_COPY)
+        self._orphan_deleted = self.r.register_script(_ORPHAN_DELETED)
         self._remove_finish = self.r.register_script(_REMOVE_FINISH)
         self._blob_deleted = self.r.register_script(_BLOB_DELETED)
         self._reopen = self.r.register_script(_REOPEN)
@@ -823,6 +857,94 @@ class Metadata:
                 ],
                 args=[name, vkey, time.time(), defaults.REMOVED_TOMBSTONE_TTL_S],
             )
+        )
+
+    # --- sweeps -------------------------------------------------------------------
+
+    def redis_time(self) -> float:
+        """Seconds on the Redis server's clock: one clock for every host."""
+        seconds, micros = self.r.time()
+        return seconds + micros / 1e6
+
+    def sweep_ran(self, name: str, started: float, by: str, outcome: str) -> None:
+        """Record one run of a sweep (its last SWEEP_RUNS_KEPT are kept)."""
+        key = K.SWEEP_RUNS.format(name=name)
+        run = {"started": started, "finished": self.redis_time(), "by": by, "outcome": outcome}
+        with self.r.pipeline() as p:
+            p.rpush(key, json.dumps(run))
+            p.ltrim(key, -defaults.SWEEP_RUNS_KEPT, -1)
+            p.execute()
+
+    def sweep_runs(self, name: str) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(K.SWEEP_RUNS.format(name=name), 0, -1)]
+
+    def sweep_skipped(self, name: str) -> None:
+        self.r.incr(K.SWEEP_SKIPPED.format(name=name))
+
+    def sweep_skips(self, name: str) -> int:
+        return int(self.r.get(K.SWEEP_SKIPPED.format(name=name)) or 0)
+
+    # --- crosscheck -------------------------------------------------------------
+
+    def placements(self) -> dict[str, set[str]]:
+        """Every blob's placement: digest -> node ids holding a verified copy."""
+        head, tail = K.PLACEMENT.split("{digest}")
+        keys = list(self.r.scan_iter(match=K.PLACEMENT.format(digest="*"), count=1000))
+        with self.r.pipeline(transaction=False) as p:
+            for key in keys:
+                p.smembers(key)
+            members = p.execute()
+        return {
+            k[len(head) : len(k) - len(tail)]: set(m) for k, m in zip(keys, members, strict=True)
+        }
+
+    def referenced(self, digests: list[str]) -> dict[str, bool]:
+        """digest -> whether any version (not removing or removed) uses it."""
+        with self.r.pipeline(transaction=False) as p:
+            for d in digests:
+                p.scard(K.BLOB_REFS.format(digest=d))
+            counts = p.execute()
+        return {d: n > 0 for d, n in zip(digests, counts, strict=True)}
+
+    def record_copy(self, digest: str, node_id: str) -> bool:
+        """Add a copy a node holds to the placement if a version uses the blob; True if it
+        was not listed before."""
+        keys = [K.PLACEMENT.format(digest=digest), K.BLOB_REFS.format(digest=digest)]
+        return bool(self._record_copy(keys=keys, args=[node_id]))
+
+    def note_orphan(self, digest: str, node_id: str) -> float:
+        """Record (once) that `node_id` holds `digest` with no version using it; seconds
+        since it was first found so, by the Redis clock."""
+        now = self.r.time()[0]
+        field = f"{digest}:{node_id}"
+        self.r.hsetnx(K.ORPHANS, field, now)
+        return now - float(self.r.hget(K.ORPHANS, field) or now)
+
+    def orphan_marks(self) -> set[str]:
+        return set(self.r.hkeys(K.ORPHANS))
+
+    def forget_orphans(self, fields: Iterable[str]) -> None:
+        fields = list(fields)
+        if fields:
+            self.r.hdel(K.ORPHANS, *fields)
+
+    def claim_orphan(self, digest: str, owner: str) -> bool:
+        """Tombstone an unreferenced blob before deleting it from nodes; False if a version
+        uses it or a remove is deleting it."""
+        keys = [K.BLOB_REFS.format(digest=digest), K.BLOB_DELETING.format(digest=digest)]
+        return bool(self._claim_orphan(keys=keys, args=[owner, defaults.BLOB_TOMBSTONE_TTL_S]))
+
+    def orphan_deleted(self, digest: str, owner: str, nodes: Iterable[str]) -> None:
+        """The crosscheck `owner` deleted orphan `digest` from `nodes` (maybe none): drop
+        their placement and orphan marks, and its tombstone."""
+        self._orphan_deleted(
+            keys=[
+                K.PLACEMENT.format(digest=digest),
+                K.BLOB_REFS.format(digest=digest),
+                K.BLOB_DELETING.format(digest=digest),
+                K.ORPHANS,
+            ],
+            args=[owner, digest, *nodes],
         )
 
     def record_bad_copy(self, digest: str, node_id: str, reason: str) -> None:

@@ -67,6 +67,9 @@ BLOB_REFS = PREFIX + "blob:{digest}:refs"
 BLOB_DELETING = PREFIX + "blob:{digest}:deleting"
 # set of blob digests a removing version left unreferenced, still to delete from nodes
 REMOVE_BLOBS = PREFIX + "version:{vkey}:remove_blobs"
+# hash "digest:node_id" -> when (Redis clock, s) the crosscheck first found that node holding
+# a blob no version uses; collected once older than the grace period
+ORPHANS = PREFIX + "orphans"
 # hash "digest:node_id" -> JSON {reason, at}: copies a reader found corrupt, to repair
 BAD_COPIES = PREFIX + "bad_copies"
 
@@ -83,6 +86,10 @@ REPAIR_COUNTS = PREFIX + "repairs:counts"
 WORKER_ALIVE = PREFIX + "worker:{host}:alive"
 # lock held while one sweep runs, so two beat instances never run it twice at once
 SWEEP_LOCK = PREFIX + "sweep:{name}:lock"
+# list of JSON {started, finished, by, outcome} of a sweep's latest runs (Redis clock, s)
+SWEEP_RUNS = PREFIX + "sweep:{name}:runs"
+# counter: times a sweep stood down because another run held its lock
+SWEEP_SKIPPED = PREFIX + "sweep:{name}:skipped"
 
 # hash task_id -> JSON dead-letter record; stream as a time-ordered index
 DLQ = PREFIX + "dlq"

@@ -1,0 +1,121 @@
+"""The crosscheck sweep: what the nodes hold against what Redis says they hold.
+
+- A copy placement lists but the node's inventory lacks is taken out of the
+  placement: the repair sweep then sees the blob under R and copies it again.
+- A copy the node holds but placement does not list is recorded, if a version
+  uses the blob (the references decide, atomically): Redis lost track of it
+  (a rebuild, a settle that never ran).
+- A copy no version uses is an orphan: noted with the time it was first seen,
+  and deleted once older than SMOLTORRENT_ORPHAN_GRACE_S, under the same
+  tombstone a remove sets (a store that starts using the blob waits, then sends
+  it again). A blob of a pending version has references, so it is never one; a
+  blob named by a manifest Redis does not know (Redis lost, not yet rebuilt) is
+  never collected either.
+- A manifest of a version Redis has removed is deleted from the node.
+
+Placement is read before the inventories, so a copy settled meanwhile (stored on
+the node before its settle) is never taken for missing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+from celery.utils.log import get_task_logger
+
+from beat.sweeps import sweep
+from coordinator import config
+from coordinator.plan.manifest import Manifest
+from coordinator.state.metadata import REMOVED, Metadata
+from smoltorrent.errors import SmoltorrentError
+from tasks.context import metadata, node_client
+
+log = get_task_logger(__name__)
+
+
+def run_pass(grace: float | None = None) -> dict[str, int]:
+    md = metadata()
+    grace = config.orphan_grace() if grace is None else grace
+    registered = md.nodes()
+    counts: Counter[str] = Counter()
+    before = md.placements()
+    inventories: dict[str, set[str]] = {}
+    manifests: dict[str, list[str]] = {}
+    for node_id in sorted(registered):
+        client = node_client(node_id, registered)
+        try:
+            inventories[node_id] = set(client.list_blobs())
+            manifests[node_id] = client.list_manifests()
+        except SmoltorrentError as exc:  # down, or answering garbage: next pass
+            log.info("crosscheck: node %s not read: %s", node_id[:12], exc)
+            counts["nodes_unread"] += 1
+    protected, sure = _manifests(md, registered, manifests, counts)
+    for digest, nodes in before.items():
+        for node_id in sorted(nodes & inventories.keys()):
+            if digest not in inventories[node_id]:
+                md.remove_placement(digest, node_id)
+                counts["missing"] += 1
+    digests = sorted(set().union(*inventories.values()))
+    used = md.referenced(digests)
+    seen = set()
+    owner = f"crosscheck-{uuid.uuid4().hex}"
+    for digest in digests:
+        holders = sorted(n for n, inv in inventories.items() if digest in inv)
+        if used[digest]:
+            counts["recorded"] += sum(md.record_copy(digest, n) for n in holders)
+            continue
+        if digest in protected or not sure or md.blob_deleting(digest):
+            continue
+        due = []
+        for node_id in holders:
+            seen.add(f"{digest}:{node_id}")
+            if md.note_orphan(digest, node_id) >= grace:
+                due.append(node_id)
+        counts["orphans"] += len(holders)
+        if due and md.claim_orphan(digest, owner):
+            gone = []
+            for node_id in due:
+                try:
+                    node_client(node_id, registered).delete(digest)
+                    gone.append(node_id)
+                except SmoltorrentError as exc:
+                    log.info("crosscheck: orphan %s stays on %s: %s", digest[:12], node_id, exc)
+            md.orphan_deleted(digest, owner, gone)
+            counts["collected"] += len(gone)
+    # Marks of copies that are no orphans any more (used again, or gone) start over.
+    md.forget_orphans(md.orphan_marks() - seen)
+    result = dict(counts)
+    if any(v for k, v in result.items() if k != "orphans"):
+        log.warning("crosscheck: %s", result)
+    return result
+
+
+def _manifests(md: Metadata, registered, manifests: dict[str, list[str]], counts: Counter):
+    """Delete node manifests of removed versions; return the blobs named by manifests
+    Redis does not know (never collected), and whether every such manifest was read
+    (if one was not, no orphan is collected this pass: it may name any blob)."""
+    protected: set[str] = set()
+    sure = True
+    for node_id, keys in manifests.items():
+        client = node_client(node_id, registered)
+        for key in keys:
+            state = md.state(key)
+            try:
+                if state == REMOVED:
+                    client.delete_manifest(key)
+                    counts["manifests_deleted"] += 1
+                elif state is None:
+                    counts["manifests_unknown"] += 1
+                    manifest = Manifest.from_json(client.get_manifest(key))
+                    protected.update(s.blob_sha256 for s in manifest.shards)
+            except SmoltorrentError as exc:
+                log.info("crosscheck: manifest %s on %s: %s", key, node_id[:12], exc)
+                sure = sure and state is not None
+    return protected, sure
+
+
+@sweep("crosscheck")
+def crosscheck() -> dict[str, int]:
+    """One pass over every registered node."""
+    return run_pass()
