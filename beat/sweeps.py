@@ -3,20 +3,34 @@
 Two beat instances (or a beat and a manual run) may both send a sweep; the lock
 makes the second a no-op instead of a second pass racing the first. The lock
 expires after SWEEP_LOCK_TTL_S so a holder that died mid-sweep blocks nothing
-for long. Adding a sweep is this decorator plus one entry in beat/schedule.py.
+for long; a live holder renews it every third of that, so a sweep longer than
+the TTL keeps it. Every run is recorded (start and end on the Redis clock, by
+whom), and every stand-down counted, so two runs at once would show.
+Adding a sweep is this decorator plus one entry in beat/schedule.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import threading
 
-from redis.exceptions import LockError
+from redis.exceptions import LockError, RedisError
 
+from coordinator import config
 from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.context import metadata
+
+
+def _renew(lock, stop: threading.Event) -> None:
+    while not stop.wait(defaults.SWEEP_LOCK_TTL_S / 3):
+        # Lost already (Redis away longer than the TTL): the sweep finishes; a second
+        # one may have started, which every sweep's idempotent steps tolerate.
+        with contextlib.suppress(LockError, RedisError):
+            lock.reacquire()
 
 
 def sweep(name: str):
@@ -26,14 +40,25 @@ def sweep(name: str):
         @app.task(name=f"smoltorrent.sweep.{name}")
         @functools.wraps(fn)
         def run(*args, **kwargs) -> dict:
-            lock = metadata().r.lock(
-                K.SWEEP_LOCK.format(name=name), timeout=defaults.SWEEP_LOCK_TTL_S
-            )
+            md = metadata()
+            lock = md.r.lock(K.SWEEP_LOCK.format(name=name), timeout=defaults.SWEEP_LOCK_TTL_S)
             if not lock.acquire(blocking=False):
+                md.sweep_skipped(name)
                 return {"skipped": f"another {name} sweep is running"}
+            stop = threading.Event()
+            renewer = threading.Thread(target=_renew, args=(lock, stop), daemon=True)
+            renewer.start()
+            started = md.redis_time()
+            outcome = "failed"
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                outcome = "done"
+                return result
             finally:
+                stop.set()
+                renewer.join()
+                with contextlib.suppress(RedisError):
+                    md.sweep_ran(name, started, f"{config.host_id()}:{os.getpid()}", outcome)
                 # It may have expired during a very long sweep: nothing left to free.
                 with contextlib.suppress(LockError):
                     lock.release()

@@ -87,7 +87,7 @@ def beat_process(tmp_path):
     procs = []
 
     def start(c) -> None:
-        log = open(tmp_path / "beat.log", "ab")  # noqa: SIM115  (closed with the process)
+        log = open(tmp_path / f"beat{len(procs)}.log", "ab")  # noqa: SIM115  (closed at the end)
         command = [sys.executable, "-m", "coordinator.cli", "beat", "--loglevel", "INFO"]
         procs.append((subprocess.Popen(command, env=c.env(), stdout=log, stderr=log), log))
 
