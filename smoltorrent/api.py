@@ -220,16 +220,29 @@ def load(
     staging_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """The state dict of `name` (its current version, or a version id prefix) as
-    `framework` tensors, gathered and verified byte for byte."""
+    `framework` tensors, gathered and verified byte for byte.
+
+    With `tensors` (names or globs, e.g. ["model.layers.0.*", "lm_head.weight"]), only
+    the tensors they match: their byte ranges alone are read from the shards holding
+    them, in parallel, each checked against the SHA-256 recorded for it at store time
+    (versions stored before those digests existed have their needed shards read whole
+    and checked against the shard's digest). A glob matching nothing is an error."""
     check_framework(framework)
     if device is not None and framework != "torch":
         raise StateDictError(f"device= applies to framework='torch' only, not {framework!r}")
     if tensors is not None:
-        raise SmoltorrentError("tensors= is not supported yet; load the whole state dict")
+        if isinstance(tensors, str) or not all(isinstance(t, str) for t in tensors):
+            raise SmoltorrentError(
+                f"tensors= takes a list of names or globs, not {tensors!r}"
+                + (f"; write tensors=[{tensors!r}]" if isinstance(tensors, str) else "")
+            )
+        if not tensors:
+            raise SmoltorrentError("tensors=[] selects nothing; leave it out to load every tensor")
+        tensors = list(tensors)
     directory = _staging_dir(staging_dir)
     out = directory / f".load.{uuid.uuid4().hex}.safetensors"
     try:
-        wait_gather(submit_gather(name, str(out), version))
+        wait_gather(submit_gather(name, str(out), version, tensors))
         return read_file(str(out), framework, device)
     finally:
         out.unlink(missing_ok=True)

@@ -111,15 +111,30 @@ def send_store(
     return request_id
 
 
-def send_gather(vkey: str, out: str, host: str, request_id: str, name: str | None = None) -> None:
-    """A gather on the host that will hold the output, for a recorded request."""
+def send_gather(
+    vkey: str,
+    out: str,
+    host: str,
+    request_id: str,
+    name: str | None = None,
+    tensors: list[str] | None = None,
+) -> None:
+    """A gather on the host that will hold the output, for a recorded request; with
+    `tensors` (globs), of the tensors they select only."""
     app.send_task(
         "smoltorrent.gather",
         args=(vkey, out),
-        kwargs={"request_id": request_id},
+        kwargs={"request_id": request_id} | ({} if tensors is None else {"tensors": tensors}),
         task_id=request_id,
         queue=config.host_queue(host),
-        **({} if name is None else {"argsrepr": name, "kwargsrepr": f"into {out}"}),
+        **(
+            {}
+            if name is None
+            else {
+                "argsrepr": name,
+                "kwargsrepr": f"into {out}" + (f", tensors {tensors}" if tensors else ""),
+            }
+        ),
     )
 
 
@@ -140,7 +155,9 @@ def redrive_request(request_id: str, record: dict[str, str]) -> None:
             request_id=request_id,
         )
     elif record["kind"] == "gather":
-        send_gather(args["vkey"], args["out"], record["host"], request_id)
+        send_gather(
+            args["vkey"], args["out"], record["host"], request_id, tensors=args.get("tensors")
+        )
 
 
 def settle(

@@ -10,6 +10,10 @@ from collections.abc import Callable
 
 from coordinator import config
 from coordinator.dataplane.gather_engine import BadCopy, check_destination, gather_checkpoint
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.partial_engine import gather_tensors
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.selection import select
 from coordinator.state.metadata import DONE, Metadata, NodeRecord
 from coordinator.state.reader_mark import reading
 from smoltorrent import defaults
@@ -18,7 +22,11 @@ from tasks.context import BOOT_ID, client, metadata
 
 
 @app.task(name="smoltorrent.gather", bind=True)
-def gather(self, vkey: str, out_path: str, request_id: str | None = None) -> dict:
+def gather(
+    self, vkey: str, out_path: str, request_id: str | None = None, tensors: list[str] | None = None
+) -> dict:
+    """Rebuild version `vkey` into out_path; with `tensors` (globs), only the tensors they
+    match, as a .safetensors file of their own (a partial load)."""
     # Whoever can reach the broker can send this task: the worker decides where it writes.
     out_path = check_destination(out_path, config.gather_dirs())
     md = metadata()
@@ -29,38 +37,20 @@ def gather(self, vkey: str, out_path: str, request_id: str | None = None) -> dic
     # The reader mark keeps retention off this version until the file is complete.
     reader = f"{config.host_id()}:{os.getpid()}:{self.request.id}"
     with reading(md, vkey, reader, what):
-        report, seconds, manifest = _gather(self, md, vkey, out_path)
-    result = {
-        "path": report.path,
-        "name": manifest.name,
-        "version_id": manifest.version_id,
-        "size": report.size,
-        "seconds": seconds,
-        "served_by": {str(k): v for k, v in report.served_by.items()},
-        "fallbacks": report.fallbacks,
-        "bad_copies": [
-            {"shard": b.shard, "node": b.address, "reason": b.reason} for b in report.bad_copies
-        ],
-        "host": config.host_id(),
-    }
+        if tensors is not None:
+            result = _gather_tensors(md, vkey, out_path, tensors)
+        else:
+            result = _gather(self, md, vkey, out_path)
     if request_id is not None:
         md.finish_request(request_id, DONE, result=json.dumps(result))
     return result
 
 
-def _gather(self, md: Metadata, vkey: str, out_path: str):
-    """Pull every shard of `vkey` into out_path: (report, seconds, manifest)."""
+def _gather(self, md: Metadata, vkey: str, out_path: str) -> dict:
+    """Pull every shard of `vkey` into out_path; the gather's report."""
     manifest = md.manifest(vkey)
     nodes = md.nodes()
-    alive = md.alive(nodes)
-    sources = []
-    for index, shard in enumerate(manifest.shards):
-        holders = sorted(n for n in md.placement(shard.blob_sha256) if n in nodes)
-        # Spread load: rotate by shard index, then try live nodes before silent ones.
-        k = index % len(holders) if holders else 0
-        holders = holders[k:] + holders[:k]
-        holders.sort(key=lambda n: n not in alive)
-        sources.append([client(nodes[n].address) for n in holders])
+    sources = _sources(md, manifest, nodes)
 
     task_id = self.request.id  # the request is thread-local; progress comes from threads
     done = 0
@@ -84,7 +74,67 @@ def _gather(self, md: Metadata, vkey: str, out_path: str):
     report = gather_checkpoint(
         manifest, sources, out_path, progress=progress, on_bad_copy=bad_copy_recorder(md, nodes)
     )
-    return report, round(time.monotonic() - started, 3), manifest
+    return {
+        "path": report.path,
+        "name": manifest.name,
+        "version_id": manifest.version_id,
+        "size": report.size,
+        "seconds": round(time.monotonic() - started, 3),
+        "served_by": {str(k): v for k, v in report.served_by.items()},
+        "fallbacks": report.fallbacks,
+        "bad_copies": [
+            {"shard": b.shard, "node": b.address, "reason": b.reason} for b in report.bad_copies
+        ],
+        "host": config.host_id(),
+    }
+
+
+def _sources(
+    md: Metadata, manifest: Manifest, nodes: dict[str, NodeRecord]
+) -> list[list[NodeClient]]:
+    """Per shard, clients of its holders in the order to try them."""
+    alive = md.alive(nodes)
+    sources = []
+    for index, shard in enumerate(manifest.shards):
+        holders = sorted(n for n in md.placement(shard.blob_sha256) if n in nodes)
+        # Spread load: rotate by shard index, then try live nodes before silent ones.
+        k = index % len(holders) if holders else 0
+        holders = holders[k:] + holders[:k]
+        holders.sort(key=lambda n: n not in alive)
+        sources.append([client(nodes[n].address) for n in holders])
+    return sources
+
+
+def _gather_tensors(md: Metadata, vkey: str, out_path: str, patterns: list[str]) -> dict:
+    """Only the tensors `patterns` select, their byte ranges read and verified one by one."""
+    manifest = md.manifest(vkey)
+    nodes = md.nodes()
+    started = time.monotonic()
+    selection = select(manifest, patterns)
+    report = gather_tensors(
+        manifest,
+        selection,
+        _sources(md, manifest, nodes),
+        out_path,
+        on_bad_copy=bad_copy_recorder(md, nodes),
+    )
+    return {
+        "path": report.path,
+        "name": manifest.name,
+        "version_id": manifest.version_id,
+        "size": report.size,
+        "seconds": round(time.monotonic() - started, 3),
+        "tensors": report.tensors,
+        "tensor_bytes": selection.data_bytes,
+        "bytes_fetched": report.bytes_fetched,
+        # Shards read whole because their manifest (schema 1) has no tensor digests.
+        "whole_shards": report.whole_shards,
+        "fallbacks": report.fallbacks,
+        "bad_copies": [
+            {"shard": b.shard, "node": b.address, "reason": b.reason} for b in report.bad_copies
+        ],
+        "host": config.host_id(),
+    }
 
 
 def bad_copy_recorder(md: Metadata, nodes: dict[str, NodeRecord]) -> Callable[[BadCopy], None]:

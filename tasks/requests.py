@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from coordinator import config
 from coordinator.dataplane.gather_engine import check_destination
 from coordinator.plan.safetensors_header import read_header
+from coordinator.plan.selection import select
 from coordinator.state.metadata import (
     ABORTED,
     COMMITTED,
@@ -154,11 +155,17 @@ def _wait_commit(
         time.sleep(defaults.CLI_POLL_INTERVAL_S)
 
 
-def submit_gather(name: str, out: str, version: str | None = None) -> GatherRequest:
+def submit_gather(
+    name: str, out: str, version: str | None = None, tensors: list[str] | None = None
+) -> GatherRequest:
     """Queue a gather of `name` (its current version, or a version id prefix) into the
-    file `out` on this host."""
+    file `out` on this host; with `tensors` (globs), of the tensors they match only, as
+    a .safetensors file of their own. A glob matching no tensor fails here."""
     md = connected_metadata()
     vkey = md.resolve(name, version)
+    size = int(md.version(vkey)["size"])
+    if tensors is not None:
+        size = select(md.manifest(vkey), tensors).size
     out = os.path.abspath(out)
     if not os.path.isdir(os.path.dirname(out)):
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
@@ -166,9 +173,9 @@ def submit_gather(name: str, out: str, version: str | None = None) -> GatherRequ
     host = config.host_id()
     require_worker(host)
     request_id = new_request_id()
-    md.open_request(request_id, "gather", host, {"vkey": vkey, "out": out})
-    send_gather(vkey, out, host, request_id, name)
-    size = int(md.version(vkey)["size"])
+    args = {"vkey": vkey, "out": out} | ({} if tensors is None else {"tensors": tensors})
+    md.open_request(request_id, "gather", host, args)
+    send_gather(vkey, out, host, request_id, name, tensors)
     return GatherRequest(task_id=request_id, name=name, vkey=vkey, out=out, size=size)
 
 

@@ -10,10 +10,11 @@ node.stop()      # SIGTERM, clean exit
 from __future__ import annotations
 
 import os
+import urllib.request
 
 from coordinator.local.cluster import NodeProcess
 
-__all__ = ["NodeProcess", "start_node"]
+__all__ = ["NodeProcess", "bytes_sent", "node_metric", "start_node"]
 
 
 def start_node(
@@ -24,3 +25,18 @@ def start_node(
 ) -> NodeProcess:
     """Start a shard server process serving data_dir on a free loopback port."""
     return NodeProcess(data_dir, cluster_key, socket_timeout=socket_timeout).start()
+
+
+def node_metric(node: NodeProcess, name: str) -> float:
+    """One sample of a node's /metrics (started with SMOLTORRENT_METRICS_PORT set)."""
+    port = (node.data_dir / "metrics_port").read_text().strip()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    # A sample line: the name, its labels ({node="..."}) if any, the value.
+    line = next(x for x in text.splitlines() if x.startswith((name + " ", name + "{")))
+    return float(line.split()[-1])
+
+
+def bytes_sent(nodes: list[NodeProcess]) -> float:
+    """Blob bytes the nodes have sent (reads and node-to-node pushes), summed."""
+    return sum(node_metric(n, "smoltorrent_node_bytes_sent_total") for n in nodes)

@@ -245,7 +245,7 @@ def cmd_store(args: argparse.Namespace) -> int:
 def cmd_gather(args: argparse.Namespace) -> int:
     from tasks.requests import submit_gather, wait_gather
 
-    request = submit_gather(args.name, args.output, args.version)
+    request = submit_gather(args.name, args.output, args.version, args.tensors)
     with _progress() as bar:
         task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
         report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
@@ -258,6 +258,17 @@ def cmd_gather(args: argparse.Namespace) -> int:
             f"({human_bytes(report['size'])} in {report['seconds']:.2f} s, "
             f"{human_bytes(rate)}/s)"
         )
+        if args.tensors:
+            console.print(
+                f"{len(report['tensors'])} tensors, {human_bytes(report['bytes_fetched'])} read"
+                " from the nodes"
+                + (
+                    f" (shards {report['whole_shards']} read whole: their manifest predates"
+                    " per-tensor digests)"
+                    if report["whole_shards"]
+                    else ""
+                )
+            )
         for line in report["fallbacks"]:
             warn(f"fell back to another replica: {line}")
     return 0

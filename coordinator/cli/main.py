@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("name")
     g.add_argument("-o", "--output", required=True, help="destination file")
     g.add_argument("--version", help="a version id prefix (default: the current version)")
+    g.add_argument(
+        "--tensors",
+        nargs="+",
+        metavar="GLOB",
+        help="only the tensors these names or globs match, as a .safetensors file of their"
+        " own (only their byte ranges are read, each verified)",
+    )
     g.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("ls", help="list checkpoints and their versions")

@@ -264,6 +264,37 @@ class NodeClient:
             )
         return received
 
+    def read_blob(
+        self,
+        digest: str,
+        sink: Callable[[memoryview], None],
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        size: int | None = None,
+    ) -> int:
+        """Stream `length` bytes of a blob from `offset` (the whole blob when length is None)
+        into sink(chunk), chunk by chunk through one buffer; returns the bytes received.
+
+        The caller verifies them: a whole blob against its digest, a range against the
+        digests of the tensors it holds. A node answering with another length than asked
+        (or, for a whole blob, than the manifest's `size`) is refused before any byte
+        reaches the sink.
+        """
+        with self._connection() as sock:
+            wire.send_frame(
+                sock, {"op": "get", "digest": digest, "offset": offset, "length": length}
+            )
+            _, body_len = wire.recv_response(sock, str(self.address))
+            expected = size if length is None else length
+            if expected is not None and body_len != expected:
+                raise DigestMismatchError(
+                    f"blob {digest[:12]} on node {self.address} answered {body_len} bytes, not"
+                    f" the {expected} asked for: that copy is corrupt; read another replica"
+                )
+            wire.recv_stream(sock, body_len, sink, digest_covered=True)
+        return body_len
+
     def get_range(self, digest: str, offset: int, length: int) -> bytes:
         """Small reads (bounded by MAX_JSON_BODY_BYTES)."""
         if length > defaults.MAX_JSON_BODY_BYTES:

@@ -66,30 +66,60 @@ class StoreResult:
         return [i for i, nodes in self.holders.items() if len(nodes) < self.manifest.replicas]
 
 
-def _hash_shard(path: str, header: CheckpointHeader, plan: ShardPlan) -> str:
-    return _hash_blob(
-        path, plan.index, plan.prefix, header.data_start + plan.data_start, plan.data_size
+def _hash_shard(
+    path: str, header: CheckpointHeader, plan: ShardPlan
+) -> tuple[str, tuple[str, ...]]:
+    """The blob's SHA-256 and each of its tensors' (manifest schema 2), in one read."""
+    by_name = {tensor.name: tensor for tensor in header.tensors}
+    ends = [by_name[name].end - plan.data_start for name in plan.tensors]
+    return _hash_pass(
+        path, plan.index, plan.prefix, header.data_start + plan.data_start, plan.data_size, ends
     )
 
 
 def _hash_blob(path: str, index: int, prefix: bytes, offset: int, length: int) -> str:
     """SHA-256 of a blob as it would be sent now: prefix, then length bytes of path at offset."""
+    return _hash_pass(path, index, prefix, offset, length, ())[0]
+
+
+def _hash_pass(
+    path: str,
+    index: int,
+    prefix: bytes,
+    offset: int,
+    length: int,
+    tensor_ends: Sequence[int],
+) -> tuple[str, tuple[str, ...]]:
+    """SHA-256 of a blob as it would be sent now: prefix, then length bytes of path at
+    offset; and, in the same pass, of each run of those bytes ending at `tensor_ends`
+    (relative to offset, ascending: one per tensor, in data order)."""
     hasher = hashlib.sha256(prefix)
+    pieces = [hashlib.sha256() for _ in tensor_ends]
+    piece = 0  # the tensor the next byte belongs to
     buf = bytearray(defaults.IO_CHUNK_BYTES)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
-        remaining = length
-        while remaining:
-            n = f.readinto(view[: min(remaining, len(buf))])
+        done = 0
+        while done < length:
+            n = f.readinto(view[: min(length - done, len(buf))])
             if not n:
                 raise SourceChangedError(
                     f"{path} ended early while hashing shard {index}; it is being "
                     "rewritten. Store it again once training has finished writing it."
                 )
-            hasher.update(view[:n])
-            remaining -= n
-    return hasher.hexdigest()
+            chunk = view[:n]
+            hasher.update(chunk)
+            at = 0
+            while at < n and piece < len(pieces):
+                # Zero-size tensors end where they start: their digest is of no bytes.
+                cut = min(n, tensor_ends[piece] - done)
+                pieces[piece].update(chunk[at:cut])
+                at = cut
+                if done + at == tensor_ends[piece]:
+                    piece += 1
+            done += n
+    return hasher.hexdigest(), tuple(p.hexdigest() for p in pieces)
 
 
 def prepare_store(
@@ -113,8 +143,9 @@ def prepare_store(
     identity.check(path)
     plans = plan_shards(header, shards or max(1, len(free_bytes)))
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        digests = list(pool.map(lambda p: _hash_shard(path, header, p), plans))
+        hashed = list(pool.map(lambda p: _hash_shard(path, header, p), plans))
     identity.check(path)
+    digests = [blob for blob, _ in hashed]
     targets = (
         place([p.blob_size for p in plans], free_bytes, place_replicas or replicas) if plans else []
     )
@@ -124,7 +155,7 @@ def prepare_store(
         source_size=header.file_size,
         header_bytes=header.header_bytes,
         replicas=replicas,
-        shards=shard_entries(plans, digests),
+        shards=shard_entries(plans, digests, [tensors for _, tensors in hashed]),
         created_at=time.time(),
     )
     return PreparedStore(

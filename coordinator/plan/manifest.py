@@ -8,6 +8,12 @@ byte for byte.
 
 The JSON is versioned (`schema_version`) and canonical (sorted keys, no
 spaces): the same manifest always serialises to the same bytes.
+
+Schema 2 adds, per shard, the SHA-256 of each tensor's bytes (`tensor_sha256`,
+in the order of `tensors`), computed in the same pass that hashes the blob at
+plan time, so a load of a few tensors can verify a byte range instead of
+fetching whole shards. Schema 1 manifests (no such digests) are still read; a
+partial load of one of them fetches and verifies the whole shards it needs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from coordinator.plan.planner import ShardPlan, blob_prefix
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, CheckpointHeader, parse_header
 from smoltorrent.errors import CheckpointFormatError, ManifestError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 1: before per-tensor digests
 _VERSION_ID_DOMAIN = b"smoltorrent version v1\0"  # keeps these digests apart from any other
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -41,6 +48,8 @@ class ShardEntry:
     blob_size: int
     blob_sha256: str
     blob_data_offset: int  # == len(blob prefix): where the source bytes start in the blob
+    # SHA-256 of each tensor's bytes, in the order of `tensors`; None in schema 1 manifests
+    tensor_sha256: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,11 @@ class Manifest:
                     "blob_sha256": shard.blob_sha256,
                     "blob_data_offset": shard.blob_data_offset,
                 }
+                | (
+                    {}
+                    if shard.tensor_sha256 is None
+                    else {"tensor_sha256": list(shard.tensor_sha256)}
+                )
                 for shard in self.shards
             ],
         }
@@ -116,10 +130,22 @@ def version_id_for(header_bytes: bytes, blob_digests: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
-def shard_entries(plans: Sequence[ShardPlan], digests: Sequence[str]) -> tuple[ShardEntry, ...]:
-    """Manifest entries for planned shards and the SHA-256 of each one's blob."""
+def shard_entries(
+    plans: Sequence[ShardPlan],
+    digests: Sequence[str],
+    tensor_digests: Sequence[Sequence[str]] | None = None,
+) -> tuple[ShardEntry, ...]:
+    """Manifest entries for planned shards, the SHA-256 of each one's blob and (schema 2)
+    of each of its tensors."""
     if len(plans) != len(digests):
         raise ValueError(f"{len(plans)} shard plans but {len(digests)} blob digests")
+    if tensor_digests is None:
+        tensor_digests = [None] * len(plans)
+    for plan, per_tensor in zip(plans, tensor_digests, strict=True):
+        if per_tensor is not None and len(per_tensor) != len(plan.tensors):
+            raise ValueError(
+                f"shard {plan.index} has {len(plan.tensors)} tensors but {len(per_tensor)} digests"
+            )
     return tuple(
         ShardEntry(
             index=plan.index,
@@ -129,8 +155,9 @@ def shard_entries(plans: Sequence[ShardPlan], digests: Sequence[str]) -> tuple[S
             blob_size=plan.blob_size,
             blob_sha256=digest,
             blob_data_offset=len(plan.prefix),
+            tensor_sha256=None if per_tensor is None else tuple(per_tensor),
         )
-        for plan, digest in zip(plans, digests, strict=True)
+        for plan, digest, per_tensor in zip(plans, digests, tensor_digests, strict=True)
     )
 
 
@@ -225,11 +252,11 @@ def _parse_manifest(data: bytes | str) -> Manifest:
     if not isinstance(document, dict):
         _fail("the top level is not a JSON object")
     schema = document.get("schema_version")
-    if type(schema) is not int or schema != SCHEMA_VERSION:
+    if type(schema) is not int or schema not in READABLE_SCHEMAS:
         newer = isinstance(schema, int) and schema > SCHEMA_VERSION
         raise ManifestError(
-            f"unknown manifest schema_version {schema!r}: this smoltorrent reads version "
-            f"{SCHEMA_VERSION}"
+            f"unknown manifest schema_version {schema!r}: this smoltorrent reads versions "
+            + ", ".join(map(str, READABLE_SCHEMAS))
             + ("; upgrade smoltorrent to read it." if newer else "; the manifest is not ours.")
         )
     fields = _fields(document, _MANIFEST_FIELDS, "manifest")
@@ -256,20 +283,30 @@ def _parse_manifest(data: bytes | str) -> Manifest:
         source_size=_count(fields, "source_size", "manifest", LENGTH_PREFIX_BYTES),
         header_bytes=header_bytes,
         replicas=_count(fields, "replicas", "manifest", 1),
-        shards=tuple(_parse_shard(shard) for shard in fields["shards"]),
+        shards=tuple(_parse_shard(shard, schema) for shard in fields["shards"]),
         created_at=float(created_at),
+        schema_version=schema,
     )
     _check_against_header(manifest)
     return manifest
 
 
-def _parse_shard(document: Any) -> ShardEntry:
-    fields = _fields(document, _SHARD_FIELDS, "a shard")
+def _parse_shard(document: Any, schema: int) -> ShardEntry:
+    # Schema 2 shards may carry per-tensor digests (absent when converted from schema 1).
+    given = document.keys() if isinstance(document, dict) and schema >= 2 else set()
+    fields = _fields(document, _SHARD_FIELDS | ({"tensor_sha256"} & given), "a shard")
     index = _count(fields, "index", "a shard")
     what = f"shard {index}"
     tensors = fields["tensors"]
     if not isinstance(tensors, list) or not tensors or not all(isinstance(t, str) for t in tensors):
         _fail(f"{what} tensors is {tensors!r}, not a non-empty list of names")
+    per_tensor = fields.get("tensor_sha256")
+    if "tensor_sha256" in fields and (
+        not isinstance(per_tensor, list)
+        or len(per_tensor) != len(tensors)
+        or not all(isinstance(d, str) and _SHA256_HEX.fullmatch(d) for d in per_tensor)
+    ):
+        _fail(f"{what} tensor_sha256 is not one SHA-256 (64 lowercase hex) per tensor")
     return ShardEntry(
         index=index,
         data_start=_count(fields, "data_start", what),
@@ -278,6 +315,7 @@ def _parse_shard(document: Any) -> ShardEntry:
         blob_size=_count(fields, "blob_size", what),
         blob_sha256=_sha256(fields, "blob_sha256", what),
         blob_data_offset=_count(fields, "blob_data_offset", what, LENGTH_PREFIX_BYTES),
+        tensor_sha256=None if per_tensor is None else tuple(per_tensor),
     )
 
 

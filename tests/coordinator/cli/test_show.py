@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 from pathlib import Path
 
+from safetensors.torch import load_file
+
 from tests.checkpoints import LLM_METADATA, write_llm_like
-
-SENT_METRIC = "smoltorrent_node_bytes_sent_total"
-
-
-def node_bytes_sent(cluster) -> float:
-    """Bytes every node has sent (reads of blobs), summed from their /metrics."""
-    total = 0.0
-    for node in cluster.node_procs:
-        port = (node.data_dir / "metrics_port").read_text().strip()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-            text = page.read().decode()
-        total += float(next(x for x in text.splitlines() if x.startswith(SENT_METRIC)).split()[-1])
-    return total
+from tests.nodeproc import bytes_sent
 
 
 def settled(path: Path) -> Path:
@@ -51,7 +40,7 @@ def test_ls_name_lists_its_versions_and_show_reads_only_the_manifest(make_cluste
     assert text[2].split("\t")[0] == new["version_id"][:12] + " *"
     assert all("run/other" not in line for line in text)
 
-    sent_before = node_bytes_sent(c)
+    sent_before = bytes_sent(c.node_procs)
     shown = c.cli_json("show", "run/latest.safetensors", "--version", old["version_id"][:10],
                        "--tensors")  # fmt: skip
     assert shown["version_id"] == old["version_id"] and shown["current"] is False
@@ -72,7 +61,20 @@ def test_ls_name_lists_its_versions_and_show_reads_only_the_manifest(make_cluste
     assert "metadata step: 100" in plain
     assert "model.layers.2.mlp.up_proj.weight\tBF16\t64x32\t" in plain
     # Nothing was read from a node: the header comes from the manifest alone.
-    assert node_bytes_sent(c) == sent_before
+    assert bytes_sent(c.node_procs) == sent_before
+
+    # gather --tensors: a file of the selected tensors, only their bytes read.
+    out = tmp_path / "layer2.safetensors"
+    report = c.cli_json("gather", "run/latest.safetensors", "-o", str(out), "--tensors",
+                        "model.layers.2.*")  # fmt: skip
+    back = load_file(out)
+    assert set(back) == {n for n in second if n.startswith("model.layers.2.")}
+    assert (
+        report["bytes_fetched"]
+        == report["tensor_bytes"]
+        == sum(t.numel() * t.element_size() for n, t in second.items() if n in back)
+    )
+    assert bytes_sent(c.node_procs) - sent_before == report["bytes_fetched"]
 
 
 def test_ls_and_show_of_an_unknown_name_say_so(make_cluster):

@@ -31,13 +31,23 @@ def store_in_memory(path, name: str = "grpo/run1/step_100.safetensors", shards: 
         for plan in plans
     ]
     digests = [hashlib.sha256(blob).hexdigest() for blob in blobs]
+    by_name = {t.name: t for t in header.tensors}
+    tensor_digests = [
+        [
+            hashlib.sha256(
+                source[header.data_start + by_name[n].start : header.data_start + by_name[n].end]
+            ).hexdigest()
+            for n in plan.tensors
+        ]
+        for plan in plans
+    ]
     manifest = Manifest(
         name=name,
         version_id=version_id_for(header.header_bytes, digests),
         source_size=header.file_size,
         header_bytes=header.header_bytes,
         replicas=2,
-        shards=shard_entries(plans, digests),
+        shards=shard_entries(plans, digests, tensor_digests),
         created_at=1_700_000_000.25,
     )
     return manifest, blobs, plans
@@ -58,7 +68,8 @@ def test_round_trip_is_exact_and_canonical(stored):
     assert Manifest.from_json(text).to_json() == text
     document = json.loads(text)
     assert text == json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-    assert document["schema_version"] == 1
+    assert document["schema_version"] == 2
+    assert all(len(s["tensor_sha256"]) == len(s["tensors"]) for s in document["shards"])
     assert base64.b64decode(document["header_bytes"]) == manifest.header_bytes
 
 
@@ -185,7 +196,8 @@ def test_non_manifest_json_is_rejected(data, words):
 @pytest.mark.parametrize(
     ("schema", "words"),
     [
-        (2, "unknown manifest schema_version 2: this smoltorrent reads version 1; upgrade"),
+        (3, "unknown manifest schema_version 3: this smoltorrent reads versions 1, 2; upgrade"),
+        (0, "unknown manifest schema_version 0: .* the manifest is not ours"),
         ("1", "unknown manifest schema_version '1'"),
         (1.0, "unknown manifest schema_version 1.0"),
         (None, "unknown manifest schema_version None"),
@@ -201,3 +213,38 @@ def test_shard_entries_need_one_digest_per_plan(stored):
     _, _, _, plans = stored
     with pytest.raises(ValueError, match="4 shard plans but 3 blob digests"):
         shard_entries(plans, ["0" * 64] * 3)
+
+
+def test_schema_1_manifests_are_still_read_and_keep_their_bytes(stored):
+    """A manifest written before per-tensor digests: read, no tensor digests, re-serialised
+    to the same bytes (so its copies on the nodes and in Redis stay equal)."""
+    _, manifest, _, _ = stored
+    document = json.loads(manifest.to_json())
+    document["schema_version"] = 1
+    for shard in document["shards"]:
+        del shard["tensor_sha256"]
+    old = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    parsed = Manifest.from_json(old)
+    assert parsed.schema_version == 1
+    assert all(s.tensor_sha256 is None for s in parsed.shards)
+    assert parsed.to_json() == old
+    assert [s.blob_sha256 for s in parsed.shards] == [s.blob_sha256 for s in manifest.shards]
+
+
+def test_a_schema_1_manifest_cannot_carry_tensor_digests(stored):
+    _, manifest, _, _ = stored
+    document = json.loads(manifest.to_json())
+    document["schema_version"] = 1
+    with pytest.raises(ManifestError, match="unknown fields tensor_sha256"):
+        Manifest.from_json(json.dumps(document))
+
+
+@pytest.mark.parametrize(
+    "value", [["0" * 64], "x", [1, 2], None], ids=["too-few", "string", "ints", "null"]
+)
+def test_tensor_digests_must_be_one_sha256_per_tensor(stored, value):
+    _, manifest, _, _ = stored
+    document = json.loads(manifest.to_json())
+    document["shards"][0]["tensor_sha256"] = value
+    with pytest.raises(ManifestError, match="shard 0 tensor_sha256 is not one SHA-256"):
+        Manifest.from_json(json.dumps(document))

@@ -1,0 +1,195 @@
+"""Partial gather: only the selected tensors of a version, as a .safetensors file of their own.
+
+Each run of neighbouring selected tensors is one ranged read of its shard's blob, all
+runs in parallel; the bytes are hashed tensor by tensor as they arrive and checked
+against the per-tensor SHA-256 the manifest recorded at store time (schema 2), and
+pwritten straight to their place in a temp file. A shard whose manifest has no
+tensor digests (schema 1) is read whole and checked against its blob digest, the
+only digest there is for it: a range of it could not be verified. A mismatch, a
+wrong length or a node error moves to the next replica. As in a full gather, the
+file is fsynced and renamed onto the destination only when every tensor is
+verified; on failure nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from coordinator.dataplane.gather_engine import BadCopy
+from coordinator.dataplane.node_client import NodeClient
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.selection import Piece, Read, Selection
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    DigestMismatchError,
+    GatherError,
+    NodeError,
+    NodeUnavailableError,
+    ProtocolError,
+)
+
+
+@dataclass
+class PartialReport:
+    path: str
+    size: int
+    tensors: list[str]
+    bytes_fetched: int = 0  # tensor bytes that came over the wire, failed attempts included
+    whole_shards: list[int] = field(default_factory=list)  # read whole: no tensor digests
+    fallbacks: list[str] = field(default_factory=list)
+    bad_copies: list[BadCopy] = field(default_factory=list)
+
+
+class _Sink:
+    """Takes a body chunk by chunk: writes the selected pieces to their place in the
+    output, hashing each (ranged read) or the whole body (whole-blob read)."""
+
+    def __init__(self, fd: int, pieces: Sequence[Piece], base: int, whole: bool) -> None:
+        self.fd = fd
+        self.base = base  # blob offset of the body's first byte
+        self.pieces = pieces
+        self.hashers = [hashlib.sha256() for _ in pieces]
+        self.whole = hashlib.sha256() if whole else None
+        self.position = base
+
+    def __call__(self, chunk: memoryview) -> None:
+        start, end = self.position, self.position + len(chunk)
+        if self.whole is not None:
+            self.whole.update(chunk)
+        for piece, hasher in zip(self.pieces, self.hashers, strict=True):
+            lo, hi = max(start, piece.blob_offset), min(end, piece.blob_offset + piece.length)
+            if lo >= hi:
+                continue
+            part = chunk[lo - start : hi - start]
+            hasher.update(part)
+            _pwrite_all(self.fd, part, piece.out_offset + lo - piece.blob_offset)
+        self.position = end
+
+    def check(self, read: Read, digest: str, address: str) -> None:
+        if self.whole is not None:
+            if self.whole.hexdigest() != digest:
+                raise DigestMismatchError(
+                    f"blob {digest[:12]} from node {address} hashed to "
+                    f"{self.whole.hexdigest()[:12]}: that copy is corrupt"
+                )
+            return
+        for piece, hasher in zip(read.pieces, self.hashers, strict=True):
+            if hasher.hexdigest() != piece.sha256:
+                raise DigestMismatchError(
+                    f"tensor {piece.name} from blob {digest[:12]} on node {address} hashed to "
+                    f"{hasher.hexdigest()[:12]}, not its recorded {str(piece.sha256)[:12]}: "
+                    "that copy is corrupt"
+                )
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def gather_tensors(
+    manifest: Manifest,
+    selection: Selection,
+    sources: Sequence[Sequence[NodeClient]],
+    out_path: str | os.PathLike,
+    *,
+    threads: int = defaults.TRANSFER_THREADS,
+    on_bad_copy: Callable[[BadCopy], None] | None = None,
+) -> PartialReport:
+    """Write the selected tensors of `manifest` to out_path as one .safetensors file;
+    sources[i] lists shard i's replicas in the order to try them."""
+    out_path = os.path.abspath(os.fspath(out_path))
+    directory = os.path.dirname(out_path)
+    report = PartialReport(
+        path=out_path,
+        size=selection.size,
+        tensors=selection.names,
+        whole_shards=sorted(selection.whole_shards),
+    )
+    lock = threading.Lock()
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{os.path.basename(out_path)}.", suffix=".partial", dir=directory
+    )
+    try:
+        try:
+            os.posix_fallocate(fd, 0, selection.size)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise GatherError(
+                f"not enough free space in {directory} for {selection.size} bytes of "
+                f"{manifest.name}; free some space or load elsewhere."
+            ) from None
+        os.pwrite(fd, selection.prefix, 0)
+
+        def one_read(read: Read) -> str | None:
+            shard = manifest.shards[read.shard]
+            whole = read.shard in selection.whole_shards
+            tried: list[str] = []
+            for client in sources[read.shard]:
+                sink = _Sink(fd, read.pieces, 0 if whole else read.offset, whole)
+                try:
+                    got = client.read_blob(
+                        shard.blob_sha256,
+                        sink,
+                        offset=0 if whole else read.offset,
+                        length=None if whole else read.length,
+                        size=shard.blob_size,
+                    )
+                    with lock:
+                        report.bytes_fetched += got
+                    sink.check(read, shard.blob_sha256, str(client.address))
+                except DigestMismatchError as exc:
+                    tried.append(f"{client.address}: {exc}")
+                    bad = BadCopy(read.shard, shard.blob_sha256, str(client.address), str(exc))
+                    with lock:
+                        report.bad_copies.append(bad)
+                    if on_bad_copy:
+                        on_bad_copy(bad)
+                    continue
+                except (NodeUnavailableError, NodeError, ProtocolError) as exc:
+                    with lock:
+                        report.bytes_fetched += sink.position - (0 if whole else read.offset)
+                    tried.append(f"{client.address}: {exc}")
+                    continue
+                with lock:
+                    report.fallbacks.extend(f"shard {read.shard} {line}" for line in tried)
+                return None
+            names = ", ".join(p.name for p in read.pieces[:3])
+            return f"shard {read.shard} (tensors {names}): " + (
+                "; ".join(tried) or "no node holds a copy"
+            )
+
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(selection.reads)))) as pool:
+            missing = [m for m in pool.map(one_read, selection.reads) if m]
+        if missing:
+            raise GatherError(
+                f"cannot load the selected tensors of {manifest.name} (version "
+                f"{manifest.version_id[:12]}): {len(missing)} read(s) found no good replica: "
+                + " | ".join(missing)
+                + ". Bring a node holding them back (`smoltorrent status`) and load again."
+            )
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, out_path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return report

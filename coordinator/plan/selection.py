@@ -1,0 +1,140 @@
+"""A selection of tensors: which byte ranges of which shards a partial load reads, and
+the standalone .safetensors file they make.
+
+Pure, like the rest of plan/: it works from the manifest alone. The selected tensors
+keep the source's data order and are packed one after another in the output (the
+source's own `__metadata__` is kept), so tensors that are neighbours in a shard are
+neighbours in the output too and come in one ranged read.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.safetensors_header import (
+    LENGTH_PREFIX_BYTES,
+    METADATA_KEY,
+    TensorInfo,
+    parse_header,
+)
+from smoltorrent.errors import NotFoundError
+
+_HEADER_ALIGNMENT = 8  # bytes, as safetensors writers pad their headers
+_SHOWN_NAMES = 5  # tensor names an unmatched pattern's error lists, as examples
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One selected tensor: where it is in its blob, where it goes in the output."""
+
+    name: str
+    blob_offset: int  # in the shard's blob (its own header first)
+    length: int
+    out_offset: int  # in the output file
+    sha256: str | None  # of its bytes; None in a schema 1 manifest
+
+
+@dataclass(frozen=True)
+class Read:
+    """What one shard contributes: pieces adjacent in the blob, in order."""
+
+    shard: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def offset(self) -> int:
+        return self.pieces[0].blob_offset
+
+    @property
+    def length(self) -> int:
+        return self.pieces[-1].blob_offset + self.pieces[-1].length - self.offset
+
+
+@dataclass(frozen=True)
+class Selection:
+    prefix: bytes  # the output's 8-byte length and header
+    size: int  # of the whole output file
+    reads: tuple[Read, ...]  # ranged reads, or whole shards when a shard lacks digests
+    whole_shards: frozenset[int]  # shards fetched whole: their manifest has no tensor digests
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for read in self.reads for p in read.pieces]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(p.length for read in self.reads for p in read.pieces)
+
+
+def select(manifest: Manifest, patterns: Sequence[str]) -> Selection:
+    """The tensors of `manifest` whose name matches any glob of `patterns` (fnmatch,
+    case-sensitive). NotFoundError names a pattern that matches nothing: a typo would
+    otherwise load a state dict silently missing what it meant to load."""
+    header = parse_header(
+        struct.pack("<Q", len(manifest.header_bytes)),
+        manifest.header_bytes,
+        manifest.source_size,
+        source=f"manifest of {manifest.name}",
+    )
+    names = [t.name for t in header.tensors]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            shown = ", ".join(names[:_SHOWN_NAMES]) + (", ..." if len(names) > _SHOWN_NAMES else "")
+            raise NotFoundError(
+                f"no tensor of {manifest.name} matches {pattern!r} (its tensors: {shown}); "
+                f"`smoltorrent show {manifest.name} --tensors` lists them all."
+            )
+    chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    by_name = {t.name: t for t in header.tensors}
+    picked = [t for t in header.tensors if t.name in chosen]
+    prefix = _header(picked, header.metadata)
+    out = len(prefix)
+    reads: list[Read] = []
+    whole: set[int] = set()
+    for shard in manifest.shards:
+        run: list[Piece] = []
+        previous_end = None
+        for position, name in enumerate(shard.tensors):
+            if name not in chosen:
+                continue
+            tensor = by_name[name]
+            piece = Piece(
+                name=name,
+                blob_offset=shard.blob_data_offset + tensor.start - shard.data_start,
+                length=tensor.size,
+                out_offset=out,
+                sha256=None if shard.tensor_sha256 is None else shard.tensor_sha256[position],
+            )
+            out += tensor.size
+            # A whole-shard read carries every selected piece of the shard; a ranged one
+            # only a run of neighbours (a gap would move bytes nobody asked for).
+            if run and shard.tensor_sha256 is not None and previous_end != piece.blob_offset:
+                reads.append(Read(shard.index, tuple(run)))
+                run = []
+            run.append(piece)
+            previous_end = piece.blob_offset + piece.length
+        if run:
+            reads.append(Read(shard.index, tuple(run)))
+            if shard.tensor_sha256 is None:
+                whole.add(shard.index)
+    return Selection(prefix=prefix, size=out, reads=tuple(reads), whole_shards=frozenset(whole))
+
+
+def _header(tensors: Sequence[TensorInfo], metadata: dict[str, str] | None) -> bytes:
+    entries: dict = {METADATA_KEY: metadata} if metadata else {}
+    offset = 0
+    for tensor in tensors:
+        entries[tensor.name] = {
+            "dtype": tensor.dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.size],
+        }
+        offset += tensor.size
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-(LENGTH_PREFIX_BYTES + len(raw)) % _HEADER_ALIGNMENT)
+    return struct.pack("<Q", len(raw)) + raw
