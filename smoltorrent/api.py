@@ -28,7 +28,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,20 @@ def save(
     """Store a state dict of torch tensors, numpy arrays or MLX arrays as a version of
     `name`. With wait=True, return the committed version; with wait=False, return a
     SaveHandle as soon as the local file is written."""
+    handle = start_save(state_dict, name, replicas, metadata, staging_dir)
+    return handle.result() if wait else handle
+
+
+def start_save(
+    state_dict: Mapping[str, Any],
+    name: str,
+    replicas: int,
+    metadata: Mapping[str, str] | None,
+    staging_dir: str | os.PathLike[str] | None,
+    then: Callable[[SavedVersion], None] | None = None,
+) -> SaveHandle:
+    """save(..., wait=False), with `then(saved)` run once the version is committed and
+    before the handle reports it (its error becomes the handle's)."""
     if not isinstance(name, str) or not name.strip():
         raise SmoltorrentError(f"a checkpoint name must be a non-empty string, not {name!r}")
     if replicas < 1:
@@ -133,14 +147,18 @@ def save(
     # Not a daemon: the interpreter waits for saves in flight before it exits.
     threading.Thread(
         target=_follow,
-        args=(handle, previous, request, replicas),
+        args=(handle, previous, request, replicas, then),
         name=f"smoltorrent-save-{name}",
     ).start()
-    return handle.result() if wait else handle
+    return handle
 
 
 def _follow(
-    handle: SaveHandle, previous: SaveHandle | None, request: StoreRequest | None, replicas: int
+    handle: SaveHandle,
+    previous: SaveHandle | None,
+    request: StoreRequest | None,
+    replicas: int,
+    then: Callable[[SavedVersion], None] | None,
 ) -> None:
     try:
         _fsync(handle.path)
@@ -159,7 +177,14 @@ def _follow(
         )
     else:
         os.unlink(handle.path)
-        handle._future.set_result(saved)
+        try:
+            if then is not None:
+                then(saved)
+        except BaseException as exc:
+            wrapped = exc if isinstance(exc, SmoltorrentError) else SmoltorrentError(str(exc))
+            handle._future.set_exception(wrapped)
+        else:
+            handle._future.set_result(saved)
     finally:
         with _lock:
             if _latest.get(handle.name) is handle:

@@ -106,3 +106,23 @@ class UsageError(SmoltorrentError):
 
 class ManifestNotDurableError(SmoltorrentError):
     """A commit could not put the manifest on every holder (at least min(R, live nodes))."""
+
+
+class ShardedCheckpointError(SmoltorrentError):
+    """A per-rank sharded checkpoint step cannot be saved or resumed as asked."""
+
+
+class StepNotFoundError(ShardedCheckpointError, NotFoundError):
+    """No such step of a sharded checkpoint (never saved, or removed by keep-last-K)."""
+
+
+class WorldSizeMismatchError(ShardedCheckpointError):
+    """A step was saved with another world size than the one saving or resuming it."""
+
+
+class PartialStepError(ShardedCheckpointError):
+    """A step not every rank has finished storing: it is not committed, never resumed from."""
+
+
+class MissingRankError(ShardedCheckpointError):
+    """A committed step lacks a rank's part (removed, or its version is not committed)."""

@@ -29,7 +29,7 @@ from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
 from tasks.app import app
 from tasks.context import metadata
-from tasks.enqueue import new_request_id, send_gather, send_store
+from tasks.enqueue import new_request_id, send_gather, send_remove, send_store
 
 
 @dataclass(frozen=True)
@@ -192,3 +192,11 @@ def wait_gather(
     if res.failed():
         raise SmoltorrentError(str(res.result))
     return res.result
+
+
+def submit_remove(vkey: str) -> None:
+    """Remove a version: marked removing at once (no gather takes it from here on, and the
+    reconcile sweep resumes the remove after any crash), then its remove task is queued."""
+    md = connected_metadata()
+    md.begin_remove(vkey)
+    send_remove(vkey)

@@ -75,7 +75,7 @@ class Manifest:
         manifests and must not overwrite each other on a node. 128 bits keep
         collisions out of reach while the key stays short.
         """
-        return hashlib.sha256(f"{self.name}\0{self.version_id}".encode()).hexdigest()[:32]
+        return storage_key(self.name, self.version_id)
 
     def to_json(self) -> bytes:
         document = {
@@ -110,6 +110,11 @@ class Manifest:
     def from_json(cls, data: bytes | str) -> Manifest:
         """Parse and validate; ManifestError names the first problem found."""
         return _parse_manifest(data)
+
+
+def storage_key(name: str, version_id: str) -> str:
+    """The version key of `version_id` under `name` (see Manifest.storage_key)."""
+    return hashlib.sha256(f"{name}\0{version_id}".encode()).hexdigest()[:32]
 
 
 def version_id_for(header_bytes: bytes, blob_digests: Sequence[str]) -> str:

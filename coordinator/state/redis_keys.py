@@ -81,6 +81,11 @@ REPAIRS = PREFIX + "repairs"
 UNREPAIRABLE = PREFIX + "unrepairable"
 # hash counter -> number: repairs done, copies trimmed (for status and the closing note)
 REPAIR_COUNTS = PREFIX + "repairs:counts"
+# hash of one step of a per-rank sharded checkpoint: world_size, state, parts (count),
+# created_at, committed_at, and "rank:<r>" -> JSON of that rank's version
+STEP = PREFIX + "sharded:{name}:step:{step}"
+# zset of a sharded checkpoint's recorded steps, scored by step number
+STEPS = PREFIX + "sharded:{name}:steps"
 
 # TTL key per host: the boot id of the worker serving it, refreshed while it runs
 WORKER_ALIVE = PREFIX + "worker:{host}:alive"

@@ -31,6 +31,11 @@ def test_api_names_resolve_on_first_use() -> None:
         "print(smoltorrent.save.__module__, load.__module__, 'save' in dir(smoltorrent))"
     )
     assert out == "smoltorrent.api smoltorrent.api True"
+    sharded = _run(
+        "import smoltorrent; print(smoltorrent.save_sharded.__module__, "
+        "smoltorrent.latest_step.__module__, 'load_sharded' in dir(smoltorrent))"
+    )
+    assert sharded == "smoltorrent.sharded smoltorrent.sharded True"
     proc = subprocess.run(
         [sys.executable, "-c", "import smoltorrent; smoltorrent.nope"],
         cwd=ROOT,

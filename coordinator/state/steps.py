@@ -1,0 +1,154 @@
+"""Steps of per-rank sharded checkpoints: which rank's checkpoint makes up which step,
+and the step's commit marker, in Redis.
+
+Each rank's part of a step is an ordinary checkpoint (its own name, versions and
+manifest). A step is a hash: its world size, its state and, per rank, the version
+that rank stored. It moves pending -> committed in the same Lua script that records
+the last rank's part, so it is complete for every reader at once or for none; a
+reader ignores anything not committed (torchsnapshot's marker-last rule). A step is
+only ever marked removing once it is committed and older than the K newest, and a
+pending step (a save in flight, or one a crash left behind) is never removed by
+keep-last-K: only `remove_step` does that.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import redis
+
+from coordinator.state import redis_keys as K
+
+PENDING = "pending"
+COMMITTED = "committed"
+REMOVING = "removing"
+
+_RANK = "rank:"  # hash field prefix of one rank's part
+
+# KEYS: step hash, steps zset. ARGV: step, world size, now.
+# {"ok"} | {"world_size", theirs} | {"state", state}
+_BEGIN = """
+local ws = redis.call('HGET', KEYS[1], 'world_size')
+if ws and ws ~= ARGV[2] then return {'world_size', ws} end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state and state ~= 'pending' then return {'state', state} end
+if not ws then
+  redis.call('HSET', KEYS[1], 'world_size', ARGV[2], 'state', 'pending', 'parts', 0,
+             'created_at', ARGV[3])
+  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+end
+return {'ok'}
+"""
+
+# KEYS: step hash. ARGV: rank, world size, part JSON, now.
+# {"committed" | "pending"} | {"world_size", theirs} | {"state", state}
+_COMPLETE = """
+local ws = redis.call('HGET', KEYS[1], 'world_size')
+if not ws then return {'state', 'missing'} end
+if ws ~= ARGV[2] then return {'world_size', ws} end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'pending' then return {'state', state} end
+if redis.call('HSET', KEYS[1], 'rank:' .. ARGV[1], ARGV[3]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'parts', 1)
+end
+if tonumber(redis.call('HGET', KEYS[1], 'parts')) == tonumber(ws) then
+  redis.call('HSET', KEYS[1], 'state', 'committed', 'committed_at', ARGV[4])
+  return {'committed'}
+end
+return {'pending'}
+"""
+
+# KEYS: step hash. committed -> removing; 1 if this call did it.
+_MARK_REMOVING = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'committed' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'removing')
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One rank's checkpoint in a step."""
+
+    rank: int
+    name: str
+    vkey: str
+    version_id: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    step: int
+    world_size: int
+    state: str
+    parts: dict[int, Part]
+    created_at: float
+
+
+class Steps:
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self._begin = r.register_script(_BEGIN)
+        self._complete = r.register_script(_COMPLETE)
+        self._mark_removing = r.register_script(_MARK_REMOVING)
+
+    def begin(self, name: str, step: int, world_size: int) -> list[str]:
+        """Open the step (or join it): ["ok"], ["world_size", theirs] or ["state", state]."""
+        return self._begin(
+            keys=[K.STEP.format(name=name, step=step), K.STEPS.format(name=name)],
+            args=[step, world_size, time.time()],
+        )
+
+    def complete(self, name: str, step: int, world_size: int, part: Part) -> list[str]:
+        """Record a rank's stored part: ["committed"] when it was the last one, ["pending"],
+        or the conflict as begin() reports it."""
+        record = {k: v for k, v in vars(part).items() if k != "rank"}
+        return self._complete(
+            keys=[K.STEP.format(name=name, step=step)],
+            args=[part.rank, world_size, json.dumps(record, sort_keys=True), time.time()],
+        )
+
+    def get(self, name: str, step: int) -> Step | None:
+        raw = self.r.hgetall(K.STEP.format(name=name, step=step))
+        if not raw:
+            return None
+        parts = {
+            int(field[len(_RANK) :]): Part(rank=int(field[len(_RANK) :]), **json.loads(value))
+            for field, value in raw.items()
+            if field.startswith(_RANK)
+        }
+        return Step(
+            name=name,
+            step=step,
+            world_size=int(raw["world_size"]),
+            state=raw["state"],
+            parts=parts,
+            created_at=float(raw["created_at"]),
+        )
+
+    def all(self, name: str) -> list[Step]:
+        """Every step of `name` still recorded, oldest first."""
+        steps = (self.get(name, int(s)) for s in self.r.zrange(K.STEPS.format(name=name), 0, -1))
+        return [s for s in steps if s is not None]
+
+    def latest(self, name: str) -> int | None:
+        """The newest committed step."""
+        for raw in self.r.zrevrange(K.STEPS.format(name=name), 0, -1):
+            if self.r.hget(K.STEP.format(name=name, step=raw), "state") == COMMITTED:
+                return int(raw)
+        return None
+
+    def mark_removing(self, name: str, step: int) -> bool:
+        """committed -> removing: no reader takes the step from here on."""
+        return bool(self._mark_removing(keys=[K.STEP.format(name=name, step=step)]))
+
+    def forget(self, name: str, step: int) -> None:
+        """Drop the step's record (its parts' versions are removed first)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(K.STEP.format(name=name, step=step))
+        pipe.zrem(K.STEPS.format(name=name), step)
+        pipe.execute()

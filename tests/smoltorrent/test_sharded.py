@@ -1,0 +1,125 @@
+"""Per-rank sharded checkpoints on a real cluster, every rank its own process: a step
+commits only once every rank's part is stored, and resume refuses a world-size change,
+a partial step and a missing rank, each with its own error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.smoltorrent.conftest import ROOT, run_api
+from tests.tasks.conftest import wait_until
+
+RANK = """
+import json, sys
+import smoltorrent
+from tests.checkpoints import llm_like_tensors
+
+name, step, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+keep = int(sys.argv[5]) if len(sys.argv) > 5 else None
+sd = llm_like_tensors(layers=1, hidden=16, seed=1000 * step + rank)
+saved = smoltorrent.save_sharded(sd, name, step, rank, world, keep_last=keep)
+print(json.dumps({"version_id": saved.version_id}))
+"""
+
+# Tries a call; prints the error's class and message, or what it returned.
+TRY = """
+import json
+import smoltorrent
+from smoltorrent.errors import ShardedCheckpointError
+from tests.checkpoints import llm_like_tensors
+import torch
+
+def bits(sd):
+    return {k: v.contiguous().reshape(-1).view(torch.uint8).tolist() for k, v in sd.items()}
+
+try:
+    out = CALL
+except ShardedCheckpointError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+else:
+    print(json.dumps({"value": CHECK}))
+"""
+
+
+def ranks(cluster, name: str, step: int, rank_ids, world: int, keep: int | None = None) -> None:
+    """Run one process per rank at once, as a launcher does; wait for them all."""
+    extra = [] if keep is None else [str(keep)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, name, str(step), str(r), str(world), *extra],
+            env=cluster.env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in rank_ids
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        assert "version_id" in json.loads(out.strip().splitlines()[-1])
+
+
+def attempt(cluster, call: str, check: str = "None"):
+    return run_api(cluster, TRY.replace("CALL", call).replace("CHECK", check))
+
+
+def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(make_cluster):
+    c = make_cluster(3)
+    # Ranks 0 and 1 of 3 store step 100; rank 2 never does: the step stays partial.
+    ranks(c, "run", 100, [0, 1], 3)
+    assert attempt(c, "smoltorrent.latest_step('run')", "out") == {"value": None}
+    partial = attempt(c, "smoltorrent.load_sharded('run', 100, 0, 3)")
+    assert partial["error"] == "PartialStepError" and "ranks 2 never finished" in partial["message"]
+
+    ranks(c, "run", 100, [2], 3)
+    assert attempt(c, "smoltorrent.latest_step('run')", "out") == {"value": 100}
+    for r in range(3):
+        same = attempt(
+            c,
+            f"smoltorrent.load_sharded('run', 100, {r}, 3)",
+            f"bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=100000 + {r}))",
+        )
+        assert same == {"value": True}, r
+
+    # World-size change: resuming step 100 on 4 ranks, or adding a 4th rank's part to it.
+    for call in (
+        "smoltorrent.load_sharded('run', 100, 0, 4)",
+        "smoltorrent.save_sharded(llm_like_tensors(layers=1), 'run', 100, 3, 4)",
+    ):
+        refused = attempt(c, call)
+        assert refused["error"] == "WorldSizeMismatchError", call
+        assert "world size 3" in refused["message"] or "by 3 ranks" in refused["message"]
+
+    # A missing rank: one rank's part of the committed step removed behind its back.
+    c.cli("rm", "run/step-00000100/rank-00001-of-00003.safetensors")
+    missing = attempt(c, "smoltorrent.load_sharded('run', 100, 0, 3)")
+    assert missing["error"] == "MissingRankError" and "ranks 1 " in missing["message"]
+
+
+def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster):
+    c = make_cluster(2)
+    ranks(c, "keep", 1, [0, 1], 2, keep=2)
+    ranks(c, "keep", 2, [0, 1], 2, keep=2)
+    ranks(c, "keep", 3, [0], 2, keep=1)  # step 3 in flight: rank 1 has not stored it yet
+    ranks(c, "keep", 4, [0, 1], 2, keep=1)  # committing step 4 keeps 1: steps 1, 2 go
+    assert attempt(c, "smoltorrent.latest_step('keep')", "out") == {"value": 4}
+    gone = attempt(c, "smoltorrent.load_sharded('keep', 1, 0, 2)")
+    assert gone["error"] == "StepNotFoundError"
+    names = {"keep/step-00000001", "keep/step-00000002"}
+    wait_until(
+        lambda: not any(v["name"].rsplit("/", 1)[0] in names for v in c.cli_json("ls")),
+        what="the parts of steps 1 and 2 removed",
+    )
+    # Step 3 was pending throughout: untouched, and it commits when rank 1 stores it.
+    ranks(c, "keep", 3, [1], 2)
+    same = attempt(
+        c,
+        "smoltorrent.load_sharded('keep', 3, 1, 2)",
+        "bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=3001))",
+    )
+    assert same == {"value": True}
+    assert attempt(c, "smoltorrent.latest_step('keep')", "out") == {"value": 4}
