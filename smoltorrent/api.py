@@ -24,6 +24,8 @@ the saves it still has in flight.
 from __future__ import annotations
 
 import concurrent.futures
+import fnmatch
+import glob
 import os
 import re
 import threading
@@ -35,7 +37,7 @@ from typing import Any
 
 from coordinator import config
 from smoltorrent import defaults
-from smoltorrent.errors import SmoltorrentError, StateDictError
+from smoltorrent.errors import NotFoundError, SmoltorrentError, StateDictError
 from smoltorrent.tensors import (
     check_framework,
     check_metadata,
@@ -43,6 +45,7 @@ from smoltorrent.tensors import (
     read_file,
     write_file,
 )
+from tasks.directory_requests import directory_version, is_directory
 from tasks.requests import (
     StoreRequest,
     connected_metadata,
@@ -265,9 +268,64 @@ def load(
             raise SmoltorrentError("tensors=[] selects nothing; leave it out to load every tensor")
         tensors = list(tensors)
     directory = _staging_dir(staging_dir)
+    if is_directory(name):
+        return _load_directory(name, version, framework, tensors, device, directory)
     out = directory / f".load.{uuid.uuid4().hex}.safetensors"
     try:
         wait_gather(submit_gather(name, str(out), version, tensors))
         return read_file(str(out), framework, device)
     finally:
         out.unlink(missing_ok=True)
+
+
+def _load_directory(
+    name: str,
+    version: str | None,
+    framework: str,
+    tensors: list[str] | None,
+    device: str | None,
+    directory: Path,
+) -> dict[str, Any]:
+    """A directory checkpoint's files gathered at once and merged into one state dict; with
+    `tensors`, only the files holding a match are read, and of them only the matches."""
+    found = directory_version(name, version)
+    wanted: dict[str, list[str] | None] = dict.fromkeys(found.files)
+    if tensors is not None:
+        md = connected_metadata()
+        names = {
+            f: [t for shard in md.manifest(m.vkey).shards for t in shard.tensors]
+            for f, m in found.files.items()
+        }
+        every = [t for file_names in names.values() for t in file_names]
+        for pattern in tensors:
+            if not any(fnmatch.fnmatchcase(t, pattern) for t in every):
+                raise NotFoundError(
+                    f"no tensor of {name} matches {pattern!r}; `smoltorrent show` on one of "
+                    "its files lists their tensors."
+                )
+        wanted = {}
+        for f, file_names in names.items():
+            chosen = [t for t in file_names if any(fnmatch.fnmatchcase(t, p) for p in tensors)]
+            if chosen:  # exact names, escaped: a name may hold glob characters
+                wanted[f] = [glob.escape(t) for t in chosen]
+    paths = {f: directory / f".load.{uuid.uuid4().hex}.safetensors" for f in wanted}
+    try:
+        requests = [
+            submit_gather(found.files[f].name, str(paths[f]), found.files[f].version_id, w)
+            for f, w in wanted.items()
+        ]
+        for request in requests:
+            wait_gather(request)
+        state: dict[str, Any] = {}
+        for f in wanted:
+            part = read_file(str(paths[f]), framework, device)
+            if clash := sorted(state.keys() & part.keys()):
+                raise StateDictError(
+                    f"{name}: tensor {clash[0]!r} is in more than one of its files; load the"
+                    " files one by one (each is a checkpoint of its own)"
+                )
+            state.update(part)
+        return state
+    finally:
+        for path in paths.values():
+            path.unlink(missing_ok=True)

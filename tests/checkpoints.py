@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +100,24 @@ def write_raw(
     """Write a safetensors-shaped file from parts, for crafting malformed ones."""
     with open(path, "wb") as file:
         file.write(raw_file_bytes(header, data, pad_to=pad_to))
+
+
+def write_hf_dir(root: Path, parts: int = 3, seed: int = 0) -> dict[str, str]:
+    """A model split over `parts` files the way transformers' save_pretrained does."""
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = llm_like_tensors(layers=3, hidden=32, seed=seed)
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(parts):
+        file = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {n: tensors[n] for n in names[i::parts]}
+        save_file(chunk, root / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(chunk, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    past = time.time() - 60  # settled: the store does not wait for the files to settle
+    for f in root.iterdir():
+        os.utime(f, (past, past))
+    return weight_map

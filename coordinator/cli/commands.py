@@ -197,10 +197,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     from tasks.requests import submit_store, wait_store
 
     if os.path.isdir(args.path):
-        raise UsageError(
-            f"{args.path} is a directory: store one .safetensors file at a time, or let"
-            f" `smoltorrent watch {args.path}` store every checkpoint written under it"
-        )
+        return _store_directory(args)
 
     request = submit_store(args.path, args.name, args.replicas, args.shards)
     name = request.name
@@ -242,8 +239,66 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 0 if out["state"] == COMMITTED else 1
 
 
+def _store_directory(args: argparse.Namespace) -> int:
+    """A directory of safetensors files (the Hugging Face layout) as one unit."""
+    from tasks.directory_requests import store_directory
+
+    if args.no_wait or args.shards:
+        raise UsageError("--no-wait and --shards apply to a single file, not to a directory")
+    stored = store_directory(args.path, args.name, args.replicas)
+    v = stored.version
+    row = {
+        "name": v.name,
+        "version_id": v.version_id,
+        "files": {f: m.version_id for f, m in v.files.items()},
+        "index": v.index_name,
+        "size": sum(m.size for m in v.files.values()),
+        "new_files": stored.new_files,
+        "ignored": list(stored.plan.ignored),
+    }
+    if args.json:
+        emit_json(row)
+        return 0
+    console.print(
+        f"stored directory {v.name} version {v.version_id[:12]}: {len(v.files)} files"
+        + (f" and {v.index_name}" if v.index_name else "")
+        + f", {human_bytes(row['size'])} ({len(stored.new_files)} new)"
+    )
+    if stored.plan.ignored:
+        warn(
+            "not stored (only .safetensors files and their index are): "
+            + ", ".join(stored.plan.ignored)
+        )
+    return 0
+
+
+def _gather_directory(args: argparse.Namespace) -> int:
+    from tasks.directory_requests import gather_directory
+
+    if args.tensors:
+        raise UsageError(
+            f"{args.name} is a directory checkpoint: gather it whole, or gather --tensors from"
+            f" one of its files ({args.name}/FILE)"
+        )
+    v = gather_directory(args.name, args.output, args.version)
+    out = os.path.abspath(args.output)
+    if args.json:
+        emit_json({"path": out, "name": v.name, "version_id": v.version_id,
+                   "files": sorted(v.files), "index": v.index_name})  # fmt: skip
+    else:
+        console.print(
+            f"gathered directory {v.name} version {v.version_id[:12]} -> {out} "
+            f"({len(v.files)} files" + (f" and {v.index_name})" if v.index_name else ")")
+        )
+    return 0
+
+
 def cmd_gather(args: argparse.Namespace) -> int:
+    from tasks.directory_requests import is_directory
     from tasks.requests import submit_gather, wait_gather
+
+    if is_directory(args.name):
+        return _gather_directory(args)
 
     request = submit_gather(args.name, args.output, args.version, args.tensors)
     with _progress() as bar:

@@ -130,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--loglevel", default="WARNING")
 
     st = sub.add_parser("store", help="store a checkpoint (waits for the commit)")
-    st.add_argument("path", help="a .safetensors file on this machine")
+    st.add_argument(
+        "path",
+        help="a .safetensors file on this machine, or a directory of them with its"
+        " *.safetensors.index.json (the Hugging Face layout), stored as one unit",
+    )
     st.add_argument("--name", help="checkpoint name (default: the file name)")
     st.add_argument(
         "--replicas",
@@ -142,9 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--no-wait", action="store_true", help="return once the store is queued")
     st.add_argument("--json", action="store_true")
 
-    g = sub.add_parser("gather", help="rebuild a checkpoint into a file")
+    g = sub.add_parser("gather", help="rebuild a checkpoint into a file (or a directory)")
     g.add_argument("name")
-    g.add_argument("-o", "--output", required=True, help="destination file")
+    g.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="destination file; for a directory checkpoint, a new or empty directory",
+    )
     g.add_argument("--version", help="a version id prefix (default: the current version)")
     g.add_argument(
         "--tensors",

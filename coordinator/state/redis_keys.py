@@ -87,6 +87,11 @@ STEP = PREFIX + "sharded:{name}:step:{step}"
 # zset of a sharded checkpoint's recorded steps, scored by step number
 STEPS = PREFIX + "sharded:{name}:steps"
 
+# hash of a directory checkpoint (Hugging Face layout): "current" -> its current directory
+# version id, "version:<id>" -> JSON {files: {file: {vkey, version_id, size}}, index_name,
+# index (text), created_at}
+DIRECTORY = PREFIX + "directory:{name}"
+
 # TTL key per host: the boot id of the worker serving it, refreshed while it runs
 WORKER_ALIVE = PREFIX + "worker:{host}:alive"
 # lock held while one sweep runs, so two beat instances never run it twice at once

@@ -1,0 +1,85 @@
+"""Directory checkpoints in Redis: which version of each file, and the index, make up
+each version of a directory, and which version is current.
+
+A directory version is recorded only once every one of its files is committed, and it
+becomes current in the same write (one HSET of two fields), so a reader sees the new
+directory whole or the old one. Each file stays an ordinary checkpoint, `NAME/<file>`,
+whose manifest the nodes keep; the index bytes live here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import redis
+
+from coordinator.state import redis_keys as K
+from smoltorrent.errors import NotFoundError
+
+_VERSION = "version:"
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str  # the file's own checkpoint name, NAME/<file>
+    vkey: str
+    version_id: str
+    size: int
+
+
+@dataclass(frozen=True)
+class DirectoryVersion:
+    name: str
+    version_id: str
+    files: dict[str, Member]  # by file name
+    index_name: str | None
+    index: bytes | None
+    created_at: float
+
+
+class Directories:
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    def commit(self, version: DirectoryVersion) -> None:
+        """Record a version whose every file is committed, and make it current."""
+        record = {
+            "files": {f: vars(m) for f, m in version.files.items()},
+            "index_name": version.index_name,
+            "index": None if version.index is None else version.index.decode("utf-8"),
+            "created_at": version.created_at or time.time(),
+        }
+        self.r.hset(
+            K.DIRECTORY.format(name=version.name),
+            mapping={
+                _VERSION + version.version_id: json.dumps(record, sort_keys=True),
+                "current": version.version_id,
+            },
+        )
+
+    def is_directory(self, name: str) -> bool:
+        return bool(self.r.exists(K.DIRECTORY.format(name=name)))
+
+    def get(self, name: str, version: str | None = None) -> DirectoryVersion:
+        """The current version of directory `name`, or the one whose id starts `version`."""
+        raw = self.r.hgetall(K.DIRECTORY.format(name=name))
+        if not raw:
+            raise NotFoundError(f"no directory checkpoint named {name}; see `smoltorrent ls`.")
+        ids = [f[len(_VERSION) :] for f in raw if f.startswith(_VERSION)]
+        matches = [raw["current"]] if version is None else [i for i in ids if i.startswith(version)]
+        if len(matches) != 1:
+            raise NotFoundError(
+                f"directory {name} has {'no' if not matches else 'several'} versions matching "
+                f"'{version}'; `smoltorrent ls` lists them."
+            )
+        record = json.loads(raw[_VERSION + matches[0]])
+        return DirectoryVersion(
+            name=name,
+            version_id=matches[0],
+            files={f: Member(**m) for f, m in record["files"].items()},
+            index_name=record["index_name"],
+            index=None if record["index"] is None else record["index"].encode("utf-8"),
+            created_at=float(record["created_at"]),
+        )

@@ -1,0 +1,135 @@
+"""Store and gather a directory checkpoint (the Hugging Face layout) as one unit, through
+the same durable requests as single files (tasks/requests.py).
+
+Store: every file is submitted at once (so the worker stores them in parallel), each a
+version of `NAME/<file>`; once all are committed, the directory version (their
+versions and the index) is recorded and made current in one Redis write. A crash
+before that leaves the files stored and the directory at its previous version: store
+it again (no byte moves twice). Gather: every file into a temp directory beside the
+destination, all at once, then the index, fsync, and one rename onto the destination,
+so a reader never sees half a directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator.plan.directory import DirectoryPlan, directory_version_id, plan_directory
+from coordinator.state.directories import Directories, DirectoryVersion, Member
+from smoltorrent import defaults
+from smoltorrent.errors import SmoltorrentError
+from tasks.requests import (
+    connected_metadata,
+    submit_gather,
+    submit_store,
+    wait_gather,
+    wait_store,
+)
+
+
+@dataclass(frozen=True)
+class StoredDirectory:
+    version: DirectoryVersion
+    new_files: list[str]  # files whose bytes were not on the cluster before
+    plan: DirectoryPlan
+
+
+def member_name(name: str, file: str) -> str:
+    return f"{name}/{file}"
+
+
+def store_directory(
+    path: str,
+    name: str | None = None,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    on_file: Callable[[str], None] | None = None,
+) -> StoredDirectory:
+    """Store the directory at `path` as one version of `name` (default: its base name)."""
+    plan = plan_directory(path)
+    name = name or os.path.basename(plan.root.rstrip(os.sep))
+    requests = [
+        (file, submit_store(os.path.join(plan.root, file), member_name(name, file), replicas))
+        for file in plan.files
+    ]
+    md = connected_metadata()
+    members: dict[str, Member] = {}
+    new_files = []
+    for file, request in requests:
+        out = wait_store(request)
+        v = md.version(out["vkey"])
+        members[file] = Member(request.name, out["vkey"], v["version_id"], int(v["size"]))
+        if out["new"]:
+            new_files.append(file)
+        if on_file:
+            on_file(file)
+    version = DirectoryVersion(
+        name=name,
+        version_id=directory_version_id(
+            {f: m.version_id for f, m in members.items()}, plan.index_name, plan.index_bytes
+        ),
+        files=members,
+        index_name=plan.index_name,
+        index=plan.index_bytes,
+        created_at=time.time(),
+    )
+    Directories(md.r).commit(version)
+    return StoredDirectory(version, new_files, plan)
+
+
+def is_directory(name: str) -> bool:
+    return Directories(connected_metadata().r).is_directory(name)
+
+
+def directory_version(name: str, version: str | None = None) -> DirectoryVersion:
+    return Directories(connected_metadata().r).get(name, version)
+
+
+def gather_directory(name: str, out: str, version: str | None = None) -> DirectoryVersion:
+    """Rebuild a directory checkpoint at `out` (which must not exist, or be empty)."""
+    found = directory_version(name, version)
+    out = os.path.abspath(out)
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise SmoltorrentError(
+            f"{out} exists and is not an empty directory; a directory checkpoint is gathered"
+            " into a new (or empty) directory. Choose another output or move it away."
+        )
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise SmoltorrentError(f"{parent}: no such directory for the output")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".partial", dir=parent)
+    try:
+        requests = [
+            submit_gather(m.name, os.path.join(tmp, file), m.version_id)
+            for file, m in sorted(found.files.items())
+        ]
+        for request in requests:
+            wait_gather(request)
+        if found.index_name is not None:
+            _write_synced(os.path.join(tmp, found.index_name), found.index or b"")
+        _fsync_dir(tmp)
+        os.replace(tmp, out)  # onto an empty directory too: rename(2) allows it
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return found
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,57 @@
+"""Planning a directory checkpoint: its files and index, refused when they disagree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.plan.directory import directory_version_id, plan_directory
+from smoltorrent.errors import CheckpointFormatError, UsageError
+from tests.checkpoints import write_hf_dir
+
+INDEX = "model.safetensors.index.json"
+
+
+def edit_index(root, edit) -> None:
+    index = json.loads((root / INDEX).read_text())
+    edit(index)
+    (root / INDEX).write_text(json.dumps(index))
+
+
+def test_files_index_and_the_rest(tmp_path):
+    write_hf_dir(tmp_path / "m", parts=2)
+    plan = plan_directory(tmp_path / "m")
+    assert plan.files == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    assert plan.index_name == INDEX and plan.ignored == ("config.json",)
+    assert plan.index_bytes == (tmp_path / "m" / INDEX).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda i: i["weight_map"].update(extra="model-00009-of-00009.safetensors"), "does not"),
+        (lambda i: i["weight_map"].pop(sorted(i["weight_map"])[0]), "disagree on its tensors"),
+        (lambda i: i.pop("weight_map"), "no weight_map"),
+    ],
+    ids=["unknown-file", "unmapped-tensor", "no-weight-map"],
+)
+def test_an_index_that_contradicts_the_files_is_refused(tmp_path, edit, words):
+    write_hf_dir(tmp_path / "m", parts=2)
+    edit_index(tmp_path / "m", edit)
+    with pytest.raises(CheckpointFormatError, match=words):
+        plan_directory(tmp_path / "m")
+
+
+def test_a_directory_without_safetensors_files_is_a_usage_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(UsageError, match="is a directory with no .safetensors files"):
+        plan_directory(tmp_path)
+
+
+def test_the_directory_id_covers_files_and_index():
+    base = directory_version_id({"a": "1" * 64}, INDEX, b"{}")
+    assert base == directory_version_id({"a": "1" * 64}, INDEX, b"{}")
+    assert base != directory_version_id({"a": "2" * 64}, INDEX, b"{}")
+    assert base != directory_version_id({"a": "1" * 64}, INDEX, b"{ }")
+    assert base != directory_version_id({"a": "1" * 64}, None, None)
