@@ -30,7 +30,17 @@ from typing import Any
 from coordinator.plan.manifest import storage_key
 from coordinator.state.metadata import COMMITTED as VERSION_COMMITTED
 from coordinator.state.metadata import REMOVED
-from coordinator.state.steps import COMMITTED, PENDING, REMOVING, Part, Steps
+from coordinator.state.steps import (
+    COMMITTED,
+    PENDING,
+    RANK_KEY,
+    REMOVING,
+    STEP_KEY,
+    STEP_NAME_KEY,
+    WORLD_SIZE_KEY,
+    Part,
+    Steps,
+)
 from smoltorrent import defaults
 from smoltorrent.api import SavedVersion, SaveHandle, load, start_save
 from smoltorrent.errors import (
@@ -41,11 +51,6 @@ from smoltorrent.errors import (
     WorldSizeMismatchError,
 )
 from tasks.requests import connected_metadata, submit_remove
-
-# Metadata keys a part's file carries, so the part describes itself on the nodes too.
-STEP_KEY = "smoltorrent.step"
-RANK_KEY = "smoltorrent.rank"
-WORLD_SIZE_KEY = "smoltorrent.world_size"
 
 
 def part_name(name: str, step: int, rank: int, world_size: int) -> str:
@@ -87,7 +92,13 @@ def save_sharded(
         raise ShardedCheckpointError(f"keep_last must be at least 1, not {keep_last}")
     steps = _steps()
     _raise_conflict(name, step, world_size, steps.begin(name, step, world_size))
-    own = {STEP_KEY: str(step), RANK_KEY: str(rank), WORLD_SIZE_KEY: str(world_size)}
+    # The part describes itself on the nodes too: rebuild restores the step from these.
+    own = {
+        STEP_NAME_KEY: name,
+        STEP_KEY: str(step),
+        RANK_KEY: str(rank),
+        WORLD_SIZE_KEY: str(world_size),
+    }
     part = part_name(name, step, rank, world_size)
 
     def record(saved: SavedVersion) -> None:

@@ -8,11 +8,21 @@ versions, current versions and placement all come back from here.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Sequence
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.plan.manifest import Manifest
-from coordinator.state.metadata import Metadata
+from coordinator.plan.safetensors_header import parse_header
+from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.steps import (
+    RANK_KEY,
+    STEP_KEY,
+    STEP_NAME_KEY,
+    WORLD_SIZE_KEY,
+    Part,
+    Steps,
+)
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 
 
@@ -63,11 +73,43 @@ def rebuild_metadata(
             )
             continue
         restored += md.restore_committed(manifest, vkey)
+    steps = restore_steps(md, list(manifests.values()))
     return {
         "nodes_read": nodes_read,
         "versions": len(manifests),
         "restored": restored,
         "names": len({m.name for m in manifests.values()}),
         "placements": placements,
+        "steps": steps,
         "unreachable": unreachable + skipped,
     }
+
+
+def restore_steps(md: Metadata, manifests: Sequence[Manifest]) -> int:
+    """Steps of sharded checkpoints whose every rank's part is a committed version again:
+    each part says in its own header which step, rank and world size it belongs to."""
+    found: dict[tuple[str, int, int], dict[int, Part]] = {}
+    for manifest in manifests:
+        try:
+            header = parse_header(
+                struct.pack("<Q", len(manifest.header_bytes)),
+                manifest.header_bytes,
+                manifest.source_size,
+            )
+            meta = header.metadata or {}
+            key = (meta[STEP_NAME_KEY], int(meta[STEP_KEY]), int(meta[WORLD_SIZE_KEY]))
+            rank = int(meta[RANK_KEY])
+        except (KeyError, ValueError, SmoltorrentError):
+            continue  # not a part of a sharded checkpoint
+        vkey = manifest.storage_key()
+        # The part's current version: a rank may have stored its part more than once.
+        if md.current(manifest.name) != vkey or md.state(vkey) != COMMITTED:
+            continue
+        part = Part(rank, manifest.name, vkey, manifest.version_id, manifest.source_size)
+        found.setdefault(key, {})[rank] = part
+    steps = Steps(md.r)
+    restored = 0
+    for (name, step, world_size), parts in sorted(found.items()):
+        if set(parts) == set(range(world_size)):
+            restored += steps.restore(name, step, world_size, list(parts.values()))
+    return restored

@@ -27,6 +27,13 @@ REMOVING = "removing"
 
 _RANK = "rank:"  # hash field prefix of one rank's part
 
+# Metadata keys each rank's part carries in its own safetensors header, so the nodes
+# alone say which step it belongs to (rebuild restores steps from them).
+STEP_NAME_KEY = "smoltorrent.name"
+STEP_KEY = "smoltorrent.step"
+RANK_KEY = "smoltorrent.rank"
+WORLD_SIZE_KEY = "smoltorrent.world_size"
+
 # KEYS: step hash, steps zset. ARGV: step, world size, now.
 # {"ok"} | {"world_size", theirs} | {"state", state}
 _BEGIN = """
@@ -141,6 +148,36 @@ class Steps:
             if self.r.hget(K.STEP.format(name=name, step=raw), "state") == COMMITTED:
                 return int(raw)
         return None
+
+    def restore(self, name: str, step: int, world_size: int, parts: list[Part]) -> bool:
+        """Record a committed step read back from its parts' manifests (rebuild); False if
+        Redis knows the step already, in any state."""
+        key = K.STEP.format(name=name, step=step)
+        if self.r.exists(key):
+            return False
+        now = time.time()
+        fields = {
+            _RANK + str(p.rank): json.dumps(
+                {k: v for k, v in vars(p).items() if k != "rank"}, sort_keys=True
+            )
+            for p in parts
+        }
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(
+            key,
+            mapping={
+                "world_size": world_size,
+                "state": COMMITTED,
+                "parts": len(parts),
+                "created_at": now,
+                "committed_at": now,
+                "rebuilt": 1,
+                **fields,
+            },
+        )
+        pipe.zadd(K.STEPS.format(name=name), {str(step): step})
+        pipe.execute()
+        return True
 
     def mark_removing(self, name: str, step: int) -> bool:
         """committed -> removing: no reader takes the step from here on."""

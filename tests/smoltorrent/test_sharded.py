@@ -123,3 +123,20 @@ def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster)
     )
     assert same == {"value": True}
     assert attempt(c, "smoltorrent.latest_step('keep')", "out") == {"value": 4}
+
+
+def test_rebuild_after_losing_redis_restores_complete_steps_only(make_cluster):
+    c = make_cluster(2)
+    ranks(c, "lost", 7, [0, 1], 2)
+    ranks(c, "lost", 8, [0], 2)  # partial: rank 1 never stored step 8
+    c.md.r.flushall()
+    summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
+    assert summary["steps"] == 1
+    assert attempt(c, "smoltorrent.latest_step('lost')", "out") == {"value": 7}
+    same = attempt(
+        c,
+        "smoltorrent.load_sharded('lost', 7, 1, 2)",
+        "bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=7001))",
+    )
+    assert same == {"value": True}
+    assert attempt(c, "smoltorrent.load_sharded('lost', 8, 0, 2)")["error"] == "StepNotFoundError"
