@@ -11,6 +11,11 @@ nothing (versions are content-addressed); new content makes a new version.
 On start, and whenever the directory comes back after vanishing, every file that
 no stored version was taken from (size, mtime, inode, device) is picked up: what
 training wrote while the watcher was down is stored too (the seed's file_sync).
+
+A directory holding a `*.safetensors.index.json` is a Hugging Face multi-file
+checkpoint: its files are stored together, as one unit named by the directory, once
+the index and every file are complete and agree (`submit_directory`); a part is
+never stored on its own while the index that names it is still to come.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from coordinator.plan.directory import INDEX_SUFFIX, plan_directory
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state.metadata import COMMITTED, PENDING, Metadata
@@ -37,6 +43,7 @@ log = logging.getLogger("smoltorrent.watch")
 SUFFIX = ".safetensors"
 
 Submit = Callable[[str, str], str]  # (path, name) -> task id
+SubmitDirectory = Callable[[str, str], None]  # (directory, name); stores it as one unit
 
 
 def checkpoint_name(root: Path, path: Path, prefix: str = "") -> str:
@@ -72,6 +79,7 @@ class Watcher:
         *,
         name_prefix: str = "",
         stored_identities: Callable[[str], set[SourceIdentity]] | None = None,
+        submit_directory: SubmitDirectory | None = None,
         recheck_s: float = defaults.WATCH_RECHECK_S,
         settle_s: float = defaults.STABLE_AFTER_S,
     ) -> None:
@@ -79,6 +87,7 @@ class Watcher:
         self.submit = submit
         self.name_prefix = name_prefix
         self.stored_identities = stored_identities or (lambda _name: set())
+        self.submit_directory = submit_directory
         self.recheck_s = recheck_s
         self.settle_s = settle_s
         self._lock = threading.Lock()
@@ -87,6 +96,8 @@ class Watcher:
         self._pending: set[Path] = set()
         self._rescan = True  # file_sync at start
         self._submitted: dict[Path, SourceIdentity] = {}
+        self._units: set[Path] = set()  # directories with an index, waiting to be complete
+        self._submitted_units: dict[Path, frozenset[SourceIdentity]] = {}
         self._logged: dict[Path, object] = {}  # what was last said about a path, said once
         self._observer: Observer | None = None
         self._root_id: tuple[int, int] | None = None
@@ -121,6 +132,7 @@ class Watcher:
             while not self._stop.is_set():
                 self._follow_root()
                 self._check_pending()
+                self._check_units()
                 self._wake.wait(self.recheck_s)
                 self._wake.clear()
         finally:
@@ -204,6 +216,9 @@ class Watcher:
 
     def _settled(self, path: Path) -> bool:
         """Look at one pending path; True once nothing more is to be done with it."""
+        if self.submit_directory and _unit_of(path):
+            self._units.add(path.parent)  # stored with its directory, not on its own
+            return True
         if not path.name.endswith(SUFFIX) or path.name.startswith("."):
             # Hidden names are the usual temp files of the save-then-rename pattern.
             self._say_once(path, "ignored", logging.INFO, "ignoring %s: not a *%s", path, SUFFIX)
@@ -241,10 +256,75 @@ class Watcher:
         log.info("event=queued name=%s path=%s size=%d task=%s", name, path, identity.size, task_id)
         return True
 
+    def _check_units(self) -> None:
+        for unit in sorted(self._units):
+            if self._stop.is_set():
+                return
+            if self._unit_settled(unit):
+                self._units.discard(unit)
+
+    def _unit_settled(self, unit: Path) -> bool:
+        """Look at one directory with an index; True once nothing more is to be done."""
+        try:
+            entries = [unit / e for e in os.listdir(unit) if not e.startswith(".")]
+            parts = [p for p in entries if p.name.endswith((SUFFIX, INDEX_SUFFIX))]
+            identities = frozenset(SourceIdentity.of(p) for p in parts if p.is_file())
+        except (FileNotFoundError, NotADirectoryError):
+            return True  # gone; what it becomes has its own events
+        if not any(p.name.endswith(INDEX_SUFFIX) for p in parts):
+            # The index went away: its files are plain checkpoints again.
+            with self._lock:
+                self._pending.update(p for p in parts if p.name.endswith(SUFFIX))
+            return True
+        if self._submitted_units.get(unit) == identities:
+            return True
+        if any(time.time() - i.mtime_ns / 1e9 < self.settle_s for i in identities):
+            return False  # still being written
+        try:
+            plan_directory(unit)
+        except SmoltorrentError as exc:
+            # Parts still to come (the index is often written first or last) or a layout
+            # the index contradicts: looked at again until it agrees.
+            self._say_once(
+                unit, ("unit", str(exc)), logging.WARNING, "waiting on %s: %s", unit, exc
+            )
+            return False
+        except OSError as exc:
+            self._say_once(unit, ("unreadable", str(exc)), logging.WARNING, "%s", exc)
+            return False
+        name = checkpoint_name(self.root, unit, self.name_prefix)
+        try:
+            self.submit_directory(str(unit), name)
+        except SmoltorrentError as exc:
+            self._say_once(unit, ("submit", str(exc)), logging.WARNING, "%s", exc)
+            return False
+        self._submitted_units[unit] = identities
+        for part in parts:
+            if part.name.endswith(SUFFIX):
+                self._submitted[part] = SourceIdentity.of(part)
+        self._logged.pop(unit, None)
+        log.info("event=queued-directory name=%s path=%s files=%d", name, unit, len(parts) - 1)
+        return True
+
     def _say_once(self, path: Path, what: object, level: int, msg: str, *args) -> None:
         if self._logged.get(path) != what:
             self._logged[path] = what
             log.log(level, msg, *args)
+
+
+def _unit_of(path: Path) -> bool:
+    """Whether `path` belongs to a directory checkpoint: it is the index, or a
+    .safetensors file beside one."""
+    if path.name.startswith("."):
+        return False
+    if path.name.endswith(INDEX_SUFFIX):
+        return True
+    if not path.name.endswith(SUFFIX):
+        return False
+    try:
+        return any(e.endswith(INDEX_SUFFIX) for e in os.listdir(path.parent))
+    except OSError:
+        return False
 
 
 def stored_identities_from(md: Metadata) -> Callable[[str], set[SourceIdentity]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
 from rich.progress import (
@@ -701,6 +702,35 @@ def cmd_demo(args: argparse.Namespace, run_command) -> int:
 # --- watch ---------------------------------------------------------------------------
 
 
+def _store_watched_directory(path: str, name: str, replicas: int) -> None:
+    import logging
+
+    from tasks.directory_requests import store_directory
+
+    log = logging.getLogger("smoltorrent.watch")
+    with _watched_directory_lock(name):  # one store of a directory at a time, in order
+        try:
+            stored = store_directory(path, name, replicas)
+        except SmoltorrentError as exc:
+            log.warning(
+                "storing %s as %s failed: %s; it is tried again when it changes", path, name, exc
+            )
+            return
+    log.info(
+        "event=stored-directory name=%s version=%s new_files=%d",
+        name,
+        stored.version.version_id,
+        len(stored.new_files),
+    )
+
+
+_watched_directory_locks: dict[str, threading.Lock] = {}
+
+
+def _watched_directory_lock(name: str) -> threading.Lock:
+    return _watched_directory_locks.setdefault(name, threading.Lock())
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     import logging
     import signal
@@ -731,8 +761,19 @@ def cmd_watch(args: argparse.Namespace) -> int:
         except redis.RedisError as exc:
             raise MetadataError(f"Redis is not answering ({exc})") from exc
 
+    def submit_directory(path: str, name: str) -> None:
+        # A directory version is recorded once every file is committed: wait for that on
+        # a thread of its own so the watcher goes on looking at other files meanwhile.
+        threading.Thread(
+            target=_store_watched_directory, args=(path, name, args.replicas), daemon=True
+        ).start()
+
     watcher = Watcher(
-        args.directory, submit, name_prefix=args.name_prefix, stored_identities=identities
+        args.directory,
+        submit,
+        name_prefix=args.name_prefix,
+        stored_identities=identities,
+        submit_directory=submit_directory,
     )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: watcher.stop())

@@ -174,3 +174,41 @@ def test_watcher_stores_complete_checkpoints_only(make_cluster, tmp_path):  # no
         if w.proc.poll() is None:
             w.proc.kill()
             w.proc.wait()
+
+
+@pytest.mark.timeout(600)
+def test_a_hugging_face_directory_is_stored_as_one_unit(make_cluster, tmp_path):  # noqa: F811
+    from tests.checkpoints import write_hf_dir
+
+    def digests(root: Path) -> dict[str, str]:
+        return {f.name: sha(f) for f in sorted(root.iterdir()) if f.name != "config.json"}
+
+    def stored(w: WatchProcess) -> int:
+        return w.log().count("event=stored-directory name=run1/llama ")
+
+    c = make_cluster(3)
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    w = WatchProcess(c, root, tmp_path / "watch.log")
+    try:
+        wait_until(lambda: "watching " in w.log(), 60, what="the watcher to start")
+        # save_pretrained writes the parts, then the index, then config.json, in place.
+        write_hf_dir(root / "llama")
+        wait_until(lambda: stored(w) == 1, 180, what="the directory stored as one unit")
+        out = tmp_path / "restored"
+        c.cli("gather", "run1/llama", "-o", str(out))
+        assert digests(out) == digests(root / "llama")
+
+        # One part rewritten with new weights: a new version of the whole directory.
+        staging = tmp_path / "staging"
+        write_hf_dir(staging, seed=1)
+        part = "model-00001-of-00003.safetensors"
+        shutil.copyfile(staging / part, root / "llama" / part)
+        wait_until(lambda: stored(w) == 2, 180, what="the rewritten directory stored")
+        out2 = tmp_path / "restored2"
+        c.cli("gather", "run1/llama", "-o", str(out2))
+        assert digests(out2) == digests(root / "llama") != digests(out)
+        assert "not storing" not in w.log() and w.proc.poll() is None
+    finally:
+        w.proc.kill()
+        w.proc.wait()
