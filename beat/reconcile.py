@@ -1,12 +1,11 @@
 """The reconcile sweep: re-drive every open request and pending or removing version
 that no live task is moving (coordinator/state/reconcile.py decides what), on the
-beat schedule and at every worker start."""
+beat schedule and at every worker start (step 3 of beat/boot.py)."""
 
 from __future__ import annotations
 
 import time
 
-from celery.signals import worker_ready
 from celery.utils.log import get_task_logger
 
 from beat.sweeps import sweep
@@ -72,11 +71,3 @@ def run_pass(started_host: str | None = None) -> dict[str, int]:
 def reconcile() -> dict[str, int]:
     """One pass over every host's requests and versions."""
     return run_pass()
-
-
-@worker_ready.connect
-def reconcile_on_start(sender=None, **_) -> None:
-    """A worker killed mid-task left unacked messages Redis only redelivers after the
-    visibility timeout (hours): re-drive what this host left now. No lock: a periodic
-    pass running at the same time only sends the same idempotent steps."""
-    run_pass(started_host=config.host_id())

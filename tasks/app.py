@@ -41,6 +41,7 @@ app = Celery(
         "beat.scrub",
         "tasks.repair",
         "beat.crosscheck",
+        "beat.boot",
     ],
 )
 
