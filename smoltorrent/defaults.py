@@ -68,6 +68,7 @@ MAX_SAFETENSORS_HEADER_BYTES = 100 * 1000 * 1000  # bytes; the limit the safeten
 # --- engines (coordinator/dataplane/store_engine.py, coordinator/dataplane/gather_engine.py) ----
 
 TRANSFER_THREADS = 8  # parallel transfers per store/gather; saturates a few links, not the CPU
+DIGEST_CACHE_ENTRIES = 4096  # files; plan digests kept per source identity (a few KiB each)
 HASH_THREADS = 2  # threads hashing shards at plan time; hashlib releases the GIL, 2 cores here
 
 # --- metadata (coordinator/state/metadata.py) -------------------------------------

@@ -107,8 +107,8 @@ def submit_store(
 def wait_store(
     request: StoreRequest, on_progress: Callable[[StoreProgress], None] | None = None
 ) -> dict:
-    """Follow a store to its commit: {"vkey", "state", "new"}; SmoltorrentError when it is
-    abandoned, stuck on dead letters, or its task failed."""
+    """Follow a store to its commit: {"vkey", "state", "new", "hashed_bytes"};
+    SmoltorrentError when it is abandoned, stuck on dead letters, or its task failed."""
     md = metadata()
     while (record := md.request(request.task_id))["state"] not in (DONE, FAILED):
         time.sleep(defaults.CLI_POLL_INTERVAL_S)
@@ -116,7 +116,12 @@ def wait_store(
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
     vkey = record["vkey"]
     state = _wait_commit(md, vkey, request.name, on_progress)
-    return {"vkey": vkey, "state": state, "new": record.get("new") == "1"}
+    return {
+        "vkey": vkey,
+        "state": state,
+        "new": record.get("new") == "1",
+        "hashed_bytes": int(record.get("hashed_bytes", 0)),
+    }
 
 
 def _wait_commit(

@@ -9,6 +9,7 @@ import time
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import DONE, PENDING, REMOVING
@@ -66,6 +67,7 @@ def store(
         replicas=replicas,
         shards=shards or len(live),
         place_replicas=min(replicas, len(live)),
+        digest_cache=DigestCache(config.home() / "digest-cache"),
     )
     manifest, vkey = prepared.manifest, prepared.vkey
     targets = prefer_holders(prepared.targets, manifest, md, set(live))
@@ -93,9 +95,21 @@ def store(
         send_transfers(vkey, manifest, targets, host)
     else:
         log.info("%s: version %s already %s", name, manifest.version_id[:12], found)
-    result = {"vkey": vkey, "state": PENDING if new else found, "new": new}
+    result = {
+        "vkey": vkey,
+        "state": PENDING if new else found,
+        "new": new,
+        "hashed_bytes": prepared.hashed_bytes,
+    }
     if request_id is not None:
-        md.finish_request(request_id, DONE, vkey=vkey, new=int(new), state_found=found)
+        md.finish_request(
+            request_id,
+            DONE,
+            vkey=vkey,
+            new=int(new),
+            state_found=found,
+            hashed_bytes=prepared.hashed_bytes,
+        )
     return {**result, "under_replicated_at_plan": replicas > len(live)}
 
 
@@ -104,6 +118,7 @@ def _result(request: dict[str, str]) -> dict:
         "vkey": request["vkey"],
         "state": request.get("state_found", PENDING),
         "new": request.get("new") == "1",
+        "hashed_bytes": int(request.get("hashed_bytes", 0)),
     }
 
 

@@ -224,7 +224,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     vkey = out["vkey"]
     row = next(c for c in reports.checkpoints(md) if c["vkey"] == vkey)
     if args.json:
-        emit_json({**row, "new": out["new"]})
+        emit_json({**row, "new": out["new"], "hashed_bytes": out["hashed_bytes"]})
     else:
         verb = "stored" if out["new"] else "already stored (no bytes moved)"
         console.print(

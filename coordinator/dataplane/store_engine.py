@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.node_client import NodeAddress, NodeClient, NodeStat
 from coordinator.plan.manifest import Manifest, shard_entries, version_id_for
 from coordinator.plan.placement import place
@@ -48,6 +49,7 @@ class PreparedStore:
     prefixes: tuple[bytes, ...]  # each shard blob's own safetensors header
     targets: tuple[tuple[str, ...], ...]  # per shard, the node ids chosen for it
     identity: SourceIdentity
+    hashed_bytes: int = 0  # source bytes read to hash at plan time (0: digests were cached)
 
     @property
     def vkey(self) -> str:
@@ -131,8 +133,10 @@ def prepare_store(
     shards: int | None = None,
     place_replicas: int | None = None,
     threads: int = defaults.HASH_THREADS,
+    digest_cache: DigestCache | None = None,
 ) -> PreparedStore:
-    """Parse the header, plan shards, hash every blob, place replicas.
+    """Parse the header, plan shards, hash every blob (or take the digests the cache
+    holds for this very file), place replicas.
 
     `place_replicas` below `replicas` stores under-replicated on purpose (fewer
     live nodes than R): the manifest keeps the wanted R, so the gap shows.
@@ -142,8 +146,16 @@ def prepare_store(
     header = read_header(path)
     identity.check(path)
     plans = plan_shards(header, shards or max(1, len(free_bytes)))
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        hashed = list(pool.map(lambda p: _hash_shard(path, header, p), plans))
+    key = DigestCache.key(os.stat(path), plans) if digest_cache else ""
+    hashed = digest_cache.get(key) if digest_cache else None
+    hashed_bytes = 0
+    if hashed is None or len(hashed) != len(plans):
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            hashed = list(pool.map(lambda p: _hash_shard(path, header, p), plans))
+        hashed_bytes = sum(p.data_size for p in plans)
+        # Remembered only if the file is still the one whose stat made the key.
+        if digest_cache and DigestCache.key(os.stat(path), plans) == key:
+            digest_cache.put(key, hashed)
     identity.check(path)
     digests = [blob for blob, _ in hashed]
     targets = (
@@ -164,6 +176,7 @@ def prepare_store(
         prefixes=tuple(p.prefix for p in plans),
         targets=tuple(tuple(t) for t in targets),
         identity=identity,
+        hashed_bytes=hashed_bytes,
     )
 
 

@@ -60,6 +60,8 @@ def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path
     assert sum(received_before) == 2 * blob_bytes  # every replica counted, once
     again = c.cli_json("store", str(src))
     assert again["new"] is False and again["version_id"] == first["version_id"]
+    # Nor was the unchanged file read again: its digests came from the digest cache.
+    assert first["hashed_bytes"] > 0 and again["hashed_bytes"] == 0
     # Not one byte reached a node: counting blobs would miss a re-send of them all.
     assert node_bytes_received(c) == received_before
     out = tmp_path / "out.safetensors"

@@ -1,0 +1,59 @@
+"""Plan-time digests cached by the source file's identity: an unchanged file is not
+hashed again, and any rewrite (even one that restores size and mtime) is."""
+
+from __future__ import annotations
+
+import os
+
+from coordinator.dataplane.digest_cache import DigestCache
+from coordinator.dataplane.store_engine import prepare_store
+from coordinator.local.synthetic import write_checkpoint
+
+FREE = {"a": 1 << 40, "b": 1 << 40}
+
+
+def prepare(path, cache):
+    return prepare_store(path, path.name, FREE, replicas=2, shards=3, digest_cache=cache)
+
+
+def test_an_unchanged_file_is_not_hashed_again(tmp_path):
+    src = tmp_path / "c.safetensors"
+    write_checkpoint(src, 3 << 20, hidden=256)
+    cache = DigestCache(tmp_path / "cache")
+    first = prepare(src, cache)
+    again = prepare(src, cache)
+    assert first.hashed_bytes > 0 and again.hashed_bytes == 0
+    assert again.manifest.shards == first.manifest.shards
+    assert again.manifest.version_id == first.manifest.version_id
+    # Another shard count is another plan: hashed afresh, not served the wrong digests.
+    other = prepare_store(src, src.name, FREE, shards=2, digest_cache=cache)
+    assert other.hashed_bytes > 0
+
+
+def test_a_rewrite_that_restores_size_and_mtime_is_hashed_again(tmp_path):
+    src = tmp_path / "c.safetensors"
+    write_checkpoint(src, 3 << 20, hidden=256)
+    cache = DigestCache(tmp_path / "cache")
+    first = prepare(src, cache)
+    st = os.stat(src)
+    data = bytearray(src.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor, in place: same inode and size
+    with open(src, "r+b") as f:
+        f.write(data)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime, as rsync -t would
+    again = prepare(src, cache)
+    assert again.hashed_bytes > 0
+    assert again.manifest.shards[-1].blob_sha256 != first.manifest.shards[-1].blob_sha256
+
+
+def test_a_damaged_entry_is_a_miss_and_entries_are_bounded(tmp_path):
+    src = tmp_path / "c.safetensors"
+    write_checkpoint(src, 1 << 20, hidden=128)
+    cache = DigestCache(tmp_path / "cache", max_entries=2)
+    prepare(src, cache)
+    (entry,) = (tmp_path / "cache").glob("*.json")
+    entry.write_text("{not json")
+    assert prepare(src, cache).hashed_bytes > 0
+    for shards in (1, 2, 4):
+        prepare_store(src, src.name, FREE, shards=shards, digest_cache=cache)
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2
