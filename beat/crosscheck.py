@@ -63,7 +63,10 @@ def run_pass(grace: float | None = None) -> dict[str, int]:
     for digest in digests:
         holders = sorted(n for n, inv in inventories.items() if digest in inv)
         if used[digest]:
-            counts["recorded"] += sum(md.record_copy(digest, n) for n in holders)
+            # Only copies the placement did not list: one script call per unknown copy,
+            # not one per copy in the cluster.
+            unknown = [n for n in holders if n not in before.get(digest, ())]
+            counts["recorded"] += sum(md.record_copy(digest, n) for n in unknown)
             continue
         if digest in protected or not sure or md.blob_deleting(digest):
             continue
