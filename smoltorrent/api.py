@@ -140,7 +140,7 @@ def start_save(
     if previous is None or previous.done():
         previous = None
         try:
-            request = submit_store(path, name, replicas)
+            request = submit_store(path, name, replicas, complete=True)
         except BaseException:
             os.unlink(path)
             with _lock:
@@ -167,7 +167,7 @@ def _follow(
         _fsync(handle.path)
         if request is None:
             concurrent.futures.wait([previous._future])
-            request = submit_store(handle.path, handle.name, replicas)
+            request = submit_store(handle.path, handle.name, replicas, complete=True)
         out = wait_store(request)
         v = connected_metadata().version(out["vkey"])
         saved = SavedVersion(handle.name, v["version_id"], bool(out["new"]), int(v["size"]))

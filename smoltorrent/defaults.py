@@ -104,6 +104,7 @@ MAX_TRANSFER_TIME_S = 12 * 3600  # seconds; cap so the visibility timeout stays 
 VISIBILITY_TIMEOUT_S = MAX_TRANSFER_TIME_S + 2 * RETRY_BACKOFF_MAX_S * 7
 WORKER_CONCURRENCY = 4  # prefork children per worker; transfers are I/O bound
 STABLE_AFTER_S = 2.0  # seconds a file's mtime must be in the past before it is stored
+SETTLED_MARGIN_S = 1.0  # seconds past STABLE_AFTER_S a file written whole is dated back
 REMOVING_WAIT_S = 5.0  # seconds a store of bytes being removed waits before trying again
 STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 min)
 GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task

@@ -85,13 +85,22 @@ def submit_store(
     name: str | None = None,
     replicas: int = defaults.DEFAULT_REPLICAS,
     shards: int | None = None,
+    *,
+    complete: bool = False,
 ) -> StoreRequest:
     """Queue a store of the checkpoint at `path` (on this host) as a version of `name`
-    (default: the file name). A bad checkpoint fails here, before anything is queued."""
+    (default: the file name). A bad checkpoint fails here, before anything is queued.
+
+    complete=True: the caller wrote the file whole and renamed it into place and nobody
+    writes it again (the API's staged files), so the store need not wait
+    STABLE_AFTER_S for it to settle: its mtime is moved back by that much."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise SmoltorrentError(f"{path}: no such file")
     read_header(path)
+    if complete:
+        settled = time.time() - defaults.STABLE_AFTER_S - defaults.SETTLED_MARGIN_S
+        os.utime(path, (settled, settled))
     if replicas < 1:
         raise SmoltorrentError("--replicas must be at least 1")
     connected_metadata()
