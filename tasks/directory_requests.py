@@ -2,8 +2,9 @@
 the same durable requests as single files (tasks/requests.py).
 
 Store: every file is submitted at once (so the worker stores them in parallel), each a
-version of `NAME/<file>`; once all are committed, the directory version (their
-versions and the index) is recorded and made current in one Redis write. A crash
+version of `NAME/<file>`; once all are committed, the directory's record (their
+version ids and the index, coordinator/plan/directory.py) is stored as a checkpoint of
+its own, and its version is recorded and made current in one Redis write. A crash
 before that leaves the files stored and the directory at its previous version: store
 it again (no byte moves twice). Gather: every file into a temp directory beside the
 destination, all at once, then the index, fsync, and one rename onto the destination,
@@ -19,7 +20,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.plan.directory import DirectoryPlan, directory_version_id, plan_directory
+from coordinator import config
+from coordinator.plan.directory import (
+    RECORD_FILE,
+    DirectoryPlan,
+    DirectoryRecord,
+    plan_directory,
+    record_bytes,
+)
 from coordinator.state.directories import Directories, DirectoryVersion, Member
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
@@ -67,11 +75,12 @@ def store_directory(
             new_files.append(file)
         if on_file:
             on_file(file)
+    record = DirectoryRecord(
+        name, {f: m.version_id for f, m in members.items()}, plan.index_name, plan.index_bytes
+    )
     version = DirectoryVersion(
         name=name,
-        version_id=directory_version_id(
-            {f: m.version_id for f, m in members.items()}, plan.index_name, plan.index_bytes
-        ),
+        version_id=_store_record(record, replicas),
         files=members,
         index_name=plan.index_name,
         index=plan.index_bytes,
@@ -79,6 +88,21 @@ def store_directory(
     )
     Directories(md.r).commit(version)
     return StoredDirectory(version, new_files, plan)
+
+
+def _store_record(record: DirectoryRecord, replicas: int) -> str:
+    """Store the directory's record as NAME/.directory.safetensors; its version id."""
+    staging = config.home() / "staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=".directory.", suffix=".safetensors", dir=staging)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(record_bytes(record))
+        request = submit_store(path, member_name(record.name, RECORD_FILE), replicas, complete=True)
+        out = wait_store(request)
+        return connected_metadata().version(out["vkey"])["version_id"]
+    finally:
+        os.unlink(path)
 
 
 def is_directory(name: str) -> bool:

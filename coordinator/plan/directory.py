@@ -5,21 +5,37 @@ Each file becomes a checkpoint of its own, `NAME/<file>`; the unit is the set of
 versions plus the index bytes (coordinator/state/directories.py). Planning reads the
 index and every file's header only, and refuses a layout the index contradicts: a
 gather must hand back a directory that loads.
+
+The unit itself is stored too, as a checkpoint with no tensors, `NAME/.directory
+.safetensors`, whose header metadata holds the files' version ids and the index: its
+version id is the directory's version id (content-addressed like any other), and its
+manifest on the nodes lets rebuild bring the directory back after Redis is lost.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 
-from coordinator.plan.safetensors_header import read_header
+from coordinator.plan.safetensors_header import (
+    LENGTH_PREFIX_BYTES,
+    METADATA_KEY,
+    CheckpointHeader,
+    read_header,
+)
 from smoltorrent.errors import CheckpointFormatError, UsageError
 
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
-_VERSION_DOMAIN = b"smoltorrent directory v1\0"  # keeps these ids apart from any other digest
+RECORD_FILE = ".directory.safetensors"  # the unit's own checkpoint, NAME/RECORD_FILE
+# Header metadata keys of that record.
+DIRECTORY_KEY = "smoltorrent.directory"  # the directory's name
+FILES_KEY = "smoltorrent.directory_files"  # JSON {file: version id}
+INDEX_NAME_KEY = "smoltorrent.index_name"
+INDEX_KEY = "smoltorrent.index"  # the index text, verbatim
+_HEADER_ALIGNMENT = 8  # bytes, as safetensors writers pad their headers
 
 
 @dataclass(frozen=True)
@@ -91,12 +107,52 @@ def _check_index(root: str, index_name: str, raw: bytes, files: tuple[str, ...])
             fail(f"{file} and the index disagree on its tensors ({', '.join(stray)}, ...)")
 
 
-def directory_version_id(files: dict[str, str], index_name: str | None, index: bytes | None) -> str:
-    """The directory's content id: its files' version ids and its index, canonical."""
-    document = {
-        "files": dict(sorted(files.items())),
-        "index_name": index_name,
-        "index_sha256": None if index is None else hashlib.sha256(index).hexdigest(),
+@dataclass(frozen=True)
+class DirectoryRecord:
+    name: str
+    files: dict[str, str]  # file -> version id
+    index_name: str | None
+    index_bytes: bytes | None
+
+
+def record_bytes(record: DirectoryRecord) -> bytes:
+    """The unit as a .safetensors file with no tensors: its header metadata says it all.
+    Canonical (sorted keys): the same directory always gives the same bytes."""
+    if record.index_bytes is not None:
+        try:
+            index_text = record.index_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointFormatError(
+                f"the index {record.index_name} of {record.name} is not UTF-8 text"
+            ) from None
+    metadata = {
+        DIRECTORY_KEY: record.name,
+        FILES_KEY: json.dumps(record.files, sort_keys=True, separators=(",", ":")),
     }
-    canonical = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(_VERSION_DOMAIN + canonical).hexdigest()
+    if record.index_name is not None:
+        metadata |= {INDEX_NAME_KEY: record.index_name, INDEX_KEY: index_text}
+    raw = json.dumps({METADATA_KEY: metadata}, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-(LENGTH_PREFIX_BYTES + len(raw)) % _HEADER_ALIGNMENT)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def record_of(header: CheckpointHeader) -> DirectoryRecord | None:
+    """The directory a record checkpoint's header describes; None for any other header."""
+    meta = header.metadata or {}
+    if DIRECTORY_KEY not in meta or header.tensors:
+        return None
+    try:
+        files = json.loads(meta[FILES_KEY])
+    except (KeyError, json.JSONDecodeError):
+        return None
+    if not isinstance(files, dict) or not all(
+        isinstance(f, str) and isinstance(v, str) for f, v in files.items()
+    ):
+        return None
+    index = meta.get(INDEX_KEY)
+    return DirectoryRecord(
+        name=meta[DIRECTORY_KEY],
+        files=files,
+        index_name=meta.get(INDEX_NAME_KEY),
+        index_bytes=None if index is None else index.encode("utf-8"),
+    )

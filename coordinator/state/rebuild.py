@@ -12,8 +12,10 @@ import struct
 from collections.abc import Sequence
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
-from coordinator.plan.manifest import Manifest
-from coordinator.plan.safetensors_header import parse_header
+from coordinator.plan.directory import RECORD_FILE, record_of
+from coordinator.plan.manifest import Manifest, storage_key
+from coordinator.plan.safetensors_header import CheckpointHeader, parse_header
+from coordinator.state.directories import Directories, DirectoryVersion, Member
 from coordinator.state.metadata import COMMITTED, Metadata
 from coordinator.state.steps import (
     RANK_KEY,
@@ -74,6 +76,7 @@ def rebuild_metadata(
             continue
         restored += md.restore_committed(manifest, vkey)
     steps = restore_steps(md, list(manifests.values()))
+    directories = restore_directories(md, list(manifests.values()))
     return {
         "nodes_read": nodes_read,
         "versions": len(manifests),
@@ -81,8 +84,54 @@ def rebuild_metadata(
         "names": len({m.name for m in manifests.values()}),
         "placements": placements,
         "steps": steps,
+        "directories": directories,
         "unreachable": unreachable + skipped,
     }
+
+
+def _header(manifest: Manifest) -> CheckpointHeader:
+    length = struct.pack("<Q", len(manifest.header_bytes))
+    return parse_header(length, manifest.header_bytes, manifest.source_size)
+
+
+def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
+    """Directory checkpoints whose record (NAME/.directory.safetensors, its current
+    version) and every file version it names are committed again; made current."""
+    directories = Directories(md.r)
+    restored = 0
+    for manifest in manifests:
+        if not manifest.name.endswith("/" + RECORD_FILE) or manifest.shards:
+            continue
+        vkey = manifest.storage_key()
+        if md.current(manifest.name) != vkey:
+            continue  # an older record: only the current one is the directory
+        try:
+            record = record_of(_header(manifest))
+        except SmoltorrentError:
+            continue
+        if record is None or directories.is_directory(record.name):
+            continue
+        members = {}
+        for file, version_id in record.files.items():
+            name = f"{record.name}/{file}"
+            member = storage_key(name, version_id)
+            if md.state(member) != COMMITTED:
+                break
+            size = int(md.version(member)["size"])
+            members[file] = Member(name, member, version_id, size)
+        else:
+            directories.commit(
+                DirectoryVersion(
+                    name=record.name,
+                    version_id=manifest.version_id,
+                    files=members,
+                    index_name=record.index_name,
+                    index=record.index_bytes,
+                    created_at=manifest.created_at,
+                )
+            )
+            restored += 1
+    return restored
 
 
 def restore_steps(md: Metadata, manifests: Sequence[Manifest]) -> int:
@@ -91,12 +140,7 @@ def restore_steps(md: Metadata, manifests: Sequence[Manifest]) -> int:
     found: dict[tuple[str, int, int], dict[int, Part]] = {}
     for manifest in manifests:
         try:
-            header = parse_header(
-                struct.pack("<Q", len(manifest.header_bytes)),
-                manifest.header_bytes,
-                manifest.source_size,
-            )
-            meta = header.metadata or {}
+            meta = _header(manifest).metadata or {}
             key = (meta[STEP_NAME_KEY], int(meta[STEP_KEY]), int(meta[WORLD_SIZE_KEY]))
             rank = int(meta[RANK_KEY])
         except (KeyError, ValueError, SmoltorrentError):

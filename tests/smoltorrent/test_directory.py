@@ -23,8 +23,10 @@ def test_a_directory_with_an_hf_index_round_trips(make_cluster, tmp_path):
     assert len(stored["files"]) == 3 and stored["ignored"] == ["config.json"]
     assert sorted(stored["new_files"]) == sorted(stored["files"])
     # Each file is a checkpoint of its own, listed and shown as any other.
+    # The directory's own record (no tensors) is one too: the nodes keep the unit.
     listed = {r["name"] for r in c.cli_json("ls") if r["state"] == "committed"}
-    assert listed == {f"hf/llama-tiny/{f}" for f in stored["files"]}
+    files = {f"hf/llama-tiny/{f}" for f in stored["files"]}
+    assert listed == files | {"hf/llama-tiny/.directory.safetensors"}
 
     out = tmp_path / "restored"
     report = c.cli_json("gather", "hf/llama-tiny", "-o", str(out))
@@ -34,6 +36,17 @@ def test_a_directory_with_an_hf_index_round_trips(make_cluster, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     refused = c.cli("gather", "hf/llama-tiny", "-o", str(out), check=False)
     assert refused.returncode == 1 and "not an empty directory" in refused.stderr
+
+    # Redis lost: rebuild brings the directory back from the nodes' manifests.
+    c.md.r.flushall()
+    summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
+    assert summary["directories"] == 1
+    again_out = tmp_path / "after-rebuild"
+    assert (
+        c.cli_json("gather", "hf/llama-tiny", "-o", str(again_out))["version_id"]
+        == (stored["version_id"])
+    )
+    assert digests(again_out) == want
 
     # Storing it again moves nothing and keeps the version.
     again = c.cli_json("store", str(src), "--name", "hf/llama-tiny")

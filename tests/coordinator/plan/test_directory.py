@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+from safetensors.torch import load as safetensors_load
 
-from coordinator.plan.directory import directory_version_id, plan_directory
+from coordinator.plan.directory import DirectoryRecord, plan_directory, record_bytes, record_of
+from coordinator.plan.safetensors_header import read_header
 from smoltorrent.errors import CheckpointFormatError, UsageError
 from tests.checkpoints import write_hf_dir
 
@@ -49,9 +52,24 @@ def test_a_directory_without_safetensors_files_is_a_usage_error(tmp_path):
         plan_directory(tmp_path)
 
 
-def test_the_directory_id_covers_files_and_index():
-    base = directory_version_id({"a": "1" * 64}, INDEX, b"{}")
-    assert base == directory_version_id({"a": "1" * 64}, INDEX, b"{}")
-    assert base != directory_version_id({"a": "2" * 64}, INDEX, b"{}")
-    assert base != directory_version_id({"a": "1" * 64}, INDEX, b"{ }")
-    assert base != directory_version_id({"a": "1" * 64}, None, None)
+def test_the_record_is_a_tensorless_safetensors_file_that_says_it_all(tmp_path):
+    record = DirectoryRecord("hf/m", {"b.safetensors": "2" * 64, "a.safetensors": "1" * 64},
+                             INDEX, b'{"weight_map": {"x": "a.safetensors"}}')  # fmt: skip
+    raw = record_bytes(record)
+    assert raw == record_bytes(
+        dataclasses.replace(record, files=dict(sorted(record.files.items())))
+    )
+    path = tmp_path / "r.safetensors"
+    path.write_bytes(raw)
+    header = read_header(path)  # a valid safetensors file: no tensors, no data
+    assert header.tensors == () and header.file_size == len(raw)
+    assert record_of(header) == record
+    assert safetensors_load(raw) == {}
+    bare = DirectoryRecord("hf/m", {"a.safetensors": "1" * 64}, None, None)
+    path.write_bytes(record_bytes(bare))
+    assert record_of(read_header(path)) == bare
+
+
+def test_other_headers_are_no_record(tmp_path):
+    write_hf_dir(tmp_path / "m", parts=1)
+    assert record_of(read_header(tmp_path / "m" / "model-00001-of-00001.safetensors")) is None
