@@ -149,6 +149,9 @@ def check_environment() -> None:
     repair_interval()
     repairs_per_node()
     scrub_interval()
+    retention_interval()
+    crosscheck_interval()
+    orphan_grace()
 
 
 def host_queue(host: str) -> str:
@@ -185,16 +188,17 @@ def keep_last() -> int:
 
 def retention_interval() -> float:
     """Seconds between retention sweeps (SMOLTORRENT_RETENTION_INTERVAL_S)."""
-    return float(os.environ.get("SMOLTORRENT_RETENTION_INTERVAL_S", defaults.RETENTION_INTERVAL_S))
+    return _seconds_from_env("SMOLTORRENT_RETENTION_INTERVAL_S", defaults.RETENTION_INTERVAL_S)
 
 
 def crosscheck_interval() -> float:
     """Seconds between crosscheck sweeps (SMOLTORRENT_CROSSCHECK_INTERVAL_S)."""
-    return float(
-        os.environ.get("SMOLTORRENT_CROSSCHECK_INTERVAL_S", defaults.CROSSCHECK_INTERVAL_S)
-    )
+    return _seconds_from_env("SMOLTORRENT_CROSSCHECK_INTERVAL_S", defaults.CROSSCHECK_INTERVAL_S)
 
 
 def orphan_grace() -> float:
-    """Seconds an unused copy stays before it is collected (SMOLTORRENT_ORPHAN_GRACE_S)."""
-    return float(os.environ.get("SMOLTORRENT_ORPHAN_GRACE_S", defaults.ORPHAN_GRACE_S))
+    """Seconds an unused copy stays before it is collected (SMOLTORRENT_ORPHAN_GRACE_S;
+    0 collects an orphan on the pass after the one that found it)."""
+    if os.environ.get("SMOLTORRENT_ORPHAN_GRACE_S", "").strip() == "0":
+        return 0.0
+    return _seconds_from_env("SMOLTORRENT_ORPHAN_GRACE_S", defaults.ORPHAN_GRACE_S)

@@ -209,3 +209,21 @@ def test_a_slow_gather_blocks_the_removal_of_its_version_until_it_ends(
     assert sweep(c) == {"retired": 1}
     wait_until(lambda: removed(c, first), timeout=60, what="the remove")
     assert len(c.md.versions(NAME)) == KEEP
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "SMOLTORRENT_KEEP_LAST=0",
+        "SMOLTORRENT_RETENTION_INTERVAL_S=soon",
+        "SMOLTORRENT_CROSSCHECK_INTERVAL_S=0",
+        "SMOLTORRENT_ORPHAN_GRACE_S=-1",
+    ],
+)
+def test_a_bad_retention_or_crosscheck_setting_is_one_line_and_exit_2(tmp_path, setting):
+    from tests.coordinator.cli.test_papercuts import clean_env, one_line_error, run
+
+    name, value = setting.split("=")
+    result = run("beat", env=clean_env(tmp_path, **{name: value}))
+    assert result.returncode == 2
+    assert name in one_line_error(result)
