@@ -13,8 +13,8 @@ stored at R=2 through the CLI. Then, with nothing but beat running:
          where the blob sits in the node's digest order: the figure says so.
   death  one node is SIGKILLed for good; timed until every blob has two copies on the
          survivors (placement and disks), with the moment the health sweep declared the
-         node dead. Then a second node is killed and the checkpoint gathered: its SHA-256
-         must match.
+         node dead. The node killed is the one holding the most blobs. Then a second node
+         is killed and the checkpoint gathered: its SHA-256 must match.
 """
 
 from __future__ import annotations
@@ -166,11 +166,12 @@ def run(args: argparse.Namespace) -> dict:
         log(f"flip -> 2 verified copies: {result['flip_to_two_verified_copies_s']} s")
 
         # --- a node's death ------------------------------------------------------------
-        dead = cluster.node_procs[1]
-        dead_id = dead.client().ping()
-        lost = [d for d in digests if dead_id in md.placement(d)]
+        # The node holding the most blobs: the worst single death.
+        held_by = {i: [d for d in digests if i in md.placement(d)] for i in by_id}
+        dead_id = max(sorted(held_by), key=lambda i: len(held_by[i]))
+        dead, lost = by_id[dead_id], held_by[dead_id]
         survivors = [n for n in cluster.node_procs if n is not dead]
-        ids = {n.client().ping() for n in survivors}
+        ids = set(by_id) - {dead_id}
         dead.kill()
         killed = time.monotonic()
         log(f"killed {dead_id[:12]}, which held {len(lost)} of {len(digests)} blobs")
