@@ -92,14 +92,17 @@ class Scrubber:
     def _scrub_from(self, after: str) -> None:
         todo = sorted(digest for digest in self.store.inventory() if digest > after)
         log.info("scrub pass: %d blobs to re-hash at %d bytes/s", len(todo), self.rate_bps)
-        pacer = _Pacer(self.rate_bps)
+        pacer = _Pacer(self.rate_bps, self._stopping)
         buffer = bytearray(defaults.SCRUB_CHUNK_BYTES)
         saved_at = time.monotonic()
         for digest in todo:
-            if self._stopping.is_set():
-                self._save_cursor(after)
-                return
             self._check(digest, buffer, pacer)
+            if self._stopping.is_set():
+                # A blob cut off mid-read is re-hashed by the next pass: the cursor stays
+                # before it, and an unfinished pass never counts as a finished one.
+                self._save_cursor(after)
+                log.info("scrub pass stopped; the next one resumes after %s", after or "the start")
+                return
             after = digest
             if time.monotonic() - saved_at >= defaults.SCRUB_CURSOR_SAVE_S:
                 self._save_cursor(after)
@@ -138,10 +141,12 @@ class Scrubber:
 
 
 class _Pacer:
-    """Sleeps so that bytes consumed since the start never run ahead of rate_bps."""
+    """Sleeps so that bytes consumed since the start never run ahead of rate_bps; a stop
+    request ends the sleep (at a low rate one chunk's wait can be hours)."""
 
-    def __init__(self, rate_bps: int) -> None:
+    def __init__(self, rate_bps: int, stopping: threading.Event) -> None:
         self.rate_bps = rate_bps
+        self.stopping = stopping
         self.started = time.monotonic()
         self.total = 0
 
@@ -149,4 +154,4 @@ class _Pacer:
         self.total += count
         ahead = self.started + self.total / self.rate_bps - time.monotonic()
         if ahead > 0:
-            time.sleep(ahead)
+            self.stopping.wait(ahead)

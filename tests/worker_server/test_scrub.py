@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from smoltorrent import defaults
 from smoltorrent.errors import NodeError
 from tests.nodeproc import NodeProcess
 from tests.worker_server.conftest import CLUSTER_KEY, SourceBlob
 
 MIB = 1024 * 1024
+SCRUB_CHUNK = defaults.SCRUB_CHUNK_BYTES
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
@@ -136,3 +138,19 @@ def test_a_restarted_node_resumes_its_pass_from_the_cursor(scrub_node, make_blob
     wait_until(lambda: client.scrub(start=False)["passes"] >= 1, 60, "the resumed pass to end")
     scrubbed = client.scrub(start=False)["scrubbed_bytes"]
     assert scrubbed == (len(blobs) - done_before) * (MIB // 2 + len(b"HEADER"))
+
+
+def test_a_node_scrubbing_at_a_crawl_stops_at_once_and_keeps_its_cursor(
+    scrub_node, make_blob
+) -> None:
+    """At 1 byte/s one chunk's pacing wait is days: SIGTERM ends it, the pass saves its
+    cursor before the blob it was reading (not after it: that blob was never fully
+    re-hashed) and says so, and the node exits cleanly instead of being cut off."""
+    node = scrub_node(1)
+    client = node.client()
+    make_blob(SCRUB_CHUNK).put(client)
+    client.scrub()
+    wait_until(lambda: client.scrub(start=False)["scrubbed_bytes"] > 0, 30, "the first chunk")
+    assert node.stop() == 0
+    assert "scrub pass stopped; the next one resumes after the start" in node.log()
+    assert "scrub pass finished" not in node.log()  # a cut-off blob is no finished pass
