@@ -1,0 +1,53 @@
+"""Repair and trim tasks on a real worker: each one sent twice (a retry, a redelivery, two
+beats) leaves the same state as one clean run."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from celery import Celery
+
+from coordinator.state import repairs
+from tests.tasks.conftest import wait_until
+from tests.tasks.test_control_plane import make_ckpt
+
+
+def send(c, name: str, kwargs: dict, task_id: str):
+    app = Celery(broker=c.redis_url, backend=c.redis_url)
+    try:
+        return app.send_task(name, kwargs=kwargs, task_id=task_id, queue="control")
+    finally:
+        app.close()
+
+
+def copies(c, digest: str) -> int:
+    return Counter(d for n in c.node_procs for d in n.client().list_blobs())[digest]
+
+
+def test_a_repair_sent_twice_makes_one_copy_and_a_trim_sent_twice_keeps_r(make_cluster, tmp_path):
+    c = make_cluster(3)
+    src = make_ckpt(tmp_path / "twice.safetensors")
+    c.cli("store", str(src), "--name", "twice.safetensors")
+    md = c.md
+    digest = md.manifest(md.current("twice.safetensors")).shards[0].blob_sha256
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    holders = sorted(md.placement(digest))
+    (target,) = set(by_id) - set(holders)
+    kwargs = {"digest": digest, "source": holders[0], "target": target}
+    results = [send(c, "smoltorrent.repair", kwargs, f"repair-{digest}-{target}") for _ in range(2)]
+    outcomes = {r.get(timeout=60) for r in results}
+    assert outcomes <= {"stored", "exists"}
+    assert md.placement(digest) == {*holders, target}
+    assert copies(c, digest) == 3  # one per node: the second run found the first's copy
+    assert repairs.in_flight(md) == []
+
+    trims = [
+        send(c, "smoltorrent.trim", {"digest": digest, "replicas": 2}, f"trim-{digest}")
+        for _ in range(2)
+    ]
+    for t in trims:
+        t.get(timeout=60)
+    wait_until(lambda: copies(c, digest) == 2, timeout=30, what="one surplus copy deleted")
+    assert len(md.placement(digest)) == 2
+    for node_id in md.placement(digest):
+        assert by_id[node_id].client().verify([digest]) == []
