@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m bench.pi_cluster [--size-mib 200] [--nodes 4] [--repeat 3]
                                               [--rate-mbit 100] [--cut-node-after 3] [--json]
+                                              [--socket-timeout S] [--no-chain]
 
 Needs root and iproute2. Every host is a network namespace of its own: the
 coordinator (Redis, the Celery worker and the CLI) and each storage node. A
@@ -19,7 +20,10 @@ emulation.
 
 --cut-node-after S takes one node's switch port down S seconds into each
 store (a Pi unplugged: packets vanish, no reset) and reports where the store
-ended: time, copies per shard, dead letters.
+ended: time, copies per shard, dead letters. How soon the silent node is given
+up (and its replicas moved to the others) is the socket timeout: --socket-timeout
+sets SMOLTORRENT_SOCKET_TIMEOUT_S for the nodes and the worker (default 30 s).
+--no-chain stores with SMOLTORRENT_CHAIN=0 (every copy from the coordinator).
 """
 
 from __future__ import annotations
@@ -176,7 +180,9 @@ class Sampler(threading.Thread):
 class Cluster:
     """Redis, the worker and the nodes, each a real process in its namespace."""
 
-    def __init__(self, net: Network, root: Path, nodes: list[str]) -> None:
+    def __init__(
+        self, net: Network, root: Path, nodes: list[str], extra_env: dict[str, str]
+    ) -> None:
         self.net = net
         self.root = root
         self.nodes = nodes
@@ -188,6 +194,7 @@ class Cluster:
             "SMOLTORRENT_REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0",
             "SMOLTORRENT_CLUSTER_KEY": secrets.token_hex(32),
             "SMOLTORRENT_HOST_ID": "pi-bench-coordinator",
+            **extra_env,
         }
 
     def _spawn(self, host: str, argv: list[str], log_name: str) -> subprocess.Popen:
@@ -277,7 +284,12 @@ def run(args: argparse.Namespace) -> dict:
     size = args.size_mib * MIB
     line_s = size * 8 / (args.rate_mbit * 1e6)
     net = Network(["coord", *nodes], args.rate_mbit)
-    cluster = Cluster(net, root, nodes)
+    extra_env = {}
+    if args.socket_timeout is not None:
+        extra_env["SMOLTORRENT_SOCKET_TIMEOUT_S"] = str(args.socket_timeout)
+    if args.no_chain:
+        extra_env["SMOLTORRENT_CHAIN"] = "0"
+    cluster = Cluster(net, root, nodes, extra_env)
     runs: list[dict] = []
     try:
         net.open()
@@ -344,6 +356,8 @@ def run(args: argparse.Namespace) -> dict:
         "rate_mbit": args.rate_mbit,
         "line_s": round(line_s, 2),
         "cut_node_after_s": args.cut_node_after,
+        "socket_timeout_s": args.socket_timeout,
+        "chain": not args.no_chain,
         "median_store_s": med.get("store_s"),
         "median_gather_s": sorted(r["gather_s"] for r in runs)[len(runs) // 2] if runs else None,
         "original": ORIGINAL,
@@ -383,6 +397,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--rate-mbit", type=int, default=100)
     p.add_argument("--cut-node-after", type=float, help="unplug the last node S s into a store")
+    p.add_argument("--socket-timeout", type=float, help="seconds before a silent node is given up")
+    p.add_argument("--no-chain", action="store_true", help="send every copy from the coordinator")
     p.add_argument("--plot", type=Path, help="write a PNG of per-node bandwidth (matplotlib)")
     p.add_argument("--keep", action="store_true", help="keep the cluster's files")
     p.add_argument("--json", action="store_true")

@@ -80,6 +80,24 @@ def transfer_retries() -> int:
     )
 
 
+def socket_timeout() -> float:
+    """Seconds a worker waits on a silent node (SMOLTORRENT_SOCKET_TIMEOUT_S, the variable
+    nodes read too, default SOCKET_TIMEOUT_S): how soon a hung node is replaced."""
+    text = os.environ.get("SMOLTORRENT_SOCKET_TIMEOUT_S")
+    if not text:
+        return defaults.SOCKET_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(
+            f"SMOLTORRENT_SOCKET_TIMEOUT_S={text!r} is not a positive number of seconds: fix"
+            " it or unset it for the default"
+        )
+    return value
+
+
 def chain_replication() -> bool:
     """Whether a store of R >= 2 copies sends each shard once, down a chain of its nodes
     (SMOLTORRENT_CHAIN, default 1); 0 sends every copy from this host, one transfer each."""

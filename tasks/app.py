@@ -29,6 +29,7 @@ app = Celery(
     include=[
         "tasks.store",
         "tasks.transfer",
+        "tasks.chain",
         "tasks.commit",
         "tasks.gather",
         "tasks.remove",

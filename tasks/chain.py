@@ -15,8 +15,7 @@ import json
 from celery.utils.log import get_task_logger
 
 from coordinator import config
-from coordinator.dataplane.chain_engine import Target, store_shard_chain
-from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
 from coordinator.plan.manifest import blob_prefixes
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
@@ -26,11 +25,10 @@ from smoltorrent.errors import (
     NodeUnavailableError,
     NotFoundError,
     ProtocolError,
-    SmoltorrentError,
     SourceChangedError,
 )
 from tasks.app import app
-from tasks.context import REDIS_TRANSIENT, client, metadata, node_client
+from tasks.context import REDIS_TRANSIENT, metadata, node_client
 from tasks.enqueue import settle
 from tasks.transfer import abandon
 
@@ -57,36 +55,42 @@ def chain_transfer(
     replicas: list[int],
     node_ids: list[str],
     digest: str,
-) -> str:
+) -> dict:
     """Make the nodes of `node_ids` (replicas `replicas` of shard `shard`, in chain order)
-    hold the shard; settle each replica in the barrier as it is placed."""
+    hold the shard; settle each replica in the barrier as it is placed. Returns how each
+    node got it: {"how": ..., "nodes": {node id: "sent" | "replicated" | "exists"}}."""
     md = metadata()
     try:
         v = md.version(vkey)
     except NotFoundError:
-        return "version removed"
+        return {"how": "version removed", "nodes": {}}
     if v["state"] in (ABORTED, REMOVING, REMOVED):
-        return f"version {v['state']}"
+        return {"how": f"version {v['state']}", "nodes": {}}
     if md.blob_deleting(digest):
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     manifest = md.manifest(vkey)
     plan = md.plan(vkey)[shard]
-    settled = md.settled(vkey)
     registered = md.nodes()
-    # The plan names the node a replica moved to if an earlier try replaced a lost one.
+    holding = md.placement(digest)
+    # The plan names the node a replica moved to if an earlier try replaced a lost one. A
+    # replica is done when its node holds a verified copy (settled is not enough: a dead
+    # letter settles too, and its replay must still place the copy).
     todo = [
         (r, plan[r] if r < len(plan) else n)
         for r, n in zip(replicas, node_ids, strict=True)
-        if f"{shard}:{r}" not in settled
+        if (plan[r] if r < len(plan) else n) not in holding
     ]
+    for r, n in zip(replicas, node_ids, strict=True):
+        node = plan[r] if r < len(plan) else n
+        if node in holding:  # placed by an earlier try that died before settling it
+            settle(vkey, shard, r, node, digest)
     if not todo:
-        return "settled"
-    holding = md.placement(digest)
+        return {"how": "exists", "nodes": {}}
     keep_off = set(plan) | holding | {n for _, n in todo}
     blob_size = manifest.shards[shard].blob_size
 
     def spare(seen: set[str]) -> Target | None:
-        return pick_spare(registered, keep_off | seen, blob_size)
+        return spare_for(registered, keep_off | seen, blob_size)
 
     targets, lost = [], []
     # A node that already holds the blob heads the chain and pushes its own copy.
@@ -126,12 +130,14 @@ def chain_transfer(
     except SourceChangedError as exc:
         md.record_attempt(vkey, {**base, "error": str(exc)})
         abandon(vkey, v, str(exc))
-        return "source changed"
+        return {"how": "source changed", "nodes": {}}
     for r, (old, new) in outcome.replaced.items():
         if r in outcome.placed and md.replace_target(vkey, shard, r, old, new):
             log.warning(
                 "%s shard %d: replica %d moved from node %s to %s", name, shard, r, old, new
             )
+    for r, node, exc in outcome.lost:
+        md.record_attempt(vkey, {**base, "replica": r, "node": node, "error": f"replaced: {exc}"})
     for r, (node, how) in sorted(outcome.placed.items()):
         md.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
         settle(vkey, shard, r, node, digest)
@@ -140,28 +146,16 @@ def chain_transfer(
     if outcome.failed:
         errors = [exc for _, exc in outcome.failed.values()]
         first = next((e for e in errors if isinstance(e, RETRYABLE)), None)
-        raise first or NodeError("internal", "; ".join(str(e) for e in errors))
-    hows = sorted({how for _, how in outcome.placed.values()})
-    return "+".join(hows)
+        error = first or NodeError("internal", "; ".join(str(e) for e in errors))
+        # A dead letter names the nodes that failed, not the whole chain.
+        error.node_id = ",".join(node for node, _ in outcome.failed.values())
+        raise error
+    nodes = {node: how for node, how in outcome.placed.values()}
+    return {"how": "+".join(sorted(set(nodes.values()))), "nodes": nodes}
 
 
-def pick_spare(registered, keep_off: set[str], size: int) -> Target | None:
-    """Another node for a lost replica: registered, not kept off (the shard's other nodes,
-    its holders, those tried), answering a stat now and with room; the one with most room."""
-    best: tuple[int, str] | None = None
-    for node_id in sorted(set(registered) - keep_off):
-        probe = client(registered[node_id].address, timeout=defaults.CONNECT_TIMEOUT_S)
-        try:
-            stat = probe.stat()
-        except (SmoltorrentError, OSError):
-            continue
-        roomy = stat.node_id == node_id and stat.free_bytes >= size
-        if roomy and (best is None or stat.free_bytes > best[0]):
-            best = (stat.free_bytes, node_id)
-    if best is None:
-        return None
-    return Target(-1, best[1], _client(registered, best[1]))
-
-
-def _client(registered, node_id: str) -> NodeClient:
-    return node_client(node_id, registered)
+def spare_for(registered, keep_off: set[str], size: int) -> Target | None:
+    """Another node for a lost replica (see chain_engine.pick_spare), as a chain target."""
+    candidates = {n: rec.address for n, rec in registered.items() if n not in keep_off}
+    node_id = pick_spare(candidates, size, config.cluster_key())
+    return None if node_id is None else Target(-1, node_id, node_client(node_id, registered))

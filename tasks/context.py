@@ -29,7 +29,11 @@ def metadata() -> Metadata:
 
 
 def client(address: NodeAddress, timeout: float | None = None) -> NodeClient:
-    return NodeClient(address, cluster_key=config.cluster_key(), timeout=timeout)
+    return NodeClient(
+        address,
+        cluster_key=config.cluster_key(),
+        timeout=config.socket_timeout() if timeout is None else timeout,
+    )
 
 
 def node_client(node_id: str, nodes: dict[str, NodeRecord]) -> NodeClient:

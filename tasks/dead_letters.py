@@ -44,7 +44,9 @@ def record_dead_letter(
                 "traceback": str(einfo) if einfo else "",
                 "checkpoint": kwargs.get("name"),
                 "shard": kwargs.get("shard"),
-                "node": kwargs.get("node_id"),
+                "node": kwargs.get("node_id")
+                or getattr(exception, "node_id", None)
+                or _chain_nodes(kwargs),
             },
         )
         log.error("dead letter %s (%s): %s", task_id, sender.name, exception)
@@ -53,15 +55,25 @@ def record_dead_letter(
         metadata().finish_request(
             kwargs["request_id"], FAILED, error=f"{type(exception).__name__}: {exception}"
         )
+    if sender.name == "smoltorrent.chain":
+        # Each replica it still owed settles as failed, as its own transfer would have.
+        for replica in kwargs["replicas"]:
+            settle(kwargs["vkey"], kwargs["shard"], replica, None, kwargs["digest"])
     if sender.name == "smoltorrent.transfer":
         # Settled even when not replayable (its node was removed): the version must not
         # wait forever for a transfer that will never run again.
         settle(kwargs["vkey"], kwargs["shard"], kwargs["replica"], None, kwargs["digest"])
 
 
+def _chain_nodes(kwargs: dict) -> str | None:
+    """A chain task's nodes, in chain order, as one field of its record."""
+    nodes = kwargs.get("node_ids")
+    return ",".join(nodes) if nodes else None
+
+
 def _queue_of(sender, kwargs: dict) -> str:
     """Where a replay must go: transfers read the source, so they go back to its host."""
-    if sender.name == "smoltorrent.transfer":
+    if sender.name in ("smoltorrent.transfer", "smoltorrent.chain"):
         try:
             return config.transfer_queue(metadata().version(kwargs["vkey"])["host"])
         except NotFoundError:

@@ -30,11 +30,19 @@ def send_transfers(
     host: str,
     skip: set[str] = frozenset(),
 ) -> int:
-    """One transfer task per (shard, replica), deterministic ids; returns how many sent."""
+    """The tasks that put every (shard, replica) not in `skip` on its node, deterministic
+    ids; returns how many replicas they cover. With chain replication (the default) the
+    unsettled replicas of a shard are one chain task when there are two or more of them;
+    otherwise one transfer task per (shard, replica)."""
     sent = 0
     for index, nodes in enumerate(targets):
         shard = manifest.shards[index]
         limit = transfer_time_limit(shard.blob_size)
+        todo = [r for r in range(len(nodes)) if f"{index}:{r}" not in skip]
+        if config.chain_replication() and len(todo) >= 2:
+            send_chain(vkey, manifest, index, todo, [nodes[r] for r in todo], host, limit)
+            sent += len(todo)
+            continue
         for replica, node_id in enumerate(nodes):
             if f"{index}:{replica}" in skip:
                 continue
@@ -66,6 +74,37 @@ def send_transfers(
         send_commit(vkey, manifest.name)
         metadata().mark_commit_enqueued(vkey)
     return sent
+
+
+def send_chain(
+    vkey: str,
+    manifest: Manifest,
+    index: int,
+    replicas: list[int],
+    node_ids: list[str],
+    host: str,
+    limit: int,
+) -> None:
+    """One chain task for these replicas of shard `index`; its id names the replicas, so
+    a re-send of the same set is the same task."""
+    replicas_text = "-".join(str(r) for r in replicas)
+    app.send_task(
+        "smoltorrent.chain",
+        kwargs={
+            "vkey": vkey,
+            "name": manifest.name,
+            "shard": index,
+            "replicas": replicas,
+            "node_ids": node_ids,
+            "digest": manifest.shards[index].blob_sha256,
+        },
+        task_id=f"chain-{vkey}-{index}-{replicas_text}",
+        queue=config.transfer_queue(host),
+        # The chain's nodes copy in parallel, so one chain takes about one transfer's time,
+        # plus the rounds that place what the chain missed.
+        time_limit=2 * limit,
+        soft_time_limit=max(1, 2 * limit - config.transfer_time_base() // 2),
+    )
 
 
 def send_commit(vkey: str, name: str | None = None) -> None:

@@ -148,6 +148,16 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
             return
         _m.transfer_bytes.labels(node=node).inc(size)
         _m.transfer_seconds.labels(node=node).observe(time.monotonic() - started)
+    elif sender.name == "smoltorrent.chain" and isinstance(retval, dict) and started:
+        kwargs = kwargs or {}
+        try:
+            size = metadata().manifest(kwargs["vkey"]).shards[kwargs["shard"]].blob_size
+        except (NotFoundError, KeyError, IndexError):
+            return
+        for node, how in (retval.get("nodes") or {}).items():
+            if how in ("sent", "replicated"):
+                _m.transfer_bytes.labels(node=node).inc(size)
+                _m.transfer_seconds.labels(node=node).observe(time.monotonic() - started)
     elif sender.name == "smoltorrent.gather" and isinstance(retval, dict):
         _m.gather_seconds.observe(float(retval.get("seconds", 0)))
     elif sender.name == "smoltorrent.commit" and retval == COMMITTED:
@@ -160,5 +170,5 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
 
 
 def _on_retry(sender=None, **_) -> None:
-    if sender is not None and sender.name == "smoltorrent.transfer":
+    if sender is not None and sender.name in ("smoltorrent.transfer", "smoltorrent.chain"):
         _m.transfer_retries.inc()

@@ -11,6 +11,7 @@ from celery.utils.log import get_task_logger
 from coordinator import config
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
+from coordinator.plan.chains import chain_order
 from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import DONE, PENDING, REMOVING
 from smoltorrent import defaults
@@ -71,6 +72,9 @@ def store(
     )
     manifest, vkey = prepared.manifest, prepared.vkey
     targets = prefer_holders(prepared.targets, manifest, md, set(live))
+    if config.chain_replication():
+        # Heads and tails spread so every node's outbound link carries its share.
+        targets = chain_order(targets, [s.blob_size for s in manifest.shards])
     host = config.host_id()
     found = md.create_pending(
         manifest,

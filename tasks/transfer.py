@@ -7,6 +7,7 @@ import json
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.dataplane.chain_engine import pick_spare, replaceable
 from coordinator.dataplane.store_engine import send_shard
 from coordinator.plan.manifest import blob_prefixes
 from coordinator.plan.source_file import SourceIdentity
@@ -80,10 +81,55 @@ def transfer(
         return "source changed"
     except RETRYABLE as exc:
         md.record_attempt(vkey, {**attempt, "error": str(exc)})
-        raise
+        moved = move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc)
+        if moved is None:
+            raise
+        spare_id, how = moved
+        md.record_attempt(vkey, {**attempt, "node": spare_id, "result": how})
+        settle(vkey, shard, replica, spare_id, digest)
+        return how
     md.record_attempt(vkey, {**attempt, "result": how})
     settle(vkey, shard, replica, node_id, digest, name)
     return how
+
+
+def move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc):
+    """A target that stops answering (or is full) loses this replica to another live node
+    that does not hold the shard: (that node, how it got the shard), or None when no node
+    can take it (the transfer then retries and dead-letters as before)."""
+    if not replaceable(exc):
+        return None
+    vkey = manifest.storage_key()
+    registered = md.nodes()
+    holding = md.placement(digest)
+    keep_off = set(md.plan(vkey)[shard]) | holding
+    candidates = {n: rec.address for n, rec in registered.items() if n not in keep_off}
+    spare_id = pick_spare(candidates, manifest.shards[shard].blob_size, config.cluster_key())
+    if spare_id is None:
+        return None
+    holders = [node_client(h, registered) for h in sorted(holding) if h in registered]
+    try:
+        how = send_shard(
+            v["path"],
+            SourceIdentity.from_dict(json.loads(v["identity"])),
+            manifest,
+            shard,
+            blob_prefixes(manifest)[shard],
+            node_client(spare_id, registered),
+            holders,
+        )
+    except RETRYABLE:
+        return None
+    if md.replace_target(vkey, shard, replica, node_id, spare_id):
+        log.warning(
+            "%s shard %d: replica %d moved from %s to %s",
+            v["name"],
+            shard,
+            replica,
+            node_id,
+            spare_id,
+        )
+    return spare_id, how
 
 
 def abandon(vkey: str, version: dict, reason: str) -> None:

@@ -23,16 +23,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.store_engine import _hash_blob
 from coordinator.plan.manifest import Manifest
 from coordinator.plan.source_file import SourceIdentity
+from smoltorrent import defaults
 from smoltorrent.errors import (
     BadTargetError,
     DigestMismatchError,
     NodeError,
     NodeUnavailableError,
     ProtocolError,
+    SmoltorrentError,
     SourceChangedError,
 )
 
@@ -57,6 +59,7 @@ class ChainOutcome:
     placed: dict[int, tuple[str, str]] = field(default_factory=dict)  # replica -> (node, how)
     failed: dict[int, tuple[str, Exception]] = field(default_factory=dict)  # -> (node, error)
     replaced: dict[int, tuple[str, str]] = field(default_factory=dict)  # -> (old, new node)
+    lost: list[tuple[int, str, Exception]] = field(default_factory=list)  # replaced: why
     bytes_from_source: int = 0  # what the source's own link carried
 
 
@@ -71,7 +74,6 @@ def _fate_error(target: Target, fate: dict) -> Exception:
     text = f"node {target.client.address} (chain): {message}"
     if code == "digest_mismatch":
         return BadTargetError(
-            "digest_mismatch",
             f"node {target.client.address} stored other bytes than its chain passed on: {message}",
         )
     if code == "peer_unavailable":
@@ -107,6 +109,7 @@ def store_shard_chain(
             out.failed[target.replica] = (target.node_id, exc)
             return
         seen.add(replacement.node_id)
+        out.lost.append((target.replica, target.node_id, exc))
         replacement.replica = target.replica
         out.replaced[target.replica] = (
             out.replaced.get(target.replica, (target.node_id, ""))[0],
@@ -128,7 +131,6 @@ def store_shard_chain(
                 " bytes); the partial version was abandoned."
             ) from exc
         return BadTargetError(
-            "digest_mismatch",
             f"node {target.client.address} stored other bytes than the unchanged source sent"
             f" for shard {shard_index} ({exc}): its disk, memory or network link corrupts data."
             " Check that node (`smoltorrent status`), or remove it from the cluster.",
@@ -218,3 +220,24 @@ def _wrong_node(target: Target, fate: dict) -> str:
         f" {target.node_id}: its address now belongs to another node; update it with"
         " `smoltorrent nodes add`"
     )
+
+
+def pick_spare(
+    candidates: dict[str, NodeAddress], size: int, cluster_key: bytes | None
+) -> str | None:
+    """The node to take a lost replica: among `candidates` (registered nodes that neither
+    hold the blob nor are planned or tried for it), one answering a stat now, under its own
+    id, with room for `size` bytes; the one with the most room."""
+    best: tuple[int, str] | None = None
+    for node_id in sorted(candidates):
+        probe = NodeClient(
+            candidates[node_id], cluster_key=cluster_key, timeout=defaults.CONNECT_TIMEOUT_S
+        )
+        try:
+            stat = probe.stat()
+        except (SmoltorrentError, OSError):
+            continue
+        roomy = stat.node_id == node_id and stat.free_bytes >= size
+        if roomy and (best is None or stat.free_bytes > best[0]):
+            best = (stat.free_bytes, node_id)
+    return None if best is None else best[1]

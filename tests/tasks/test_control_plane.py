@@ -158,9 +158,10 @@ def test_dead_letter_then_replay_completes_the_checkpoint(make_cluster, tmp_path
 def test_store_with_a_dead_node_commits_under_replicated_and_a_later_replay_keeps_it(
     make_cluster, tmp_path
 ):
-    c = make_cluster(4, retries=1)
+    # Two nodes: with a third live one, the dead node's replicas would move there instead.
+    c = make_cluster(2, retries=1)
     src = make_ckpt(tmp_path / "u.safetensors")
-    c.node_procs[2].kill()
+    c.node_procs[1].kill()
     row = c.cli_json("store", str(src), "--shards", "4")
     assert row["state"] == COMMITTED
     assert row["under_replicated"], row
@@ -174,7 +175,7 @@ def test_store_with_a_dead_node_commits_under_replicated_and_a_later_replay_keep
     # A dead-letter replay after the commit adds the missing replicas and never touches
     # the committed version's state (a late transfer must not abort or re-commit it).
     (vkey,) = c.md.versions("u.safetensors")
-    c.node_procs[2].start()
+    c.node_procs[1].start()
     c.cli("dlq", "replay", "--all")
     manifest = c.md.manifest(vkey)
     wait_until(
@@ -341,7 +342,8 @@ def active_transfers(c) -> list[dict]:
 
 
 def stalled_store(c, tmp_path):
-    """A store whose transfer to node 1 hangs: the node is frozen (SIGSTOP), so its kernel
+    """(With SMOLTORRENT_CHAIN=0: one transfer task per replica.) A store whose transfer
+    to node 1 hangs: the node is frozen (SIGSTOP), so its kernel
     accepts the connection but nothing ever answers. Returns that transfer's active task."""
     src = make_ckpt(tmp_path / "s.safetensors")
     frozen = c.node_procs[1]
@@ -357,7 +359,7 @@ def stalled_store(c, tmp_path):
 
 
 def test_worker_lost_past_its_retries_is_a_dead_letter(make_cluster, tmp_path):
-    c = make_cluster(2, retries=0)
+    c = make_cluster(2, retries=0, SMOLTORRENT_CHAIN="0")
     src, frozen, hung = stalled_store(c, tmp_path)
     os.kill(hung["worker_pid"], signal.SIGKILL)  # the pool child running the transfer
     letters = wait_until(lambda: c.cli_json("dlq", "ls"), timeout=30, what="a dead letter")
@@ -378,7 +380,9 @@ def test_hard_time_limit_is_a_dead_letter(make_cluster, tmp_path):
     """A transfer that cannot even handle its soft limit (its process is frozen) is killed
     by the hard one, and that too is a dead letter."""
     base = 20  # soft limit at 10 s, hard at 20 s: time enough to freeze it before the soft
-    c = make_cluster(2, retries=0, SMOLTORRENT_TRANSFER_TIME_BASE_S=str(base))
+    c = make_cluster(
+        2, retries=0, SMOLTORRENT_TRANSFER_TIME_BASE_S=str(base), SMOLTORRENT_CHAIN="0"
+    )
     src, frozen, hung = stalled_store(c, tmp_path)
     running_for = time.time() - hung["time_start"]
     assert running_for < base // 2, f"found {running_for:.1f} s in: the soft limit may have fired"
@@ -399,7 +403,7 @@ def test_store_without_a_worker_says_how_to_start_one(make_cluster, tmp_path):
 
 
 def test_worker_lost_with_retries_left_is_retried_and_commits(make_cluster, tmp_path):
-    c = make_cluster(2, retries=3)
+    c = make_cluster(2, retries=3, SMOLTORRENT_CHAIN="0")
     src, frozen, hung = stalled_store(c, tmp_path)
     os.kill(hung["worker_pid"], signal.SIGKILL)
     frozen.send_signal(signal.SIGCONT)
