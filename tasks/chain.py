@@ -93,8 +93,7 @@ def chain_transfer(
         return spare_for(registered, keep_off | seen, blob_size)
 
     targets, lost = [], []
-    # A node that already holds the blob heads the chain and pushes its own copy.
-    for r, n in sorted(todo, key=lambda item: item[1] not in holding):
+    for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)
         if n in registered:
             targets.append(Target(r, n, node_client(n, registered)))
         else:
