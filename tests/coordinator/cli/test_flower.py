@@ -157,7 +157,7 @@ def test_flower_lists_a_store_with_readable_arguments(tmp_path: Path) -> None:
         node_ids = {n.client().stat().node_id[:12] for n in cluster.node_procs}
 
         tasks = _wait_for_tasks(
-            flower.port, {"smoltorrent.store", "smoltorrent.transfer", "smoltorrent.commit"}
+            flower.port, {"smoltorrent.store", "smoltorrent.chain", "smoltorrent.commit"}
         )
         by_name: dict[str, list[dict]] = {}
         for task in tasks.values():
@@ -166,19 +166,18 @@ def test_flower_lists_a_store_with_readable_arguments(tmp_path: Path) -> None:
         (store,) = by_name["smoltorrent.store"]
         assert store["args"] == "run1/step_100.safetensors"
         assert store["kwargs"] == f"from {source}, 2 copies"
-        transfers = by_name["smoltorrent.transfer"]
-        assert len(transfers) == 2 * 2  # 2 shards (one per node) x 2 copies
+        chains = by_name["smoltorrent.chain"]
+        assert len(chains) == 2  # 2 shards (one per node), each sent once down its chain
         lines = set()
-        for t in transfers:
+        for t in chains:
             assert t["args"] == "run1/step_100.safetensors"
-            # "shard 0 -> node 1a2b3c4d5e6f (copy 1), 1.0 MB": nothing else, no raw dict
-            where, _, size_text = t["kwargs"].partition("), ")
-            shard, _, node_copy = where.partition(" -> node ")
-            node, _, copy = node_copy.partition(" (copy ")
-            assert shard in ("shard 0", "shard 1") and node in node_ids and copy in ("1", "2")
-            assert size_text.split()[1] in ("kB", "MB"), t["kwargs"]
-            lines.add((shard, copy))
-        assert len(lines) == 4
+            # "shard 0 -> nodes 1a2b3c4d5e6f -> 6f5e4d3c2b1a (copies 1, 2)": no raw dict
+            shard, _, rest = t["kwargs"].partition(" -> nodes ")
+            nodes, _, copies = rest.partition(" (copies ")
+            assert shard in ("shard 0", "shard 1") and copies == "1, 2)", t["kwargs"]
+            assert set(nodes.split(" -> ")) == node_ids, t["kwargs"]
+            lines.add(shard)
+        assert len(lines) == 2
         (commit,) = by_name["smoltorrent.commit"]
         assert commit["args"] == "run1/step_100.safetensors"
         assert commit["kwargs"].startswith("version ")
