@@ -83,7 +83,7 @@ def chain_transfer(
     for r, n in zip(replicas, node_ids, strict=True):
         node = plan[r] if r < len(plan) else n
         if node in holding:  # placed by an earlier try that died before settling it
-            settle(vkey, shard, r, node, digest)
+            settle(vkey, shard, r, node, digest, name)
     if not todo:
         return {"how": "exists", "nodes": {}}
     keep_off = set(plan) | holding | {n for _, n in todo}
@@ -139,7 +139,7 @@ def chain_transfer(
         md.record_attempt(vkey, {**base, "replica": r, "node": node, "error": f"replaced: {exc}"})
     for r, (node, how) in sorted(outcome.placed.items()):
         md.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
-        settle(vkey, shard, r, node, digest)
+        settle(vkey, shard, r, node, digest, name)
     for r, (node, exc) in sorted(outcome.failed.items()):
         md.record_attempt(vkey, {**base, "replica": r, "node": node, "error": str(exc)})
     if outcome.failed:

@@ -86,7 +86,7 @@ def transfer(
             raise
         spare_id, how = moved
         md.record_attempt(vkey, {**attempt, "node": spare_id, "result": how})
-        settle(vkey, shard, replica, spare_id, digest)
+        settle(vkey, shard, replica, spare_id, digest, name)
         return how
     md.record_attempt(vkey, {**attempt, "result": how})
     settle(vkey, shard, replica, node_id, digest, name)
