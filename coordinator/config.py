@@ -156,6 +156,19 @@ def repairs_per_node() -> int:
     return max(value, 1)
 
 
+DISCOVER_ENV = "SMOLTORRENT_DISCOVER"
+
+
+def discover_enabled() -> bool:
+    """SMOLTORRENT_DISCOVER=1: the worker registers every node it finds over mDNS."""
+    text = os.environ.get(DISCOVER_ENV, "").strip().lower()
+    if text in ("", "0", "no", "off", "false"):
+        return False
+    if text in ("1", "yes", "on", "true"):
+        return True
+    raise ConfigError(f"{DISCOVER_ENV}={text!r} is not a switch: set 1 (browse) or 0 (do not)")
+
+
 def check_environment() -> None:
     """Read every setting once, so a bad one is a one-line ConfigError before any work."""
     redis_url_from_env()
@@ -170,6 +183,7 @@ def check_environment() -> None:
     retention_interval()
     crosscheck_interval()
     orphan_grace()
+    discover_enabled()
 
 
 def host_queue(host: str) -> str:

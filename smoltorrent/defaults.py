@@ -33,6 +33,16 @@ CHAIN_DOWNSTREAM_TIMEOUT_SHARE = 0.5
 
 # --- shard server (worker_server/server.py) ---------------------------------
 
+# mDNS (worker_server/mdns.py, coordinator/discovery.py): RFC 6762's group and port, and
+# its recommended TTLs: records naming a host or address live 2 minutes, others 75
+MDNS_GROUP = "224.0.0.251"
+MDNS_PORT = 5353  # UDP
+MDNS_HOST_TTL_S = 120  # seconds; SRV and A records (RFC 6762 10)
+MDNS_OTHER_TTL_S = 4500  # seconds; PTR and TXT records (RFC 6762 10)
+# seconds between a node's checks of its own address (announced again when it changed,
+# e.g. a DHCP renewal) and re-joins of the group on interfaces that came up since
+MDNS_RECHECK_S = 10.0
+
 MAX_CONNECTIONS = 256  # concurrent connections per node; each costs one thread and one buffer
 # Per remote address, so one host cannot take every slot: a coordinator runs 8 transfer
 # threads per store and 4 worker processes (32 connections), plus room for a second store.
@@ -189,6 +199,15 @@ CROSSCHECK_INTERVAL_S = 900.0
 # from an old backup has this long to notice before anything it forgot is collected
 # (blobs named by a manifest on any node are never collected as orphans anyway)
 ORPHAN_GRACE_S = 6 * 3600.0
+
+# --- discovery (coordinator/discovery.py) --------------------------------------
+
+DISCOVER_TIMEOUT_S = 3.0  # seconds `smoltorrent discover` listens; nodes answer in ~0.1 s
+# milliseconds to resolve one advert (SRV, TXT, A); zeroconf asks again within it
+DISCOVER_RESOLVE_TIMEOUT_MS = 2000
+# seconds between the worker's re-resolutions of every known advert: a move whose
+# announcement was lost is noticed within this (announcements normally arrive at once)
+DISCOVER_REFRESH_S = 60.0
 
 # --- watcher (coordinator/watcher.py) -----------------------------------------
 

@@ -35,6 +35,7 @@ app = Celery(
         "tasks.remove",
         "tasks.dead_letters",
         "tasks.heartbeat",
+        "tasks.discover",
         "beat.reconcile",
         "beat.retention",
         "beat.health",

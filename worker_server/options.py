@@ -56,6 +56,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus /metrics on this TCP port (default: the"
         " SMOLTORRENT_METRICS_PORT environment variable, else no metrics)",
     )
+    parser.add_argument(
+        "--no-mdns",
+        action="store_true",
+        help="do not advertise this node over multicast DNS (_smoltorrent._tcp.local.; on by"
+        " default when the node listens beyond loopback)",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -68,4 +74,5 @@ def serve(args: argparse.Namespace) -> int:
         socket_timeout=args.socket_timeout,
         metrics_port=args.metrics_port,
         insecure=args.insecure,
+        mdns=not args.no_mdns,
     )

@@ -24,6 +24,7 @@ from smoltorrent.errors import SmoltorrentError
 from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore, write_file_atomically
 from worker_server.limits import AddressSlots, MemoryBudget
+from worker_server.mdns import Advert, start_advert
 from worker_server.metrics import NodeMetrics, serve_metrics
 from worker_server.scrub import Scrubber
 from worker_server.session import Session
@@ -181,15 +182,18 @@ def serve(
     socket_timeout: float = defaults.SOCKET_TIMEOUT_S,
     metrics_port: int | None = None,
     scrub_rate_bps: int = defaults.SCRUB_RATE_BPS,
+    mdns: bool = False,
 ) -> None:
     """Run a shard server until SIGTERM/SIGINT (from the main thread) or server.stop().
 
     ready_callback(server) runs once the port is bound and written to <data_dir>/port.
     With a metrics_port, /metrics is served there (its bound port in <data_dir>/metrics_port).
+    With mdns, the node advertises itself over multicast DNS (worker_server/mdns.py).
     """
     store = BlobStore(data_dir)
     port_file = Path(data_dir) / PORT_FILE
     metrics_http = None
+    advert = None
     try:
         server = ShardServer(store, host, port, cluster_key, socket_timeout, scrub_rate_bps)
         if metrics_port is not None:
@@ -203,6 +207,14 @@ def serve(
         with _stop_on_signals(server):
             try:
                 _announce(server, port_file)
+                if mdns:
+                    bound_metrics = metrics_http.server_address[1] if metrics_http else None
+                    advert = start_advert(
+                        Advert(
+                            store.node_id, server.port, defaults.PROTOCOL_VERSION, bound_metrics
+                        ),
+                        host,
+                    )
                 if ready_callback is not None:
                     ready_callback(server)
                 server.serve_forever()
@@ -211,6 +223,8 @@ def serve(
         port_file.unlink(missing_ok=True)
         log.info("smoltorrent node %s stopped", store.node_id)
     finally:
+        if advert is not None:
+            advert.stop()  # a goodbye: browsers drop this node now, not at TTL expiry
         if metrics_http is not None:
             metrics_http.shutdown()
             metrics_http.server_close()
@@ -293,6 +307,7 @@ def run_from_args(
     metrics_port: int | None = None,
     *,
     insecure: bool = False,
+    mdns: bool = True,
 ) -> int:
     """The CLI's entry point: serve until stopped; the process exit status (2: refused
     configuration)."""
@@ -309,6 +324,7 @@ def run_from_args(
             socket_timeout=timeout,
             metrics_port=metrics_port_from(metrics_port),
             scrub_rate_bps=scrub_rate_from_env(),
+            mdns=mdns,
         )
     except UnsafeListenError as exc:
         log.error("%s", exc)

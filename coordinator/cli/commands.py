@@ -123,6 +123,58 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_discover(args: argparse.Namespace) -> int:
+    from coordinator.discovery import browse, register
+
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
+    found = browse(args.timeout)
+    md = _md()
+    known = md.nodes()
+    rows = []
+    for item in found:
+        row = {**item.to_dict(), "registered": "no"}
+        if item.node_id in known:
+            same = str(known[item.node_id].address) == str(item.address)
+            row["registered"] = "yes" if same else f"at {known[item.node_id].address}"
+        if args.register:
+            try:
+                outcome, address = register(md, item, config.cluster_key())
+                row |= {"registered": "yes", "outcome": outcome, "address": str(address)}
+            except SmoltorrentError as exc:
+                row |= {"outcome": "error", "error": str(exc)}
+        rows.append(row)
+    if args.json:
+        emit_json(rows)
+        return 0 if all(r.get("outcome") != "error" for r in rows) else 1
+    if not rows:
+        console.print(
+            f"no node answered within {args.timeout:g} s: nodes advertise themselves when they"
+            " listen beyond loopback (a cluster key or --insecure) and multicast reaches here;"
+            " otherwise register them with `smoltorrent nodes add HOST`"
+        )
+        return 0
+    table(
+        "nodes found",
+        ["id", "address", "protocol", "metrics", "registered"]
+        + (["result"] if args.register else []),
+        [
+            (
+                r["node_id"][:12],
+                r["address"],
+                r["protocol"] if r["protocol"] is not None else "-",
+                r["metrics_port"] or "-",
+                r["registered"],
+                *([r.get("error") or r["outcome"]] if args.register else []),
+            )
+            for r in rows
+        ],
+    )
+    if not args.register and any(r["registered"] != "yes" for r in rows):
+        console.print("`smoltorrent discover --register` registers them")
+    return 0 if all(r.get("outcome") != "error" for r in rows) else 1
+
+
 # --- worker, flower --------------------------------------------------------------
 
 

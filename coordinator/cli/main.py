@@ -112,6 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     nr.add_argument("node")
     nr.add_argument("--json", action="store_true")
 
+    dc = sub.add_parser(
+        "discover",
+        help="find storage nodes on this network over mDNS (and register them)",
+        description="Browse _smoltorrent._tcp.local. for a few seconds and list every node that"
+        " answers: id, address, protocol version, metrics port, and whether it is registered"
+        " here. With --register, register the new ones and move known ones that changed"
+        " address (by node id: their shards stay theirs). Where multicast does not reach, use"
+        " `smoltorrent nodes add HOST`.",
+    )
+    dc.add_argument("--register", action="store_true", help="register what answers")
+    dc.add_argument(
+        "--timeout",
+        type=float,
+        default=defaults.DISCOVER_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to listen (default {defaults.DISCOVER_TIMEOUT_S:g})",
+    )
+    dc.add_argument("--json", action="store_true")
+
     w = sub.add_parser("worker", help="run a Celery worker for this host's queues")
     w.add_argument("--concurrency", type=_count(1), default=defaults.WORKER_CONCURRENCY)
     w.add_argument("--loglevel", default="WARNING")

@@ -1,0 +1,39 @@
+"""The worker's continuous mDNS browse (SMOLTORRENT_DISCOVER=1): every node that
+advertises itself is registered by its id, and one that comes back at a new address is
+moved there with its shards (coordinator/discovery.py).
+
+It runs in the worker's main process, started once the pool is up, so no prefork child
+inherits a half-started browser.
+"""
+
+from __future__ import annotations
+
+from celery.signals import worker_ready, worker_shutdown
+from celery.utils.log import get_logger
+
+from coordinator import config
+from coordinator.discovery import Browser, Found, register
+from tasks.context import metadata
+
+log = get_logger(__name__)
+_browser: list[Browser] = []
+
+
+def _register(found: Found) -> None:
+    outcome, address = register(metadata(), found, config.cluster_key())
+    if outcome != "known":
+        where = "at" if outcome == "added" else "to"
+        log.warning("discovery: node %s %s %s %s", found.node_id[:12], outcome, where, address)
+
+
+@worker_ready.connect
+def start_browsing(sender=None, **_) -> None:
+    if config.discover_enabled() and not _browser:
+        _browser.append(Browser(_register).start())
+        log.warning("discovery: browsing for _smoltorrent._tcp.local. nodes")
+
+
+@worker_shutdown.connect
+def stop_browsing(sender=None, **_) -> None:
+    while _browser:
+        _browser.pop().stop()

@@ -1,0 +1,93 @@
+"""The node's mDNS responder, message by message: what it answers, and what it drops.
+Real browsers against real node processes: tests/coordinator/test_discovery.py."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from worker_server.mdns import (
+    SERVICE,
+    TYPE_A,
+    TYPE_ANY,
+    TYPE_PTR,
+    TYPE_SRV,
+    TYPE_TXT,
+    Advert,
+    answers_for,
+    encode_name,
+    parse_query,
+    read_name,
+    response,
+)
+
+ADVERT = Advert("0123456789abcdef" * 2, 7411, 3, 9411)
+
+
+def query(*questions: tuple[str, int], qu: bool = False) -> bytes:
+    body = b"".join(
+        encode_name(name) + struct.pack("!HH", qtype, 1 | (0x8000 if qu else 0))
+        for name, qtype in questions
+    )
+    return struct.pack("!HHHHHH", 7, 0, len(questions), 0, 0, 0) + body
+
+
+def records(packet: bytes) -> list[tuple[str, int, bytes]]:
+    """(name, type, rdata) of every answer and additional record of a response."""
+    _, flags, qd, an, ns, ar = struct.unpack_from("!HHHHHH", packet)
+    assert flags & 0x8000 and qd == 0
+    offset, out = 12, []
+    for _ in range(an + ns + ar):
+        name, offset = read_name(packet, offset)
+        rtype, _, _, length = struct.unpack_from("!HHIH", packet, offset)
+        offset += 10
+        out.append((name, rtype, packet[offset : offset + length]))
+        offset += length
+    assert offset == len(packet)
+    return out
+
+
+def test_a_browse_gets_ptr_then_srv_txt_and_the_address_facing_the_querier() -> None:
+    _, questions = parse_query(query((SERVICE, TYPE_PTR)))
+    got = records(response(*answers_for(ADVERT, questions, "10.0.0.5")))
+    by_type = {rtype: (name, rdata) for name, rtype, rdata in got}
+    assert by_type[TYPE_PTR] == (SERVICE, encode_name(ADVERT.instance))
+    name, srv = by_type[TYPE_SRV]
+    assert name == ADVERT.instance and struct.unpack_from("!HHH", srv)[2] == 7411
+    txt = by_type[TYPE_TXT][1]
+    pairs, i = [], 0
+    while i < len(txt):
+        pairs.append(txt[i + 1 : i + 1 + txt[i]].decode())
+        i += 1 + txt[i]
+    assert pairs == [f"id={ADVERT.node_id}", "proto=3", "port=7411", "metrics=9411"]
+    assert by_type[TYPE_A] == (ADVERT.host, socket.inet_aton("10.0.0.5"))
+
+
+def test_direct_questions_and_other_services() -> None:
+    for question, expected in [
+        ((ADVERT.instance.upper(), TYPE_SRV), {TYPE_SRV, TYPE_A}),  # names are case-blind
+        ((ADVERT.instance, TYPE_TXT), {TYPE_TXT}),
+        ((ADVERT.instance, TYPE_ANY), {TYPE_SRV, TYPE_TXT, TYPE_A}),
+        ((ADVERT.host, TYPE_A), {TYPE_A}),
+        (("_services._dns-sd._udp.local.", TYPE_PTR), {TYPE_PTR}),
+        (("_http._tcp.local.", TYPE_PTR), set()),
+    ]:
+        _, questions = parse_query(query(question))
+        answers, extra = answers_for(ADVERT, questions, "10.0.0.5")
+        got = {rtype for _, rtype, _ in records(response(answers, extra))} if answers else set()
+        assert got == expected, question
+
+
+def test_compressed_names_are_followed_and_loops_refused() -> None:
+    packet = query((SERVICE, TYPE_PTR))
+    # A second question whose name is a pointer to the first one's (offset 12).
+    packet = packet[:4] + struct.pack("!H", 2) + packet[6:] + b"\xc0\x0c" + b"\x00\x10\x00\x01"
+    assert [q[:2] for q in parse_query(packet)[1]] == [(SERVICE, TYPE_PTR), (SERVICE, TYPE_TXT)]
+    looping = struct.pack("!HHHHHH", 0, 0, 1, 0, 0, 0) + b"\xc0\x0c\x00\x01\x00\x01"
+    for bad in [looping, b"\x00" * 5, query((SERVICE, TYPE_PTR))[:-3]]:
+        with pytest.raises(ValueError):
+            parse_query(bad)
+    with pytest.raises(ValueError):  # a response is never answered
+        parse_query(response([], []))
