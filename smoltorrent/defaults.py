@@ -200,6 +200,18 @@ CROSSCHECK_INTERVAL_S = 900.0
 # (blobs named by a manifest on any node are never collected as orphans anyway)
 ORPHAN_GRACE_S = 6 * 3600.0
 
+# --- smoltorrent up (coordinator/local/stack.py) ----------------------------------
+
+UP_NODES = 4  # local storage nodes `up` runs by default: R=2 with room for one to die
+UP_POLL_S = 0.5  # seconds between `up`'s looks at its parts (a death stops the stack)
+UP_GRACE_S = 15.0  # seconds a part gets after SIGTERM before SIGKILL (beat, watcher, Flower)
+# seconds the worker gets after SIGTERM: a warm shutdown lets running transfers finish,
+# and late acks re-run any that do not (as docker-compose.yml's stop_grace_period)
+UP_WORKER_GRACE_S = 60.0
+UP_WORKER_START_S = 60.0  # seconds for the worker's first heartbeat; Celery's start is slow
+UP_WORKER_METRICS = 9410  # TCP; the worker's /metrics with `up --metrics` (deploy/ uses it)
+UP_NODE_METRICS = 9411  # TCP; node i's /metrics is this + i with `up --metrics`
+
 # --- discovery (coordinator/discovery.py) --------------------------------------
 
 DISCOVER_TIMEOUT_S = 3.0  # seconds `smoltorrent discover` listens; nodes answer in ~0.1 s

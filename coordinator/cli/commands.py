@@ -751,6 +751,22 @@ def cmd_demo(args: argparse.Namespace, run_command) -> int:
     return 0 if report["byte_identical"] else 1
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.local.stack import Stack, run_up
+
+    if args.watch and not os.path.isdir(args.watch):
+        raise UsageError(f"--watch {args.watch}: no such directory")
+    stack = Stack(
+        nodes=args.nodes,
+        watch=os.path.abspath(args.watch) if args.watch else None,
+        name_prefix=args.name_prefix,
+        flower_port=args.flower_port if args.flower else None,
+        metrics=args.metrics,
+        say=lambda line: console.print(f"up: {line}", highlight=False),
+    )
+    return run_up(stack)
+
+
 # --- watch ---------------------------------------------------------------------------
 
 

@@ -237,6 +237,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rb.add_argument("--json", action="store_true")
 
+    up = sub.add_parser(
+        "up",
+        help="run a whole stack here in the foreground: Redis, nodes, worker, beat (and more)",
+        description="Start the embedded Redis (unless SMOLTORRENT_REDIS_URL names one), local"
+        " storage nodes (registered here), the worker and beat, optionally a watcher and"
+        " Flower, each as its own process with its log under $SMOLTORRENT_HOME/up/logs. Runs"
+        " until SIGTERM or Ctrl-C, then stops every part in order (the worker finishes its"
+        " transfers) and leaves nothing running. A part that dies stops the stack (exit 1),"
+        " so launchd or systemd can restart it whole.",
+    )
+    up.add_argument(
+        "--nodes",
+        type=_count(0),
+        default=defaults.UP_NODES,
+        help=f"local storage nodes (default {defaults.UP_NODES}; 0 on a machine whose nodes"
+        " are elsewhere)",
+    )
+    up.add_argument("--watch", metavar="DIR", help="also store every checkpoint written under DIR")
+    up.add_argument("--name-prefix", default="", help="with --watch: put names under P/")
+    up.add_argument("--flower", action="store_true", help="also run Flower (127.0.0.1)")
+    up.add_argument("--flower-port", type=tcp_port, default=defaults.FLOWER_PORT)
+    up.add_argument(
+        "--metrics",
+        action="store_true",
+        help=f"serve Prometheus metrics: worker on {defaults.UP_WORKER_METRICS}, node i on"
+        f" {defaults.UP_NODE_METRICS}+i",
+    )
+
     wa = sub.add_parser(
         "watch",
         help="store every checkpoint written under a directory, once it is complete",

@@ -1,0 +1,100 @@
+"""`smoltorrent up`: one command runs a whole stack, stores and gathers go through it, and
+SIGTERM leaves not one of its processes behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coordinator.local.synthetic import write_checkpoint
+from coordinator.state.embedded_redis import free_port
+
+READY_TIMEOUT_S = 180.0  # seconds; four nodes, a Celery worker, beat and Flower on 2 busy cores
+STOP_TIMEOUT_S = 120.0  # seconds; within the worker's 60 s grace and every other part's 15 s
+
+
+def processes_with_home(home: Path) -> list[str]:
+    """`pid cmdline` of every process whose environment names this home: everything `up`
+    started (and their children) inherits SMOLTORRENT_HOME."""
+    needle = f"SMOLTORRENT_HOME={home}\0".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes() + b"\0":
+                continue
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if state != "Z":
+            found.append(f"{entry.name} {cmdline}")
+    return found
+
+
+def test_up_runs_a_stack_that_stores_gathers_and_stops_cleanly(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "SMOLTORRENT_REDIS_URL"}
+    env |= {"SMOLTORRENT_HOME": str(home), "SMOLTORRENT_HOST_ID": "uptest"}
+    env |= {"SMOLTORRENT_GATHER_DIRS": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    flower_port = free_port()
+    cli = [sys.executable, "-m", "coordinator.cli"]
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen(
+            [*cli, "up", "--watch", str(watched), "--flower", "--flower-port", str(flower_port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "up: ready" not in log.read_text():
+            assert up.poll() is None, f"up exited {up.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"up did not get ready:\n{log.read_text()}"
+            time.sleep(0.2)
+        text = log.read_text()
+        for part in ("node0", "node3", "worker", "beat", "watcher", "flower"):
+            assert part in text.split("up: ready:")[1].split(";")[0], text
+
+        def run(*argv: str) -> subprocess.CompletedProcess[str]:
+            done = subprocess.run([*cli, *argv], env=env, capture_output=True, text=True)
+            assert done.returncode == 0, f"{argv}: {done.stdout}{done.stderr}"
+            return done
+
+        assert len(json.loads(run("nodes", "ls", "--json").stdout)) == 4
+        source = tmp_path / "step_1.safetensors"
+        write_checkpoint(source, 3_000_000, hidden=128)
+        os.utime(source, (time.time() - 60, time.time() - 60))
+        run("store", str(source))
+        out = tmp_path / "back.safetensors"
+        run("gather", "step_1.safetensors", "-o", str(out))
+        assert out.read_bytes() == source.read_bytes()
+
+        # The watcher is part of it: a checkpoint written under the watched dir is stored.
+        write_checkpoint(watched / "w.safetensors", 500_000, hidden=64)
+        while not any(r["name"] == "w.safetensors" for r in json.loads(run("ls", "--json").stdout)):
+            assert time.monotonic() < deadline + READY_TIMEOUT_S, "the watcher stored nothing"
+            time.sleep(0.5)
+        assert processes_with_home(home)  # the check below sees them while they run
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            code = up.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        left = processes_with_home(home)
+        for line in left:  # clean up before failing
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert code == 0, log.read_text()
+    assert left == [], "still running after up stopped:\n" + "\n".join(left)
+    assert "up: stopped" in log.read_text()
