@@ -118,6 +118,10 @@ SETTLED_MARGIN_S = 1.0  # seconds past STABLE_AFTER_S a file written whole is da
 REMOVING_WAIT_S = 5.0  # seconds a store of bytes being removed waits before trying again
 STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 min)
 GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task
+STORE_PROGRESS_INTERVAL_S = 0.5  # seconds between a transfer's writes of its bytes sent
+# seconds a transfer's bytes-sent record lives after its last write: a view of work in
+# flight for progress bars, so it goes by itself once nothing moves
+SENT_PROGRESS_TTL_S = 3600
 CLI_POLL_INTERVAL_S = 0.1  # seconds between CLI polls of a task's progress
 LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to come up
 # seconds; a small shard on loopback (~10 ms) to a checkpoint of tens of GB over 100 Mbit/s (hours)

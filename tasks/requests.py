@@ -145,7 +145,11 @@ def _wait_commit(
         # that commits look stuck.
         v, settled, ready = md.snapshot(vkey)
         if on_progress:
+            # Settled transfers count whole; running ones by the bytes they have sent.
             done = sum(sizes[int(m.split(":")[0])] for m in settled)
+            for member, sent in md.sent(vkey).items():
+                if member not in settled:
+                    done += min(sent, sizes[int(member.split(":")[0])])
             on_progress(StoreProgress(done, total, len(ready), len(sizes)))
         if v["state"] == COMMITTED:
             return COMMITTED

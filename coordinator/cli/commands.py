@@ -38,7 +38,9 @@ def _require_worker() -> None:
     require_worker()
 
 
-def _progress() -> Progress:
+def _progress(as_json: bool = False) -> Progress:
+    """A byte-level bar on a terminal; nothing in a pipe, a file or under --json (the
+    summary line, or the JSON, says it all)."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -47,7 +49,7 @@ def _progress() -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=True,
-        disable=not console.is_terminal,
+        disable=as_json or not console.is_terminal,
     )
 
 
@@ -260,7 +262,8 @@ def cmd_store(args: argparse.Namespace) -> int:
         else:
             console.print(f"queued store of {name} (task {request.task_id})")
         return 0
-    with _progress() as bar:
+    started = time.monotonic()
+    with _progress(args.json) as bar:
         task = bar.add_task(f"storing {name}", total=1)
 
         def show(p) -> None:
@@ -272,6 +275,7 @@ def cmd_store(args: argparse.Namespace) -> int:
             )
 
         out = wait_store(request, show)
+    seconds = time.monotonic() - started
     md = _md()
     vkey = out["vkey"]
     row = next(c for c in reports.checkpoints(md) if c["vkey"] == vkey)
@@ -282,7 +286,8 @@ def cmd_store(args: argparse.Namespace) -> int:
         console.print(
             f"{verb}: {name} version {row['version_id'][:12]}, "
             f"{human_bytes(row['size'])} in {row['shards']} shards x "
-            f"{row['replicas']} replicas"
+            f"{row['replicas']} replicas, {seconds:.2f} s "
+            f"({human_bytes(row['size'] / max(seconds, 1e-9))}/s)"
         )
         if row["under_replicated"]:
             warn(
@@ -354,7 +359,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
         return _gather_directory(args)
 
     request = submit_gather(args.name, args.output, args.version, args.tensors)
-    with _progress() as bar:
+    with _progress(args.json) as bar:
         task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
         report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
     if args.json:

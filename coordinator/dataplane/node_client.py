@@ -166,16 +166,24 @@ class NodeClient:
         }
 
     def put_blob(
-        self, digest: str, prefix: bytes, src_fd: int, src_offset: int, length: int
+        self,
+        digest: str,
+        prefix: bytes,
+        src_fd: int,
+        src_offset: int,
+        length: int,
+        progress: Callable[[int], None] | None = None,
     ) -> bool:
         """Store a blob made of `prefix` then `length` bytes of src_fd at src_offset (sendfile).
 
         Returns True if stored, False if the node already had it (no body sent).
         DigestMismatchError if the node hashed something else; NodeError('disk_full') etc.
+        progress(n): n bytes of the range sent so far (or re-hashed by the node, for a copy
+        it has), called as they go.
         """
         with self._connection() as sock:
             return wire.send_put(
-                sock, str(self.address), digest, prefix, src_fd, src_offset, length
+                sock, str(self.address), digest, prefix, src_fd, src_offset, length, progress
             )
 
     def chain_put(

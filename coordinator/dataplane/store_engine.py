@@ -188,8 +188,10 @@ def send_shard(
     prefix: bytes,
     target: NodeClient,
     holders: Sequence[NodeClient] = (),
+    progress: Progress | None = None,
 ) -> str:
     """Make `target` hold shard `shard_index`; returns how: exists, replicated or sent.
+    progress(n) follows a send from the source: n bytes of the shard's range sent so far.
 
     A node that already holds a verified copy pushes it node to node first
     (the coordinator's own link is usually the bottleneck); the source file
@@ -213,7 +215,9 @@ def send_shard(
     offset, length = manifest.data_start + shard.data_start, shard.data_end - shard.data_start
     with open(prepared_path, "rb") as f:
         try:
-            stored = target.put_blob(shard.blob_sha256, prefix, f.fileno(), offset, length)
+            stored = target.put_blob(
+                shard.blob_sha256, prefix, f.fileno(), offset, length, progress
+            )
         except DigestMismatchError as exc:
             identity.check(prepared_path)
             if _hash_blob(prepared_path, shard_index, prefix, offset, length) != shard.blob_sha256:

@@ -627,6 +627,18 @@ class Metadata:
     def ready_shards(self, vkey: str) -> set[int]:
         return {int(x) for x in self.r.smembers(K.READY.format(vkey=vkey))}
 
+    def record_sent(self, vkey: str, shard: int, replica: int, sent: int) -> None:
+        """How far the running transfer of (shard, replica) has got, in bytes."""
+        key = K.SENT.format(vkey=vkey)
+        with self.r.pipeline() as p:
+            p.hset(key, f"{shard}:{replica}", sent)
+            p.expire(key, defaults.SENT_PROGRESS_TTL_S)
+            p.execute()
+
+    def sent(self, vkey: str) -> dict[str, int]:
+        """ "shard:replica" -> bytes sent so far by transfers still running (or just done)."""
+        return {k: int(v) for k, v in self.r.hgetall(K.SENT.format(vkey=vkey)).items()}
+
     def settled(self, vkey: str) -> set[str]:
         return set(self.r.smembers(K.SETTLED.format(vkey=vkey)))
 

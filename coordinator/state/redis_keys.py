@@ -53,6 +53,9 @@ PLAN = PREFIX + "version:{vkey}:plan"
 SETTLED = PREFIX + "version:{vkey}:settled"
 # set of shard indexes with at least one verified replica
 READY = PREFIX + "version:{vkey}:ready"
+# hash "shard:replica" -> bytes of the blob sent so far by its running transfer (for
+# progress bars); expires on its own, being only a view of work in flight
+SENT = PREFIX + "version:{vkey}:sent"
 # list of JSON {shard, replica, node, attempt, at, error} per transfer attempt
 ATTEMPTS = PREFIX + "version:{vkey}:attempts"
 # zset reader id -> expiry (ms, Redis server clock) of every gather reading a version;
