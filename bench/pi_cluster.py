@@ -194,6 +194,8 @@ class Cluster:
             "SMOLTORRENT_REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0",
             "SMOLTORRENT_CLUSTER_KEY": secrets.token_hex(32),
             "SMOLTORRENT_HOST_ID": "pi-bench-coordinator",
+            # Gathers write only where allowed (safe defaults): the bench's own directory.
+            "SMOLTORRENT_GATHER_DIRS": str(root),
             **extra_env,
         }
 
@@ -327,6 +329,8 @@ def run(args: argparse.Namespace) -> dict:
                     "gather_s": round(gather_s, 2),
                     "gather_x_line": round(gather_s / line_s, 3),
                     "byte_identical": identical,
+                    "gather_exit": gathered.returncode,
+                    "gather_error": (gathered.stderr.strip() or gathered.stdout.strip())[-400:],
                     "under_replicated": len(status.get("under_replicated", [])),
                     "dead_letters": status.get("dead_letters"),
                     "store_bandwidth": store_samples,
