@@ -105,6 +105,17 @@ def _store_record(record: DirectoryRecord, replicas: int) -> str:
         os.unlink(path)
 
 
+def directory_checkpoints(name: str) -> list[str]:
+    """The checkpoint names making up every version of directory `name`: its files and
+    its record."""
+    members = Directories(connected_metadata().r).member_names(name)
+    return sorted(members | {member_name(name, RECORD_FILE)})
+
+
+def forget_directory(name: str) -> None:
+    Directories(connected_metadata().r).forget(name)
+
+
 def is_directory(name: str) -> bool:
     return Directories(connected_metadata().r).is_directory(name)
 

@@ -601,8 +601,19 @@ def _ago(t: float | None, now: float) -> str:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    from tasks.directory_requests import directory_checkpoints, forget_directory, is_directory
+
     md = _md()
-    if args.version:
+    directory = is_directory(args.name)
+    if directory:
+        if args.version:
+            raise UsageError(
+                f"{args.name} is a directory checkpoint: remove it whole, or one version of"
+                f" one of its files (`smoltorrent rm {args.name}/FILE --version V`)"
+            )
+        # Every version of every file it ever held, and its records.
+        vkeys = [v for n in directory_checkpoints(args.name) for v in md.versions(n)]
+    elif args.version:
         vkeys = [md.resolve(args.name, args.version)]
     else:
         vkeys = md.versions(args.name)
@@ -615,6 +626,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
         remove.apply_async(args=(v,), queue=config.CONTROL_QUEUE, argsrepr=args.name).get()
         for v in vkeys
     ]
+    if directory:
+        forget_directory(args.name)  # last: until here a gather still finds what is left
     if args.json:
         emit_json(results)
     else:

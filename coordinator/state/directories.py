@@ -83,3 +83,15 @@ class Directories:
             index=None if record["index"] is None else record["index"].encode("utf-8"),
             created_at=float(record["created_at"]),
         )
+
+    def member_names(self, name: str) -> set[str]:
+        """Every file checkpoint any version of directory `name` uses, and its record's."""
+        names = set()
+        for field, raw in self.r.hgetall(K.DIRECTORY.format(name=name)).items():
+            if field.startswith(_VERSION):
+                names |= {m["name"] for m in json.loads(raw)["files"].values()}
+        return names
+
+    def forget(self, name: str) -> None:
+        """Drop the directory's record (its files' versions are removed first)."""
+        self.r.delete(K.DIRECTORY.format(name=name))
