@@ -26,8 +26,10 @@ from types import SimpleNamespace
 from celery.signals import task_postrun, task_prerun, task_retry
 
 from coordinator import config
+from coordinator.state import repairs, scrub_reports
 from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import COMMITTED, PENDING
+from coordinator.state.repair_plan import TRIM
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError, SmoltorrentError
 from tasks.context import metadata
@@ -128,7 +130,44 @@ class ClusterCollector:
         under_g.add_metric([], under)
         pending_g = GaugeMetricFamily("smoltorrent_pending_versions", "Versions not committed.")
         pending_g.add_metric([], pending)
-        return [up, registered, dead, under_g, pending_g]
+        return [up, registered, dead, under_g, pending_g, *_healing_gauges(md)]
+
+
+def _healing_gauges(md) -> list:
+    """What the health, repair and scrub sweeps last recorded (no probe of their own)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def gauge(name: str, text: str, value: float):
+        g = GaugeMetricFamily(name, text)
+        g.add_metric([], value)
+        return g
+
+    done = CounterMetricFamily(
+        "smoltorrent_repairs", "Repair copies made and surplus copies trimmed.", labels=["what"]
+    )
+    for what, n in sorted(repairs.counts(md).items()):
+        done.add_metric([what], n)
+    scrubs = scrub_reports.reports(md).values()
+    copies = [r for r in repairs.in_flight(md) if r.target != TRIM]
+    return [
+        gauge(
+            "smoltorrent_nodes_dead",
+            "Nodes declared dead by the health sweep.",
+            len(md.declared_dead()),
+        ),
+        gauge("smoltorrent_repairs_in_flight", "Repair copies sent and not finished.", len(copies)),
+        gauge(
+            "smoltorrent_unrepairable_blobs",
+            "Blobs below R that no repair can raise now (see smoltorrent status).",
+            len(repairs.unrepairable(md)),
+        ),
+        gauge(
+            "smoltorrent_bad_copies_held",
+            "Bad copies the nodes' scrubs hold in quarantine.",
+            sum(len(r.get("quarantined", [])) for r in scrubs),
+        ),
+        done,
+    ]
 
 
 def _on_prerun(task_id=None, **_) -> None:

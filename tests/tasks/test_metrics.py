@@ -142,6 +142,15 @@ def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
             )
         up = prom.query("smoltorrent_nodes_up")
         assert float(up[0]["value"][1]) == 4
+        # The self-healing gauges exist from the start, at zero on a healthy cluster.
+        for healing in (
+            "smoltorrent_nodes_dead",
+            "smoltorrent_repairs_in_flight",
+            "smoltorrent_unrepairable_blobs",
+            "smoltorrent_bad_copies_held",
+        ):
+            found = wait_until(lambda h=healing: prom.query(h), 60, what=healing)
+            assert float(found[0]["value"][1]) == 0
         expressions = dashboard_expressions()
         assert len(expressions) >= 20
         for expr in expressions:
