@@ -24,29 +24,17 @@ from smoltorrent.errors import (
     NodeError,
     NodeUnavailableError,
     NotFoundError,
-    ProtocolError,
     SourceChangedError,
 )
 from tasks.app import app
-from tasks.context import REDIS_TRANSIENT, metadata, node_client
+from tasks.context import metadata, node_client
+from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
 from tasks.enqueue import settle
-from tasks.transfer import abandon
 
 log = get_task_logger(__name__)
 
-RETRYABLE = (NodeUnavailableError, NodeError, ProtocolError)
 
-
-@app.task(
-    name="smoltorrent.chain",
-    bind=True,
-    autoretry_for=RETRYABLE + REDIS_TRANSIENT,
-    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
-    retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
-    retry_jitter=False,
-    max_retries=config.transfer_retries(),
-    default_retry_delay=defaults.RETRY_BACKOFF_BASE_S,  # after worker loss; see transfer
-)
+@app.task(name="smoltorrent.chain", **DELIVERY_TASK_OPTIONS)
 def chain_transfer(
     self,
     vkey: str,

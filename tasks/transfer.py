@@ -17,33 +17,18 @@ from coordinator.plan.source_file import SourceIdentity
 from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
-    NodeError,
-    NodeUnavailableError,
     NotFoundError,
-    ProtocolError,
     SourceChangedError,
 )
 from tasks.app import app
 from tasks.context import REDIS_TRANSIENT, metadata, node_client
-from tasks.enqueue import send_store, settle
+from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
+from tasks.enqueue import settle
 
 log = get_task_logger(__name__)
 
-# A node that is down, full or answering garbage may be fine on the next try.
-RETRYABLE = (NodeUnavailableError, NodeError, ProtocolError)
 
-
-@app.task(
-    name="smoltorrent.transfer",
-    bind=True,
-    autoretry_for=RETRYABLE + REDIS_TRANSIENT,
-    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
-    retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,
-    retry_jitter=False,
-    max_retries=config.transfer_retries(),
-    # A retry after worker loss waits default_retry_delay (180 s in Celery), not the backoff.
-    default_retry_delay=defaults.RETRY_BACKOFF_BASE_S,
-)
+@app.task(name="smoltorrent.transfer", **DELIVERY_TASK_OPTIONS)
 def transfer(
     self, vkey: str, name: str, shard: int, replica: int, node_id: str, digest: str
 ) -> str:
@@ -152,20 +137,3 @@ def sent_recorder(md, vkey: str, shard: int, replica: int) -> Callable[[int], No
             md.record_sent(vkey, shard, replica, sent)
 
     return record
-
-
-def abandon(vkey: str, version: dict, reason: str) -> None:
-    """Abort a version whose source was rewritten, and store the new bytes once stable."""
-    md = metadata()
-    md.abort(vkey, reason)  # a no-op on a version that committed meanwhile
-    if md.state(vkey) == ABORTED and md.claim(vkey, "restore_enqueued"):
-        log.warning("%s: %s", version["name"], reason)
-        shards = int(version.get("requested_shards") or 0) or None
-        send_store(
-            version["path"],
-            version["name"],
-            int(version["replicas"]),
-            shards,
-            version["host"],
-            countdown=defaults.STABLE_AFTER_S,
-        )

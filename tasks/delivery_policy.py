@@ -1,0 +1,47 @@
+"""What a shard delivery task (`transfer`: one replica; `chain`: a shard's chain) does
+on failure: which errors it retries, its retry options, and what a changed source does
+to the version. One place, so the two tasks can never drift apart."""
+
+from __future__ import annotations
+
+from celery.utils.log import get_task_logger
+
+from coordinator import config
+from coordinator.state.metadata import ABORTED
+from smoltorrent import defaults
+from smoltorrent.errors import NodeError, NodeUnavailableError, ProtocolError
+from tasks.context import REDIS_TRANSIENT, metadata
+from tasks.enqueue import send_store
+
+log = get_task_logger(__name__)
+
+# A node that is down, full or answering garbage may be fine on the next try.
+RETRYABLE = (NodeUnavailableError, NodeError, ProtocolError)
+
+DELIVERY_TASK_OPTIONS = {
+    "bind": True,
+    "autoretry_for": RETRYABLE + REDIS_TRANSIENT,
+    "retry_backoff": defaults.RETRY_BACKOFF_BASE_S,
+    "retry_backoff_max": defaults.RETRY_BACKOFF_MAX_S,
+    "retry_jitter": False,
+    "max_retries": config.transfer_retries(),
+    # A retry after worker loss waits default_retry_delay (180 s in Celery), not the backoff.
+    "default_retry_delay": defaults.RETRY_BACKOFF_BASE_S,
+}
+
+
+def abandon(vkey: str, version: dict, reason: str) -> None:
+    """Abort a version whose source was rewritten, and store the new bytes once stable."""
+    md = metadata()
+    md.abort(vkey, reason)  # a no-op on a version that committed meanwhile
+    if md.state(vkey) == ABORTED and md.claim(vkey, "restore_enqueued"):
+        log.warning("%s: %s", version["name"], reason)
+        shards = int(version.get("requested_shards") or 0) or None
+        send_store(
+            version["path"],
+            version["name"],
+            int(version["replicas"]),
+            shards,
+            version["host"],
+            countdown=defaults.STABLE_AFTER_S,
+        )
