@@ -151,6 +151,7 @@ class LocalCluster:
     worker_concurrency: int = defaults.WORKER_CONCURRENCY
     node_procs: list[NodeProcess] = field(default_factory=list)
     worker: subprocess.Popen | None = None
+    beat: subprocess.Popen | None = None
     redis_pid: int | None = None
     redis_port: int | None = None
 
@@ -225,6 +226,28 @@ class LocalCluster:
             raise SmoltorrentError(f"the Celery worker exited; see {self.root / 'worker.log'}")
         return self.worker
 
+    def start_beat(self) -> subprocess.Popen:
+        """`smoltorrent beat`: the sweeps (health, repair, scrub, ...) on their intervals."""
+        command = [sys.executable, "-m", "coordinator.cli", "beat", "--loglevel", "INFO"]
+        with open(self.root / "beat.log", "ab") as log:
+            self.beat = subprocess.Popen(
+                command,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self.beat
+
+    def stop_beat(self) -> None:
+        if self.beat and self.beat.poll() is None:
+            self.beat.terminate()
+            try:
+                self.beat.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.beat.pid, signal.SIGKILL)
+                self.beat.wait()
+
     def worker_answers(self) -> bool:
         """Whether this cluster's worker answers a Celery ping (it is connected and ready)."""
         from celery import Celery
@@ -252,6 +275,7 @@ class LocalCluster:
                 self.kill_worker()
 
     def stop(self) -> None:
+        self.stop_beat()
         self.stop_worker()
         for node in self.node_procs:
             node.stop()

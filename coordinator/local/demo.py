@@ -2,7 +2,9 @@
 
 Redis, 4 shard servers and a Celery worker start as real processes; a
 checkpoint is stored at R=2, one node is killed with SIGKILL, and the
-checkpoint is gathered back and compared by SHA-256.
+checkpoint is gathered back and compared by SHA-256. Then beat runs the sweeps
+(on intervals of a second here) until the dead node's shards are back at two
+copies on the three others, with nobody asking.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from coordinator.local.cluster import LocalCluster
 from coordinator.local.synthetic import write_checkpoint
+from coordinator.state.metadata import Metadata
 from smoltorrent.errors import SmoltorrentError
 
 
@@ -43,7 +46,7 @@ def run_demo(
     """Run the scenario through `run_command` (the command line's own entry point, passed
     in so this module never imports the CLI) and return its report."""
     root = Path(tempfile.mkdtemp(prefix="smoltorrent-demo-"))
-    cluster = LocalCluster(root, nodes=4, host_id=f"demo-{os.getpid()}")
+    cluster = LocalCluster(root, nodes=4, host_id=f"demo-{os.getpid()}", extra_env=DEMO_SWEEPS)
     timings: dict[str, float] = {}
 
     def step(label: str, fn):
@@ -84,10 +87,15 @@ def run_demo(
         say(f"killed node {victim} ({cluster.node_procs[victim].address}) with SIGKILL")
         out = root / "gathered.safetensors"
         _run(step, "gather", run_command, ["gather", source.name, "-o", str(out), *json_flag])
+        cluster.start_beat()
+        say("beat started: the sweeps find the dead node and copy its shards node to node")
+        step("self-heal", lambda: _wait_for_r(cluster, source.name, victim))
+        say("every shard is back at 2 copies on the live nodes")
         return {
             "checkpoint_bytes": size,
             "killed_node": str(cluster.node_procs[victim].address),
             "byte_identical": _sha256(source) == _sha256(out),
+            "re_replicated": True,
             "seconds": {k: round(v, 3) for k, v in timings.items()},
             "store_mb_s": round(size / 1e6 / timings["store"], 1),
             "gather_mb_s": round(size / 1e6 / timings["gather"], 1),
@@ -98,6 +106,31 @@ def run_demo(
             say(f"cluster files kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+# Sweeps on a demo's time scale (the defaults are minutes: see the README's sweeps table).
+DEMO_SWEEPS = {
+    "SMOLTORRENT_HEALTH_INTERVAL_S": "1",
+    "SMOLTORRENT_DEAD_AFTER_S": "3",
+    "SMOLTORRENT_REPAIR_INTERVAL_S": "1",
+}
+DEMO_HEAL_TIMEOUT_S = 120  # seconds; a 50 MB demo heals in well under 20
+
+
+def _wait_for_r(cluster: LocalCluster, name: str, victim: int) -> None:
+    """Until every shard of `name` has two copies on nodes other than the killed one."""
+    md = Metadata(cluster.redis_url)
+    dead = str(cluster.node_procs[victim].address)
+    live = {n for n, rec in md.nodes().items() if str(rec.address) != dead}
+    manifest = md.manifest(md.current(name))
+    deadline = time.monotonic() + DEMO_HEAL_TIMEOUT_S
+    while any(len(md.placement(s.blob_sha256) & live) < 2 for s in manifest.shards):
+        if time.monotonic() > deadline:
+            raise SmoltorrentError(
+                f"the sweeps did not bring every shard back to 2 copies in {DEMO_HEAL_TIMEOUT_S}"
+                f" s; see {cluster.root / 'beat.log'} and {cluster.root / 'worker.log'}"
+            )
+        time.sleep(0.2)
 
 
 def _run(step, label: str, run_command, argv: list[str]) -> None:

@@ -22,8 +22,9 @@ def test_demo_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["byte_identical"] is True
+    assert report["re_replicated"] is True  # beat healed the killed node's shards
     assert report["checkpoint_bytes"] > 16_000_000 * 0.9
     assert report["killed_node"].startswith("127.0.0.1:")
-    assert set(report["seconds"]) >= {"store", "gather"}
+    assert set(report["seconds"]) >= {"store", "gather", "self-heal"}
     # Everything it started is gone: no leftover cluster directory under TMPDIR.
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("smoltorrent-demo-")]
