@@ -542,6 +542,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from coordinator.state.verify import verify_now
 
+    crosscheck = None
+    if not args.name:
+        # The whole cluster: the crosscheck first, so copies gone from a node leave the
+        # placement (and are repaired below), unknown ones are recorded, orphans past
+        # their grace collected and manifests of removed versions deleted.
+        from beat.crosscheck import run_pass
+
+        crosscheck = dict(run_pass())
     r = verify_now(
         _md(),
         config.cluster_key(),
@@ -549,9 +557,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         per_node=config.repairs_per_node(),
         name=args.name,
     )
+    if crosscheck is not None:
+        r["crosscheck"] = crosscheck
     if args.json:
         emit_json(r)
         return 1 if r["under_replicated"] else 0
+    if crosscheck:
+        console.print(
+            "crosscheck: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in crosscheck.items())
+        )
     console.print(
         f"checked {r['copies_checked']} copies of {r['blobs']} blobs on"
         f" {len(r['nodes_checked'])} nodes"

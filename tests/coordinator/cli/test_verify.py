@@ -63,3 +63,22 @@ def test_verify_says_what_it_cannot_check_or_repair_and_exits_1(make_cluster, tm
     assert proc.returncode == 1
     assert "1 live node(s) for 2 copies" in proc.stderr + proc.stdout
     assert c.cli("verify", "nothing-here", "--json", check=False).returncode == 1
+
+
+def test_verify_of_the_whole_cluster_runs_the_crosscheck_too(make_cluster, tmp_path):
+    import os
+
+    from tests.beat.test_crosscheck import drop_blob_file, held
+
+    c = make_cluster(3, SMOLTORRENT_ORPHAN_GRACE_S="0")
+    store(c, make_ckpt(tmp_path / "x.safetensors", size=1_000_000), "x.safetensors")
+    node = c.node_procs[0]
+    orphan = drop_blob_file(node, os.urandom(50_000))
+    c.kill_worker()
+    reports = [c.cli_json("verify")]
+    assert reports[0]["crosscheck"]["orphans"] == 1
+    if orphan in held(node):  # noted on first sight; collected once past the grace
+        reports.append(c.cli_json("verify"))
+    assert sum(r["crosscheck"].get("collected", 0) for r in reports) == 1
+    assert orphan not in held(node)
+    assert reports[-1]["under_replicated"] == []
