@@ -14,12 +14,14 @@ from tests.tasks.test_control_plane import make_ckpt, sha
 
 
 def puts(node) -> int:
-    """Put requests the node has served (its own counter, from its /metrics)."""
+    """Put requests the node has served, plain or in a chain (its own counter, from its
+    /metrics): each is one copy received."""
     port = (node.data_dir / "metrics_port").read_text().strip()
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
         lines = page.read().decode().splitlines()
     found = [x for x in lines if x.startswith("smoltorrent_node_request_seconds_count")]
-    return sum(int(float(x.split()[-1])) for x in found if 'op="put"' in x)
+    ops = ('op="put"', 'op="chain_put"')
+    return sum(int(float(x.split()[-1])) for x in found if any(op in x for op in ops))
 
 
 def left_mid_store(c, src, lost_shard: int):
