@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator import config
+from coordinator.dataplane.gather_engine import fsync_dir
 from coordinator.plan.directory import (
     RECORD_FILE,
     DirectoryPlan,
@@ -146,9 +147,9 @@ def gather_directory(name: str, out: str, version: str | None = None) -> Directo
             wait_gather(request)
         if found.index_name is not None:
             _write_synced(os.path.join(tmp, found.index_name), found.index or b"")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.replace(tmp, out)  # onto an empty directory too: rename(2) allows it
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -160,11 +161,3 @@ def _write_synced(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

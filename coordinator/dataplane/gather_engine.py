@@ -58,7 +58,8 @@ class GatherReport:
     bad_copies: list[BadCopy] = field(default_factory=list)  # copies that proved corrupt
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a rename or create in directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -173,7 +174,7 @@ def gather_checkpoint(
         os.close(fd)
         fd = -1
         os.replace(tmp, out_path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException:
         if fd >= 0:
             os.close(fd)

@@ -196,26 +196,23 @@ class LocalCluster:
             self.start_worker()
         return self
 
-    def start_worker(self) -> subprocess.Popen:
-        command = [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "worker",
-            "--loglevel",
-            "INFO",
-            "--concurrency",
-            str(self.worker_concurrency),
-        ]
-        with open(self.root / "worker.log", "ab") as log:
-            # Its own session, so kill_worker() takes the pool children down with it.
-            self.worker = subprocess.Popen(
+    def _spawn_cli(self, *argv: str) -> subprocess.Popen:
+        """`smoltorrent ARGV...` against this cluster, logging to <root>/<command>.log, in
+        its own session so a SIGKILL of its group takes any children down with it."""
+        command = [sys.executable, "-m", "coordinator.cli", *argv]
+        with open(self.root / f"{argv[0]}.log", "ab") as log:
+            return subprocess.Popen(
                 command,
                 env=self.env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def start_worker(self) -> subprocess.Popen:
+        self.worker = self._spawn_cli(
+            "worker", "--loglevel", "INFO", "--concurrency", str(self.worker_concurrency)
+        )
         _wait_for(
             lambda: self.worker.poll() is not None or self.worker_answers(),
             defaults.LOCAL_START_TIMEOUT_S * 4,
@@ -228,25 +225,11 @@ class LocalCluster:
 
     def start_beat(self) -> subprocess.Popen:
         """`smoltorrent beat`: the sweeps (health, repair, scrub, ...) on their intervals."""
-        command = [sys.executable, "-m", "coordinator.cli", "beat", "--loglevel", "INFO"]
-        with open(self.root / "beat.log", "ab") as log:
-            self.beat = subprocess.Popen(
-                command,
-                env=self.env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.beat = self._spawn_cli("beat", "--loglevel", "INFO")
         return self.beat
 
     def stop_beat(self) -> None:
-        if self.beat and self.beat.poll() is None:
-            self.beat.terminate()
-            try:
-                self.beat.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.beat.pid, signal.SIGKILL)
-                self.beat.wait()
+        _terminate(self.beat)
 
     def worker_answers(self) -> bool:
         """Whether this cluster's worker answers a Celery ping (it is connected and ready)."""
@@ -262,17 +245,10 @@ class LocalCluster:
 
     def kill_worker(self) -> None:
         """SIGKILL the whole worker: main process and its pool children."""
-        if self.worker and self.worker.poll() is None:
-            os.killpg(self.worker.pid, signal.SIGKILL)
-            self.worker.wait()
+        _kill_group(self.worker)
 
     def stop_worker(self) -> None:
-        if self.worker and self.worker.poll() is None:
-            self.worker.terminate()
-            try:
-                self.worker.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill_worker()
+        _terminate(self.worker)
 
     def stop(self) -> None:
         self.stop_beat()
@@ -282,6 +258,22 @@ class LocalCluster:
         if self.redis_pid and _alive(self.redis_pid):
             os.kill(self.redis_pid, signal.SIGTERM)
             _wait_for(lambda: not _alive(self.redis_pid), 10, "redis shutdown")
+
+
+def _kill_group(proc: subprocess.Popen | None) -> None:
+    if proc and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _terminate(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, and SIGKILL of its whole group if it has not exited 20 s later."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
 
 
 def _alive(pid: int) -> bool:
