@@ -145,7 +145,9 @@ def _healing_gauges(md) -> list:
     done = CounterMetricFamily(
         "smoltorrent_repairs", "Repair copies made and surplus copies trimmed.", labels=["what"]
     )
-    for what, n in sorted(repairs.counts(md).items()):
+    # Both present from the start, so a dashboard's increase() has a series at zero.
+    made = {"repaired": 0, "trimmed": 0, **repairs.counts(md)}
+    for what, n in sorted(made.items()):
         done.add_metric([what], n)
     scrubs = scrub_reports.reports(md).values()
     copies = [r for r in repairs.in_flight(md) if r.target != TRIM]

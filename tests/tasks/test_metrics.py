@@ -153,6 +153,17 @@ def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
             assert float(found[0]["value"][1]) == 0
         expressions = dashboard_expressions()
         assert len(expressions) >= 20
+        # Every self-healing series has a panel: scrub progress, bad copies, repairs.
+        for series in (
+            "smoltorrent_nodes_dead",
+            "smoltorrent_repairs_in_flight",
+            "smoltorrent_unrepairable_blobs",
+            "smoltorrent_bad_copies_held",
+            "smoltorrent_repairs_total",
+            "smoltorrent_node_scrubbed_bytes_total",
+            "smoltorrent_node_verify_failures_total",
+        ):
+            assert any(series in e for e in expressions), f"no dashboard panel shows {series}"
         for expr in expressions:
             wait_until(lambda e=expr: prom.query(e), 60, what=f"data for {expr}")
     finally:
