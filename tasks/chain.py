@@ -30,6 +30,7 @@ from tasks.app import app
 from tasks.context import metadata, node_client
 from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
 from tasks.enqueue import settle
+from tasks.sent_progress import sent_recorder
 
 log = get_task_logger(__name__)
 
@@ -113,6 +114,7 @@ def chain_transfer(
             targets,
             holders,
             spare,
+            sent_recorder(md, vkey, shard),
         )
     except SourceChangedError as exc:
         md.record_attempt(vkey, {**base, "error": str(exc)})

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
-from collections.abc import Callable
+from functools import partial
 
 from celery.utils.log import get_task_logger
 
@@ -21,9 +19,10 @@ from smoltorrent.errors import (
     SourceChangedError,
 )
 from tasks.app import app
-from tasks.context import REDIS_TRANSIENT, metadata, node_client
+from tasks.context import metadata, node_client
 from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
 from tasks.enqueue import settle
+from tasks.sent_progress import sent_recorder
 
 log = get_task_logger(__name__)
 
@@ -62,7 +61,7 @@ def transfer(
             blob_prefixes(manifest)[shard],
             target,
             holders,
-            progress=sent_recorder(md, vkey, shard, replica),
+            progress=partial(sent_recorder(md, vkey, shard), (replica,)),
         )
     except SourceChangedError as exc:
         md.record_attempt(vkey, {**attempt, "error": str(exc)})
@@ -119,21 +118,3 @@ def move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc):
             spare_id,
         )
     return spare_id, how
-
-
-def sent_recorder(md, vkey: str, shard: int, replica: int) -> Callable[[int], None]:
-    """progress(n) for a send: the bytes sent so far go to Redis at most every
-    STORE_PROGRESS_INTERVAL_S, where the CLI's progress bar reads them. Best effort: a
-    Redis hiccup costs a bar update, never the transfer."""
-    last = 0.0
-
-    def record(sent: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last < defaults.STORE_PROGRESS_INTERVAL_S:
-            return
-        last = now
-        with contextlib.suppress(*REDIS_TRANSIENT):
-            md.record_sent(vkey, shard, replica, sent)
-
-    return record

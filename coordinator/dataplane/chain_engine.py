@@ -20,8 +20,9 @@ it, and dead-letters it when the retries run out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.store_engine import _hash_blob
@@ -90,8 +91,11 @@ def store_shard_chain(
     targets: list[Target],
     holders: list[NodeClient] = (),
     spare: Callable[[set[str]], Target | None] | None = None,
+    progress: Callable[[Sequence[int], int], None] | None = None,
 ) -> ChainOutcome:
-    """Make every target hold shard `shard_index`, by chain; see the module docstring."""
+    """Make every target hold shard `shard_index`, by chain; see the module docstring.
+    progress(replicas, n) follows a send from the source: the chain feeding `replicas` has
+    been sent n bytes of the shard's range (each node passes them on as they arrive)."""
     shard = manifest.shards[shard_index]
     digest = shard.blob_sha256
     offset, length = manifest.data_start + shard.data_start, shard.data_end - shard.data_start
@@ -149,12 +153,21 @@ def store_shard_chain(
             head_target, chain, head_client = None, list(todo), sources[0]
         else:
             head_target, chain, head_client = todo[0], todo[1:], todo[0].client
+        sending = None  # a node holding the blob heads: no byte leaves the source
         if head_target is not None:
             identity.check(path)
+            if progress is not None:
+                sending = partial(progress, [t.replica for t in [head_target, *chain]])
         try:
             with open(path, "rb") as f:
                 report = head_client.chain_put(
-                    digest, prefix, f.fileno(), offset, length, [t.client.address for t in chain]
+                    digest,
+                    prefix,
+                    f.fileno(),
+                    offset,
+                    length,
+                    [t.client.address for t in chain],
+                    sending,
                 )
         except DigestMismatchError as exc:  # not a chain report: a plain refusal
             if head_target is None:

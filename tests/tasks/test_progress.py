@@ -1,5 +1,6 @@
-"""The store progress bar moves with bytes as they are sent, not a whole shard at a time;
-on a terminal only: a pipe gets one summary line, --json only JSON."""
+"""The store progress bar moves with bytes as they are sent, not a whole shard at a time,
+for copies sent from the coordinator and for chains alike; on a terminal only: a pipe gets
+one summary line, --json only JSON."""
 
 from __future__ import annotations
 
@@ -48,20 +49,31 @@ def run_on_a_terminal(argv: list[str], env: dict[str, str], timeout: float = 180
     return ANSI.sub("", out.decode(errors="replace"))
 
 
-def test_store_bar_moves_with_bytes_and_stays_off_in_pipes(make_cluster, tmp_path: Path) -> None:
-    # Copies sent from the coordinator: a chain's bytes are not recorded yet (see the note).
-    cluster = make_cluster(nodes=2, SMOLTORRENT_CHAIN="0")
+def slow_links(cluster, tmp_path: Path) -> list:
+    """A throttling proxy in front of every node, registered as that node's address: every
+    put, and every chain hop between nodes, crosses a slow link."""
     proxies = [start_proxy(str(n.address), tmp_path, rate=RATE_BPS) for n in cluster.node_procs]
+    cluster.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies))
+    return proxies
+
+
+def bar_readings(screen: str) -> set[tuple[float, float]]:
+    """(done, total) in MB of every state of the store bar the terminal showed."""
+    return {(float(a), float(b)) for a, b in re.findall(r"(\d+\.\d)/(\d+\.\d) MB", screen)}
+
+
+def test_store_bar_moves_with_bytes_and_stays_off_in_pipes(make_cluster, tmp_path: Path) -> None:
+    # Copies sent from the coordinator, one transfer per replica.
+    cluster = make_cluster(nodes=2, SMOLTORRENT_CHAIN="0")
+    proxies = slow_links(cluster, tmp_path)
     try:
-        # The same node ids at the proxies' addresses: every put crosses a slow link.
-        cluster.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies))
         source = tmp_path / "slow.safetensors"
         write_checkpoint(source, 40_000_000, hidden=512)
         os.utime(source, (time.time() - 60, time.time() - 60))
         cli = [sys.executable, "-m", "coordinator.cli"]
 
         screen = run_on_a_terminal([*cli, "store", str(source)], cluster.env())
-        fractions = {(float(a), float(b)) for a, b in re.findall(r"(\d+\.\d)/(\d+\.\d) MB", screen)}
+        fractions = bar_readings(screen)
         partial = sorted(a for a, b in fractions if 0 < a < b)
         # Two shards x two copies: whole shards alone would show only 0, 1/2 and the total.
         assert len(partial) >= 2, screen[-3000:]
@@ -86,3 +98,38 @@ def test_store_bar_moves_with_bytes_and_stays_off_in_pipes(make_cluster, tmp_pat
     finally:
         for proxy in proxies:
             proxy.stop()
+
+
+def test_chain_store_bar_moves_inside_a_shard(make_cluster, tmp_path: Path) -> None:
+    # R=2 on 3 nodes: one chain task per shard (the default), each chain head passing the
+    # bytes on to the next node as they arrive.
+    cluster = make_cluster(nodes=3)
+    proxies = slow_links(cluster, tmp_path)
+    try:
+        source = tmp_path / "chained.safetensors"
+        write_checkpoint(source, 40_000_000, hidden=512)
+        os.utime(source, (time.time() - 60, time.time() - 60))
+        screen = run_on_a_terminal(
+            [sys.executable, "-m", "coordinator.cli", "store", str(source)], cluster.env()
+        )
+        assert "stored: chained.safetensors" in screen, screen[-3000:]
+        attempts = cluster.md.attempts(only_vkey(cluster))
+        assert attempts and all(a.get("chain") for a in attempts), attempts
+
+        # Where a bar counting whole shards could stand: any sum of settled copies.
+        manifest = cluster.md.manifest(only_vkey(cluster))
+        sizes = [s.blob_size / 1e6 for s in manifest.shards for _ in range(2)]
+        whole = {0.0}
+        for size in sizes:
+            whole |= {w + size for w in whole}
+        readings = bar_readings(screen)
+        inside = sorted(a for a, _ in readings if all(abs(a - w) > 0.15 for w in whole))
+        assert len(inside) >= 2, (sorted(readings), sorted(whole))
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+def only_vkey(cluster) -> str:
+    (vkey,) = [v for name in cluster.md.names() for v in cluster.md.versions(name)]
+    return vkey

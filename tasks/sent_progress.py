@@ -1,0 +1,35 @@
+"""Bytes of a shard sent so far, recorded for the CLI's store progress bar.
+
+A running transfer or chain writes how far its send has got to Redis
+(version:{vkey}:sent, "shard:replica" -> bytes), and wait_store counts those with the
+settled replicas, so the bar moves as bytes leave instead of a whole shard at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+
+from smoltorrent import defaults
+from tasks.context import REDIS_TRANSIENT
+
+
+def sent_recorder(md, vkey: str, shard: int) -> Callable[[Sequence[int], int], None]:
+    """record(replicas, n): the send now feeding `replicas` of `shard` has sent n bytes (a
+    chain feeds all its nodes with one send: they receive the bytes as the head does).
+    Written at most every STORE_PROGRESS_INTERVAL_S. Best effort: a Redis hiccup costs a
+    bar update, never the transfer."""
+    last = 0.0
+
+    def record(replicas: Sequence[int], sent: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < defaults.STORE_PROGRESS_INTERVAL_S:
+            return
+        last = now
+        with contextlib.suppress(*REDIS_TRANSIENT):
+            for replica in replicas:
+                md.record_sent(vkey, shard, replica, sent)
+
+    return record
