@@ -74,6 +74,10 @@ NODE_REQUEST_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 60.0, 300.0,
 
 DEFAULT_REPLICAS = 2  # R: survives any one node loss, doubles the bytes stored
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1000 * 1000  # bytes; the limit the safetensors spec sets
+# fraction of the roomiest node's free space under which placement tells nodes apart: nodes
+# on one disk report free bytes a few MB apart (1e-4 of 100 GB), and a node 1% smaller
+# taking a blob fewer in a hundred is all the weighting could mean there
+PLACEMENT_EQUAL_FREE_SHARE = 0.01
 
 # --- engines (coordinator/dataplane/store_engine.py, coordinator/dataplane/gather_engine.py) ----
 

@@ -13,6 +13,7 @@ from coordinator.dataplane.gather_engine import BadCopy, check_destination, gath
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.dataplane.partial_engine import gather_tensors
 from coordinator.plan.manifest import Manifest
+from coordinator.plan.read_order import read_order
 from coordinator.plan.selection import select
 from coordinator.state.metadata import DONE, Metadata, NodeRecord
 from coordinator.state.reader_mark import reading
@@ -92,17 +93,10 @@ def _gather(self, md: Metadata, vkey: str, out_path: str) -> dict:
 def _sources(
     md: Metadata, manifest: Manifest, nodes: dict[str, NodeRecord]
 ) -> list[list[NodeClient]]:
-    """Per shard, clients of its holders in the order to try them."""
-    alive = md.alive(nodes)
-    sources = []
-    for index, shard in enumerate(manifest.shards):
-        holders = sorted(n for n in md.placement(shard.blob_sha256) if n in nodes)
-        # Spread load: rotate by shard index, then try live nodes before silent ones.
-        k = index % len(holders) if holders else 0
-        holders = holders[k:] + holders[:k]
-        holders.sort(key=lambda n: n not in alive)
-        sources.append([client(nodes[n].address) for n in holders])
-    return sources
+    """Per shard, clients of its holders in the order to try them (plan/read_order)."""
+    holders = [[n for n in md.placement(s.blob_sha256) if n in nodes] for s in manifest.shards]
+    orders = read_order(holders, [s.blob_size for s in manifest.shards], md.alive(nodes))
+    return [[client(nodes[n].address) for n in order] for order in orders]
 
 
 def _gather_tensors(md: Metadata, vkey: str, out_path: str, patterns: list[str]) -> dict:

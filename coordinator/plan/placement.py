@@ -1,11 +1,14 @@
 """Choose the nodes that keep each shard: R distinct ones, spread, weighted by free space.
 
-Shards are placed largest first, each on the R nodes that can hold it and are
-the least full in proportion to their free space: equal nodes take turns (each
-ends within one blob of the mean, however the few MB of noise in free space
-read a moment apart fall), and a node with ten times the free space takes ten
-times the bytes. Ties go to the node with the most room left, then to the
-smaller node id, so the same input always gives the same placement.
+Shards are placed largest first, each on the R nodes that can hold it and hold
+the fewest blobs for their share of the free space, then the fewest bytes for
+it: equal nodes take turns, so each ends within one blob of the mean however
+unequal the shards (a gather then reads about as much from each), and a node
+with ten times the free space takes ten times the blobs. Free space counts as
+equal within PLACEMENT_EQUAL_FREE_SHARE of the roomiest node, so the few MB of
+noise in free bytes read a moment apart decide nothing: ties go to the smaller
+node id, so the same nodes always pair up the same way (which lets chains and
+gathers take turns evenly) and the same input always gives the same placement.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from coordinator.plan.safetensors_header import format_bytes
+from smoltorrent import defaults
 from smoltorrent.errors import InsufficientSpaceError, NotEnoughNodesError, SmoltorrentError
 
 _NODES_LISTED = 5  # nodes named in an error message; more would bury the sentence
@@ -28,6 +32,8 @@ def place(
         raise NotEnoughNodesError(_not_enough_nodes(replicas, sorted(free_bytes)))
     room_left = dict(free_bytes)
     placed = dict.fromkeys(free_bytes, 0)
+    blobs = dict.fromkeys(free_bytes, 0)
+    share = _free_share(free_bytes)
     placement: list[tuple[str, ...]] = [()] * len(shard_sizes)
     for index in sorted(range(len(shard_sizes)), key=lambda i: (-shard_sizes[i], i)):
         size = shard_sizes[index]
@@ -36,13 +42,22 @@ def place(
             raise InsufficientSpaceError(_no_room(index, size, replicas, room_left))
         chosen = sorted(
             fitting,
-            key=lambda node: (placed[node] / max(free_bytes[node], 1), -room_left[node], node),
+            key=lambda node: (blobs[node] / share[node], placed[node] / share[node], node),
         )[:replicas]
         for node in chosen:
             room_left[node] -= size
             placed[node] += size
+            blobs[node] += 1
         placement[index] = tuple(chosen)
     return placement
+
+
+def _free_share(free_bytes: Mapping[str, int]) -> dict[str, float]:
+    """Each node's free space as a share of the roomiest node's, in steps of
+    PLACEMENT_EQUAL_FREE_SHARE (and never zero: a node that fits a shard may hold it)."""
+    step = defaults.PLACEMENT_EQUAL_FREE_SHARE
+    roomiest = max(max(free_bytes.values()), 1)
+    return {node: max(round(free / roomiest / step), 1) * step for node, free in free_bytes.items()}
 
 
 def _not_enough_nodes(replicas: int, nodes: list[str]) -> str:

@@ -98,6 +98,31 @@ def test_nodes_sharing_one_disk_hold_equal_counts_whatever_the_noise_in_free_spa
         assert all(abs(held[node] - mean) <= 1 for node in free), (shards, held)
 
 
+def test_unequal_shards_on_equal_nodes_still_spread_by_count():
+    """Shards cut at tensor boundaries differ in size (an embedding table makes one large):
+    placing by bytes alone put 4 shards x 2 copies on 4 equal nodes as 1, 1, 3, 3 blobs."""
+    free = {node: 100 * GB for node in ("node-a", "node-b", "node-c", "node-d")}
+    for sizes in ([60, 20, 20, 15], [100, 10, 10, 10], [5, 5, 5, 90]):
+        held = held_per_node(place([s * 10**6 for s in sizes], free, 2))
+        assert held == {node: 2 for node in free}, (sizes, held)
+
+
+def test_equal_nodes_hold_within_one_blob_of_the_mean_for_any_shard_sizes():
+    rng = random.Random(11)
+    mb = 10**6
+    for _ in range(300):
+        nodes = rng.randint(2, 8)
+        free = {f"n{i}": 100 * GB + rng.randint(0, 20) * mb for i in range(nodes)}
+        replicas = rng.randint(1, min(3, nodes))
+        scale = (1, 10, 100, 1000)
+        sizes = [rng.choice(scale) * mb * rng.randint(1, 9) for _ in range(rng.randint(1, 24))]
+        placement = place(sizes, free, replicas)
+        assert all(len(set(nodes)) == replicas for nodes in placement)
+        held = held_per_node(placement)
+        mean = replicas * len(sizes) / len(free)
+        assert all(abs(held[node] - mean) < 1 for node in free), (sizes, replicas, held)
+
+
 def test_no_shards_need_no_placement():
     assert place([], {"node-a": GB}, 1) == []
 
