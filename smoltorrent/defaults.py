@@ -98,6 +98,10 @@ REMOVED_TOMBSTONE_TTL_S = 30 * 24 * 3600
 # reconcile sweep resumes the remove long before (RECONCILE_GRACE_S)
 BLOB_TOMBSTONE_TTL_S = 3600
 MANIFEST_EXTRA_TIMEOUT_S = 5.0  # seconds a non-holder gets to take a manifest (a few KB)
+# versions per Lua call of a listing (`ls`, `status`), so no one reply or Lua string grows
+# with the number of versions (~0.5 MB each); also the versions per pipeline when the
+# listing summaries are first filled
+LISTING_BATCH_VERSIONS = 1000
 ATTEMPTS_KEPT = 1000  # entries of a version's transfer attempt log kept (the latest ones)
 ATTEMPTS_TTL_S = 7 * 24 * 3600  # seconds a committed version's attempt log stays readable
 REQUEST_TTL_S = 7 * 24 * 3600  # seconds a finished request stays readable (CLI, API, audit)

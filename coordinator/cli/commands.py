@@ -278,7 +278,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     seconds = time.monotonic() - started
     md = _md()
     vkey = out["vkey"]
-    row = next(c for c in reports.checkpoints(md) if c["vkey"] == vkey)
+    row = next(c for c in reports.checkpoints(md, name) if c["vkey"] == vkey)
     if args.json:
         emit_json({**row, "new": out["new"], "hashed_bytes": out["hashed_bytes"]})
     else:

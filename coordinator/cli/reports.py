@@ -16,49 +16,46 @@ from smoltorrent.errors import NotFoundError
 
 def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
     """Every version of every checkpoint, or of `name` only (NotFoundError if unknown)."""
-    if name is not None and name not in md.names():
+    if name is not None and not md.has_name(name):
         raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
-    return [row for row, _ in _versions(md, [name] if name is not None else None)]
+    return [row for row, _ in _versions(md, name)]
 
 
-def _versions(md: Metadata, names: list[str] | None = None) -> list[tuple[dict, list[set[str]]]]:
-    """Every version as a listing row, with its per-shard holders for `status`."""
+def _versions(
+    md: Metadata, name: str | None = None, live: set[str] | None = None
+) -> list[tuple[dict, list[int]]]:
+    """Every version as a listing row, with its live copies per shard when `live` is given
+    (for `status`). Read from the listing summaries and the placement counts, in a few
+    round trips whatever the number of versions: no manifest is read."""
     registered = set(md.nodes())
+    summaries = md.version_summaries(name, registered, None if live is None else live & registered)
     out = []
-    for name in md.names() if names is None else names:
-        current = md.current(name)
-        for vkey in md.versions(name):
-            try:
-                v = md.version(vkey)
-                manifest = md.manifest(vkey)
-            except NotFoundError:
-                continue  # a remove finished between listing the name's versions and here
-            holders = [md.placement(s.blob_sha256) & registered for s in manifest.shards]
-            counts = [len(h) for h in holders]
-            replicas = int(v["replicas"])
-            settled, total = md.progress(vkey)
-            out.append(
-                (
-                    {
-                        "name": name,
-                        "version_id": v["version_id"],
-                        "vkey": vkey,
-                        "state": v["state"],
-                        "current": vkey == current,
-                        "size": int(v["size"]),
-                        "shards": int(v["shards"]),
-                        "tensors": sum(len(s.tensors) for s in manifest.shards),
-                        "replicas": replicas,
-                        "min_copies": min(counts) if counts else replicas,
-                        "under_replicated": [i for i, c in enumerate(counts) if c < replicas],
-                        "transfers_settled": settled,
-                        "transfers": total,
-                        "created_at": float(v["created_at"]),
-                        "reason": v.get("reason", ""),
-                    },
-                    holders,
-                )
+    for v in summaries:
+        counts = v["copies"]
+        replicas = v["replicas"]
+        out.append(
+            (
+                {
+                    "name": v["name"],
+                    "version_id": v["version_id"],
+                    "vkey": v["vkey"],
+                    "state": v["state"],
+                    "current": v["current"],
+                    "size": v["size"],
+                    "shards": v["shards"],
+                    "tensors": v["tensors"],
+                    "replicas": replicas,
+                    "min_copies": min(counts) if counts else replicas,
+                    "under_replicated": [i for i, c in enumerate(counts) if c < replicas],
+                    "transfers_settled": v["settled"],
+                    "transfers": v["transfers"],
+                    "created_at": float(v["created_at"]),
+                    "reason": v["reason"],
+                    "digests": v["digests"],
+                },
+                v["live"] or [],
             )
+        )
     return out
 
 
@@ -95,17 +92,17 @@ def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[
 
 def status(md: Metadata, cluster_key: bytes | None) -> dict:
     nodes, live = node_rows(md, cluster_key)
-    versions = _versions(md)
+    versions = _versions(md, live=live)
     ckpts = [row for row, _ in versions]
     names_of: dict[str, set[str]] = {}  # blob -> checkpoints using it, for the repairs
-    for c, _ in versions:
-        for shard in md.manifest(c["vkey"]).shards:
-            names_of.setdefault(shard.blob_sha256, set()).add(c["name"])
+    for c in ckpts:
+        for digest in c["digests"]:
+            names_of.setdefault(digest, set()).add(c["name"])
     under = []
-    for c, holders in versions:
+    for c, live_copies in versions:
         if c["state"] != COMMITTED:
             continue
-        for i, n in enumerate(len(h & live) for h in holders):
+        for i, n in enumerate(live_copies):
             if n < c["replicas"]:
                 under.append(
                     {

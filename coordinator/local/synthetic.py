@@ -6,10 +6,12 @@ demo and the benchmarks; written in fixed chunks so memory stays flat.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
 
+from coordinator.plan.manifest import Manifest, ShardEntry
 from smoltorrent import defaults
 
 _ITEM = {"BF16": 2, "F32": 4}
@@ -61,3 +63,45 @@ def write_checkpoint(path: str | os.PathLike, target_bytes: int, hidden: int = 1
             f.write(os.urandom(n))
             remaining -= n
     return 8 + len(raw) + offset
+
+
+def synthetic_manifest(name: str, index: int, shards: int = 2, replicas: int = 2) -> Manifest:
+    """A valid manifest with made-up blob digests and no file behind it, for recording many
+    versions straight into the metadata (listing tests and benchmarks). Version `index` of
+    `name` has 1 + index % 3 ten-byte tensors per shard."""
+    per_shard, tensor_bytes = 1 + index % 3, 10
+    names = [[f"t{s}.{k}" for k in range(per_shard)] for s in range(shards)]
+    layout, offset = {}, 0
+    for tensor in (t for shard in names for t in shard):
+        layout[tensor] = {
+            "dtype": "U8",
+            "shape": [tensor_bytes],
+            "data_offsets": [offset, offset + tensor_bytes],
+        }
+        offset += tensor_bytes
+    header = json.dumps(layout).encode()
+    shard_bytes = per_shard * tensor_bytes
+
+    def digest(*parts) -> str:
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+    return Manifest(
+        name=name,
+        version_id=digest("version", name, index),
+        source_size=8 + len(header) + offset,
+        header_bytes=header,
+        replicas=replicas,
+        shards=tuple(
+            ShardEntry(
+                index=s,
+                data_start=s * shard_bytes,
+                data_end=(s + 1) * shard_bytes,
+                tensors=tuple(names[s]),
+                blob_size=shard_bytes + 100,
+                blob_sha256=digest("blob", name, index, s),
+                blob_data_offset=100,
+            )
+            for s in range(shards)
+        ),
+        created_at=1_700_000_000.0 + index,
+    )

@@ -49,8 +49,10 @@ end
 # version a later request asks for again becomes current (a rollback moves no bytes).
 # The version joins the reference set of each of its blobs in the same step.
 # KEYS: version, manifest, plan, settled, ready, attempts, names, versions zset,
-#       current, current seq, then the reference set of every blob
-# ARGV: seq, name, vkey, fields JSON, manifest JSON, plan JSON (list of JSON strings)
+#       current, current seq, listing rows, listing states, all versions zset,
+#       summaries-filled marker, then the reference set of every blob
+# ARGV: seq, name, vkey, fields JSON, manifest JSON, plan JSON (list of JSON strings),
+#       listing row JSON
 # Returns the state found ("pending", "committed", "removing") or "created".
 _CREATE = (
     _MAKE_CURRENT
@@ -58,11 +60,12 @@ _CREATE = (
 local seq = tonumber(ARGV[1])
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'removing' then return state end
-for i = 11, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
+for i = 15, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
 if state == 'pending' or state == 'committed' then
   if seq > tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') then
     redis.call('HSET', KEYS[1], 'seq', seq)
     redis.call('ZADD', KEYS[8], seq, ARGV[3])
+    redis.call('ZADD', KEYS[13], seq, ARGV[3])
   end
   if state == 'committed' then make_current(KEYS[9], KEYS[10], ARGV[2], ARGV[3], seq) end
   return state
@@ -72,8 +75,13 @@ for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) en
 redis.call('HSET', KEYS[1], 'state', 'pending', 'seq', seq)
 redis.call('SET', KEYS[2], ARGV[5])
 for i, t in ipairs(cjson.decode(ARGV[6])) do redis.call('HSET', KEYS[3], tostring(i - 1), t) end
+-- No name yet: nothing recorded before the listing summaries, none to fill.
+if redis.call('SCARD', KEYS[7]) == 0 then redis.call('SET', KEYS[14], 1) end
 redis.call('SADD', KEYS[7], ARGV[2])
 redis.call('ZADD', KEYS[8], seq, ARGV[3])
+redis.call('HSET', KEYS[11], ARGV[3], ARGV[7])
+redis.call('HSET', KEYS[12], ARGV[3], 'pending')
+redis.call('ZADD', KEYS[13], seq, ARGV[3])
 return 'created'
 """
 )
@@ -116,7 +124,7 @@ return 1
 """
 
 # pending -> committed, then current if its request is the latest accepted one.
-# KEYS: version hash, current, current seq; ARGV: name, vkey, now
+# KEYS: version hash, current, current seq, listing states; ARGV: name, vkey, now
 # Returns {state after, 1 if current}.
 _COMMIT = (
     _MAKE_CURRENT
@@ -124,6 +132,7 @@ _COMMIT = (
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'pending' then
   redis.call('HSET', KEYS[1], 'state', 'committed', 'committed_at', ARGV[3], 'reason', '')
+  redis.call('HSET', KEYS[4], ARGV[2], 'committed')
   state = 'committed'
 elseif state ~= 'committed' then
   return {state or 'missing', 0}
@@ -134,10 +143,11 @@ return {state, make_current(KEYS[2], KEYS[3], ARGV[1], ARGV[2], seq)}
 )
 
 # pending -> aborted, with its reason; 1 if this call aborted it.
-# KEYS: version hash; ARGV: reason
+# KEYS: version hash, listing states; ARGV: reason, vkey
 _ABORT = """
 if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'aborted', 'reason', ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[2], 'aborted')
 return 1
 """
 
@@ -148,11 +158,13 @@ return 1
 # Shared by the remove and retire scripts below; blob keys in pairs from KEYS[b], their
 # digests from ARGV[a].
 # KEYS: version hash, versions zset, current, current seq, version-key prefix,
-#       blobs-to-delete set, ..., then per blob its reference set and its tombstone
+#       blobs-to-delete set, listing states, ..., then per blob its reference set and its
+#       tombstone
 # ARGV: name, vkey, now, tombstone ttl seconds, ..., then the digest of every blob
 _BEGIN_REMOVE_FN = """
 local function begin_remove(b, a)
   redis.call('HSET', KEYS[1], 'state', 'removing', 'removing_at', ARGV[3])
+  redis.call('HSET', KEYS[7], ARGV[2], 'removing')
   for i = b, #KEYS, 2 do
     redis.call('SREM', KEYS[i], ARGV[2])
     if redis.call('SCARD', KEYS[i]) == 0 then
@@ -185,7 +197,7 @@ end
 """
 
 # A remove asked for (rm): any version not already removing or removed. Returns the
-# state found. KEYS and ARGV as begin_remove, blobs from KEYS[7] and ARGV[5].
+# state found. KEYS and ARGV as begin_remove, blobs from KEYS[8] and ARGV[5].
 _REMOVE_BEGIN = (
     _BEGIN_REMOVE_FN
     + """
@@ -193,7 +205,7 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'pending' and state ~= 'committed' and state ~= 'aborted' then
   return state or 'missing'
 end
-begin_remove(7, 5)
+begin_remove(8, 5)
 return state
 """
 )
@@ -203,7 +215,7 @@ return state
 # exist; aborted -> removing once a newer committed version exists. Checked and done in
 # one step, so a gather taking its mark or a store making the version current again
 # either happens before (and the version stays) or finds it removing.
-# KEYS: as begin_remove, then KEYS[7] its readers, blobs from KEYS[8]
+# KEYS: as begin_remove, then KEYS[8] its readers, blobs from KEYS[9]
 # ARGV: as begin_remove, then ARGV[5] keep, digests from ARGV[6]
 # Returns "retired", or why not: "current", "reading", "kept" or the state found.
 _RETIRE = (
@@ -213,8 +225,8 @@ _RETIRE = (
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'committed' and state ~= 'aborted' then return state or 'missing' end
 if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then return 'current' end
-redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now_ms())
-if redis.call('ZCARD', KEYS[7]) > 0 then return 'reading' end
+redis.call('ZREMRANGEBYSCORE', KEYS[8], '-inf', now_ms())
+if redis.call('ZCARD', KEYS[8]) > 0 then return 'reading' end
 local newer = 0
 for _, v in ipairs(redis.call('ZREVRANGE', KEYS[2], 0, -1)) do
   if v == ARGV[2] then break end
@@ -222,7 +234,7 @@ for _, v in ipairs(redis.call('ZREVRANGE', KEYS[2], 0, -1)) do
 end
 if state == 'committed' and newer < tonumber(ARGV[5]) then return 'kept' end
 if state == 'aborted' and newer == 0 then return 'kept' end
-begin_remove(8, 6)
+begin_remove(9, 6)
 return 'retired'
 """
 )
@@ -244,11 +256,14 @@ return state
 # removing -> removed: the last step of a remove, once the nodes are clean. The version's
 # keys go; a small tombstone stays so late transfers and commits see "removed".
 # KEYS: version, manifest, plan, settled, ready, attempts, versions zset, names,
-#       blobs-to-delete set
+#       blobs-to-delete set, listing rows, listing states, all versions zset
 # ARGV: name, vkey, now, tombstone ttl seconds
 _REMOVE_FINISH = """
 if redis.call('HGET', KEYS[1], 'state') ~= 'removing' then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[9])
+redis.call('HDEL', KEYS[10], ARGV[2])
+redis.call('HDEL', KEYS[11], ARGV[2])
+redis.call('ZREM', KEYS[12], ARGV[2])
 redis.call('HSET', KEYS[1], 'name', ARGV[1], 'state', 'removed', 'removed_at', ARGV[3])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 redis.call('ZREM', KEYS[7], ARGV[2])
@@ -335,6 +350,103 @@ return state
 """
 
 
+# A version recorded before the listing summaries existed gets its row, state and place in
+# the all-versions zset, unless it left the listing meanwhile (the same step, so a state
+# change cannot interleave). KEYS: version hash, versions zset of its name, listing rows,
+# listing states, all versions zset; ARGV: vkey, listing row JSON. 1 if filled.
+_FILL_SUMMARY = """
+local state = redis.call('HGET', KEYS[1], 'state')
+local seq = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not state or state == 'removed' or not seq then return 0 end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[4], ARGV[1], state)
+redis.call('ZADD', KEYS[5], seq, ARGV[1])
+return 1
+"""
+
+# One slice of a listing, as the text of a JSON list (one reply parses far faster than
+# thousands of small ones): for each version at ranks ARGV[1]..ARGV[2] of the zset KEYS[1]
+# that has a listing row, {"vkey", "state", "current", "settled" (transfers settled; not
+# counted for a committed version, whose barrier fired: all of them), "reason" (aborted
+# only), "copies" (per shard, how many of the nodes `among` its placement lists), "live"
+# (the same among the nodes `live`, if given), "row" (the listing row)}.
+# KEYS: versions zset, listing rows, listing states, current
+# ARGV: start, stop, version-key prefix, placement key head and tail, number of nodes
+#       among, their ids, number of live nodes (-1: not asked), their ids
+_LISTING = """
+local among, live = {}, nil
+local n = tonumber(ARGV[6])
+for i = 7, 6 + n do among[ARGV[i]] = true end
+local m = tonumber(ARGV[7 + n])
+if m >= 0 then
+  live = {}
+  for i = 8 + n, 7 + n + m do live[ARGV[i]] = true end
+end
+local function counts(digests, nodes)
+  local out = {}
+  for _, d in ipairs(digests) do
+    local c = 0
+    for _, node in ipairs(redis.call('SMEMBERS', ARGV[4] .. d .. ARGV[5])) do
+      if nodes[node] then c = c + 1 end
+    end
+    out[#out + 1] = c
+  end
+  return '[' .. table.concat(out, ',') .. ']'
+end
+local current = {}  -- name (as JSON) -> its current vkey, read once per name
+local out = {}
+for _, vkey in ipairs(redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])) do
+  local raw = redis.call('HGET', KEYS[2], vkey)
+  local state = redis.call('HGET', KEYS[3], vkey)
+  if raw and state then
+    -- The row is written by _listing_row: name first, digests last. Matching them is far
+    -- cheaper than decoding the row (a quote inside a name is escaped, so cannot match).
+    local name = string.match(raw, '^{"name":(".-"),"version_id":')
+    if current[name] == nil then
+      current[name] = redis.call('HGET', KEYS[4], cjson.decode(name)) or false
+    end
+    local digests = {}
+    for d in string.gmatch(string.match(raw, '"digests":%[([^%]]*)%]}$'), '%x+') do
+      digests[#digests + 1] = d
+    end
+    local settled, reason = -1, ''
+    if state ~= 'committed' then
+      settled = redis.call('SCARD', ARGV[3] .. vkey .. ':settled')
+    end
+    if state == 'aborted' then
+      reason = redis.call('HGET', ARGV[3] .. vkey, 'reason') or ''
+    end
+    out[#out + 1] = '{"vkey":"' .. vkey .. '","state":"' .. state
+      .. '","current":' .. tostring(current[name] == vkey)
+      .. ',"settled":' .. settled .. ',"reason":' .. cjson.encode(reason)
+      .. ',"copies":' .. counts(digests, among)
+      .. ',"live":' .. (live and counts(digests, live) or 'null')
+      .. ',"row":' .. raw .. '}'
+  end
+end
+return '[' .. table.concat(out, ',') .. ']'
+"""
+
+
+def _listing_row(manifest: Manifest, transfers: int) -> str:
+    """The fields `ls` shows of a version that never change once it is recorded (JSON, name
+    first and digests last: _LISTING finds them there without decoding it)."""
+    return json.dumps(
+        {
+            "name": manifest.name,
+            "version_id": manifest.version_id,
+            "size": manifest.source_size,
+            "shards": len(manifest.shards),
+            "tensors": sum(len(s.tensors) for s in manifest.shards),
+            "replicas": manifest.replicas,
+            "transfers": transfers,
+            "created_at": manifest.created_at,
+            "digests": [s.blob_sha256 for s in manifest.shards],
+        },
+        separators=(",", ":"),
+    )
+
+
 def _digests(manifest: Manifest) -> list[str]:
     """Each distinct blob of a manifest once, in shard order."""
     return list(dict.fromkeys(s.blob_sha256 for s in manifest.shards))
@@ -371,6 +483,8 @@ class Metadata:
         self._blob_deleted = self.r.register_script(_BLOB_DELETED)
         self._reopen = self.r.register_script(_REOPEN)
         self._open_request = self.r.register_script(_OPEN_REQUEST)
+        self._fill_summary = self.r.register_script(_FILL_SUMMARY)
+        self._listing = self.r.register_script(_LISTING)
         self._start_request = self.r.register_script(_START_REQUEST)
 
     def ping(self) -> None:
@@ -469,6 +583,10 @@ class Metadata:
                 K.VERSIONS.format(name=manifest.name),
                 K.CURRENT,
                 K.CURRENT_SEQ,
+                K.VERSION_ROWS,
+                K.VERSION_STATES,
+                K.ALL_VERSIONS,
+                K.SUMMARIES_FILLED,
                 *(K.BLOB_REFS.format(digest=d) for d in _digests(manifest)),
             ],
             args=[
@@ -489,6 +607,7 @@ class Metadata:
                 ),
                 manifest.to_json(),
                 json.dumps([json.dumps(list(t)) for t in plan]),
+                _listing_row(manifest, sum(len(t) for t in plan)),
             ],
         )
 
@@ -545,7 +664,9 @@ class Metadata:
 
     def abort(self, vkey: str, reason: str) -> bool:
         """pending -> aborted; True if this call aborted it (a committed version stays)."""
-        return bool(self._abort(keys=[K.VERSION.format(vkey=vkey)], args=[reason]))
+        return bool(
+            self._abort(keys=[K.VERSION.format(vkey=vkey), K.VERSION_STATES], args=[reason, vkey])
+        )
 
     def claim(self, vkey: str, flag: str) -> bool:
         """Set a one-time flag on a version; True for the single caller that set it."""
@@ -646,7 +767,7 @@ class Metadata:
         """pending -> committed, and current unless a later request's version already is;
         True if it is current now. A version aborted or being removed stays as it is."""
         state, current = self._commit(
-            keys=[K.VERSION.format(vkey=vkey), K.CURRENT, K.CURRENT_SEQ],
+            keys=[K.VERSION.format(vkey=vkey), K.CURRENT, K.CURRENT_SEQ, K.VERSION_STATES],
             args=[name, vkey, time.time()],
         )
         if state == COMMITTED:  # its attempt log is history now: kept a while, then gone
@@ -684,14 +805,97 @@ class Metadata:
         return self.r.hget(K.CURRENT, name)
 
     def versions_in(self, *states: str) -> list[tuple[str, dict[str, str]]]:
-        """(vkey, version hash) of every listed version in one of `states`."""
+        """(vkey, version hash) of every listed version in one of `states`, in request order:
+        the states of all come from one hash, and only the matching versions are read."""
+        vkeys = self._vkeys_in(states)
+        with self.r.pipeline(transaction=False) as p:
+            for vkey in vkeys:
+                p.hgetall(K.VERSION.format(vkey=vkey))
+            hashes = p.execute()
+        return [
+            (vkey, v) for vkey, v in zip(vkeys, hashes, strict=True) if v.get("state") in states
+        ]
+
+    def _vkeys_in(self, states: Iterable[str]) -> list[str]:
+        self._fill_summaries()
+        with self.r.pipeline(transaction=False) as p:
+            p.zrange(K.ALL_VERSIONS, 0, -1)
+            p.hgetall(K.VERSION_STATES)
+            vkeys, found = p.execute()
+        return [v for v in vkeys if found.get(v) in states]
+
+    def has_name(self, name: str) -> bool:
+        return bool(self.r.sismember(K.NAMES, name))
+
+    def version_summaries(
+        self, name: str | None, among: Iterable[str], live: Iterable[str] | None = None
+    ) -> list[dict]:
+        """Every listed version (of `name` only, if given) as `ls` shows it, ordered by name,
+        then request: the fields of its listing row, plus vkey, state, current, settled
+        (transfers settled), reason, copies (per shard, how many of the nodes `among` hold
+        it) and, if `live` is given, live (the same among those). A few round trips and one
+        reply per slice of LISTING_BATCH_VERSIONS, whatever the number of versions: no version
+        hash or manifest is read."""
+        self._fill_summaries()
+        zset = K.ALL_VERSIONS if name is None else K.VERSIONS.format(name=name)
+        count = self.r.zcard(zset)
+        among = list(among)
+        live = None if live is None else list(live)
+        head, tail = K.PLACEMENT.split("{digest}")
+        nodes = [len(among), *among, *([-1] if live is None else [len(live), *live])]
+        batch = defaults.LISTING_BATCH_VERSIONS
+        starts = range(0, count, batch)
+        # One MULTI block: the slices see one state (a remove between two would shift the
+        # ranks), and the last runs to the end (versions added since the count).
+        with self.r.pipeline(transaction=True) as p:
+            for start in starts:
+                stop = -1 if start == starts[-1] else start + batch - 1
+                self._listing(
+                    keys=[zset, K.VERSION_ROWS, K.VERSION_STATES, K.CURRENT],
+                    args=[start, stop, K.VERSION.format(vkey=""), head, tail, *nodes],
+                    client=p,
+                )
+            replies = p.execute() if count else []
         out = []
-        for name in self.names():
-            for vkey in self.versions(name):
-                v = self.r.hgetall(K.VERSION.format(vkey=vkey))
-                if v.get("state") in states:
-                    out.append((vkey, v))
+        for reply in replies:
+            for v in json.loads(reply):
+                row = v.pop("row")
+                row.update(v)
+                if row["settled"] < 0:
+                    row["settled"] = row["transfers"]
+                out.append(row)
+        out.sort(key=lambda r: r["name"])  # stable: request order within a name
         return out
+
+    def _fill_summaries(self) -> None:
+        """Listing rows and states for the versions recorded before they existed: once per
+        Redis (a marker key says it is done), each version in one atomic step."""
+        if self.r.exists(K.SUMMARIES_FILLED):
+            return
+        listed = [(name, vkey) for name in self.names() for vkey in self.versions(name)]
+        for i in range(0, len(listed), defaults.LISTING_BATCH_VERSIONS):
+            batch = listed[i : i + defaults.LISTING_BATCH_VERSIONS]
+            with self.r.pipeline(transaction=False) as p:
+                for _, vkey in batch:
+                    p.hget(K.VERSION.format(vkey=vkey), "transfers")
+                    p.get(K.MANIFEST.format(vkey=vkey))
+                found = p.execute()
+            with self.r.pipeline(transaction=False) as p:
+                for j, (name, vkey) in enumerate(batch):
+                    transfers, raw = found[2 * j], found[2 * j + 1]
+                    if raw is None:
+                        continue  # removed meanwhile
+                    row = _listing_row(Manifest.from_json(raw), int(transfers or 0))
+                    keys = [
+                        K.VERSION.format(vkey=vkey),
+                        K.VERSIONS.format(name=name),
+                        K.VERSION_ROWS,
+                        K.VERSION_STATES,
+                        K.ALL_VERSIONS,
+                    ]
+                    self._fill_summary(keys=keys, args=[vkey, row], client=p)
+                p.execute()
+        self.r.set(K.SUMMARIES_FILLED, 1)
 
     def last_activity(self, vkey: str, version: dict[str, str]) -> float:
         """Unix time of the version's last transfer attempt, re-send or creation."""
@@ -732,12 +936,7 @@ class Metadata:
         }
 
     def pending_versions(self) -> list[str]:
-        out = []
-        for name in self.names():
-            for vkey in self.versions(name):
-                if self.r.hget(K.VERSION.format(vkey=vkey), "state") == PENDING:
-                    out.append(vkey)
-        return out
+        return self._vkeys_in((PENDING,))
 
     def resolve(self, name: str, version: str | None = None) -> str:
         """vkey of `name` at `version` (a version-id prefix), or its current version."""
@@ -794,7 +993,7 @@ class Metadata:
         )
 
     def _remove_keys(self, vkey: str) -> tuple[str, list[str], list[str], list[str]] | None:
-        """(name, the six leading keys, blob key pairs, digests) of a remove script."""
+        """(name, the seven leading keys, blob key pairs, digests) of a remove script."""
         name = self.r.hget(K.VERSION.format(vkey=vkey), "name")
         if name is None:
             return None
@@ -810,6 +1009,7 @@ class Metadata:
             K.CURRENT_SEQ,
             K.VERSION.format(vkey=""),
             K.REMOVE_BLOBS.format(vkey=vkey),
+            K.VERSION_STATES,
         ]
         return name, keys, blob_keys, digests
 
@@ -866,6 +1066,9 @@ class Metadata:
                     K.VERSIONS.format(name=name),
                     K.NAMES,
                     K.REMOVE_BLOBS.format(vkey=vkey),
+                    K.VERSION_ROWS,
+                    K.VERSION_STATES,
+                    K.ALL_VERSIONS,
                 ],
                 args=[name, vkey, time.time(), defaults.REMOVED_TOMBSTONE_TTL_S],
             )

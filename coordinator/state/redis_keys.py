@@ -35,6 +35,20 @@ CURRENT_SEQ = PREFIX + "current:seq"
 # zset of vkeys of one name, scored by the sequence number of their latest request
 VERSIONS = PREFIX + "name:{name}:versions"
 
+# What `ls` and `status` read instead of every version's hash and manifest, kept by the
+# same scripts that change a version (so one HGETALL each lists 10,000 versions):
+# hash vkey -> JSON of a listed version's fields that never change once it is created
+# (name, version_id, size, shards, tensors, replicas, transfers, created_at, digests: each
+# shard's blob in order)
+VERSION_ROWS = PREFIX + "versions:rows"
+# hash vkey -> state of every listed version (pending, committed, aborted, removing)
+VERSION_STATES = PREFIX + "versions:states"
+# zset of every listed version's vkey, scored like VERSIONS (the order `ls` shows)
+ALL_VERSIONS = PREFIX + "versions:all"
+# set once the three above hold the versions recorded before they existed (see
+# Metadata.version_summaries)
+SUMMARIES_FILLED = PREFIX + "versions:summaries_filled"
+
 # counter: one sequence number per accepted request (orders a name's versions)
 SEQ = PREFIX + "seq"
 # hash: kind, host, seq, state, args (JSON), vkey, error, boot, times
