@@ -1,10 +1,12 @@
 """docker-compose.yml: every service there, every smoltorrent command one the CLI accepts,
-every file it mounts in the repository, and Prometheus scraping the ports the commands
-open. `docker compose config` checks the file itself where Docker's compose plugin is."""
+every file it mounts in the repository, Prometheus scraping the ports the commands open,
+and the usage in its header working as written. `docker compose config` (or the standalone
+`docker-compose`) checks the file itself where one is installed."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -59,16 +61,41 @@ def test_mounted_files_exist_and_prometheus_scrapes_the_ports_the_commands_open(
     assert targets == expected
 
 
-def test_docker_compose_config_accepts_it() -> None:
+def test_the_headers_gather_writes_where_the_worker_may_write() -> None:
+    """The header's `gather ... -o /checkpoints/...` ran in the worker's container was
+    refused (gathers write only under SMOLTORRENT_GATHER_DIRS) until the worker listed it."""
+    header = (ROOT / "docker-compose.yml").read_text().split("\nx-smoltorrent")[0]
+    outputs = re.findall(r"exec worker smoltorrent gather \S+ -o (\S+)", header)
+    assert outputs, "the header shows a gather"
+    worker = compose()["services"]["worker"]
+    allowed = worker["environment"]["SMOLTORRENT_GATHER_DIRS"].split(":")
+    mounts = [v.split(":")[1] for v in worker["volumes"]]
+    for output in outputs:
+        parent = str(Path(output).parent)
+        assert parent in allowed and parent in mounts, (output, allowed, mounts)
+
+
+def compose_command() -> list[str]:
+    """Docker's compose plugin, else the standalone docker-compose (Debian's 1.29)."""
     docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("no docker here: the checks above stand in for `docker compose config`")
-    plugin = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
-    if plugin.returncode != 0:
-        pytest.skip(f"docker has no compose plugin here: {plugin.stderr.strip()[:200]}")
+    if docker is not None:
+        plugin = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
+        if plugin.returncode == 0:
+            return [docker, "compose"]
+    standalone = shutil.which("docker-compose")
+    if standalone is not None:
+        return [standalone]
+    pytest.skip(
+        "neither `docker compose` nor `docker-compose` here (Debian: apt-get install"
+        " --no-install-recommends docker-compose; .ci/run does on a root Debian box): the"
+        " checks above stand in for `config`"
+    )
+
+
+def test_docker_compose_config_accepts_it() -> None:
     env = dict(os.environ, SMOLTORRENT_CLUSTER_KEY="x" * 64)
     done = subprocess.run(
-        [docker, "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+        [*compose_command(), "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
         env=env,
         capture_output=True,
         text=True,
