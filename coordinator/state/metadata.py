@@ -8,6 +8,7 @@ retry, a redelivery or two workers racing leave the same state.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from smoltorrent import defaults
 from smoltorrent.errors import MetadataError, NotFoundError
 
 PENDING, COMMITTED, ABORTED = "pending", "committed", "aborted"
+_HEX = re.compile("[0-9a-f]+")
 REMOVING, REMOVED = "removing", "removed"
 # Request (intent) states: queued until a task picks it up, running, then done or failed.
 QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
@@ -445,6 +447,14 @@ def _listing_row(manifest: Manifest, transfers: int) -> str:
         },
         separators=(",", ":"),
     )
+
+
+def _vkey_of_task(task_id: str) -> str | None:
+    """The version a task works on, from its id ("transfer-<vkey>-...", see tasks/enqueue.py)."""
+    parts = task_id.split("-")
+    if len(parts) > 1 and len(parts[1]) == 32 and _HEX.fullmatch(parts[1]):
+        return parts[1]
+    return None
 
 
 def _digests(manifest: Manifest) -> list[str]:
@@ -953,11 +963,12 @@ class Metadata:
                     )
                 )
             return vkey
-        matches = [
-            v
-            for v in self.versions(name)
-            if self.r.hget(K.VERSION.format(vkey=v), "version_id").startswith(version)
-        ]
+        vkeys = self.versions(name)
+        with self.r.pipeline(transaction=False) as p:
+            for v in vkeys:
+                p.hget(K.VERSION.format(vkey=v), "version_id")
+            ids = p.execute()
+        matches = [v for v, i in zip(vkeys, ids, strict=True) if (i or "").startswith(version)]
         if len(matches) != 1:
             raise NotFoundError(
                 f"{name} has {'no' if not matches else 'several'} versions matching "
@@ -1221,9 +1232,12 @@ class Metadata:
     # --- dead letters ----------------------------------------------------------
 
     def add_dead_letter(self, task_id: str, record: dict) -> None:
+        vkey = (record.get("kwargs") or {}).get("vkey") or _vkey_of_task(task_id)
         with self.r.pipeline() as p:
             p.hset(K.DLQ, task_id, json.dumps({**record, "task_id": task_id, "at": time.time()}))
             p.xadd(K.DLQ_STREAM, {"task_id": task_id}, maxlen=defaults.DLQ_STREAM_MAXLEN)
+            if vkey:
+                p.sadd(K.DLQ_OF.format(vkey=vkey), task_id)
             p.execute()
 
     def dead_letters(self) -> list[dict]:
@@ -1240,12 +1254,24 @@ class Metadata:
         return bool(self.r.hexists(K.DLQ, task_id))
 
     def remove_dead_letter(self, task_id: str) -> None:
-        self.r.hdel(K.DLQ, task_id)
+        raw = self.r.hget(K.DLQ, task_id)
+        vkey = _vkey_of_task(task_id)
+        if raw is not None:
+            vkey = (json.loads(raw).get("kwargs") or {}).get("vkey") or vkey
+        with self.r.pipeline() as p:
+            p.hdel(K.DLQ, task_id)
+            if vkey:
+                p.srem(K.DLQ_OF.format(vkey=vkey), task_id)
+            p.execute()
 
     def drop_dead_letters_of(self, vkey: str) -> int:
-        """Forget the dead letters of a removed version (nothing left to replay them for)."""
-        ids = [tid for tid, _ in self.r.hscan_iter(K.DLQ, match=f"*{vkey}*")]
-        return self.r.hdel(K.DLQ, *ids) if ids else 0
+        """Forget the dead letters of a removed version (nothing left to replay them for):
+        those its index lists, without reading the rest of the queue."""
+        key = K.DLQ_OF.format(vkey=vkey)
+        ids = list(self.r.smembers(key))
+        dropped = self.r.hdel(K.DLQ, *ids) if ids else 0
+        self.r.delete(key)
+        return dropped
 
     def dead_letter_depth(self) -> int:
         return self.r.hlen(K.DLQ)

@@ -121,3 +121,6 @@ SWEEP_SKIPPED = PREFIX + "sweep:{name}:skipped"
 # hash task_id -> JSON dead-letter record; stream as a time-ordered index
 DLQ = PREFIX + "dlq"
 DLQ_STREAM = PREFIX + "dlq:stream"
+# set of the task ids of one version's dead letters, so a remove drops them without reading
+# the whole queue
+DLQ_OF = PREFIX + "dlq:version:{vkey}"
