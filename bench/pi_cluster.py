@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -43,16 +42,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/pi_cluster.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from coordinator.local.lan_cluster import LanCluster  # noqa: E402
+from coordinator.local.netns import Lan  # noqa: E402
 from coordinator.local.synthetic import write_checkpoint  # noqa: E402
-from coordinator.state.embedded_redis import redis_server_binary  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 PREFIX = f"stpi{os.getpid() % 10000}"  # namespace and link names; unique per run
-SUBNET = "10.77.0"
-COORD_IP = f"{SUBNET}.1"
-NODE_PORT = 7411
-REDIS_PORT = 6390
 SAMPLE_S = 0.5  # per-port byte counters sampled this often, for bandwidth over time
 ORIGINAL = {"store_s": 35.6, "gather_s": 17.8, "size_mib": 200, "rate_mbit": 100}
 
@@ -61,92 +56,10 @@ def log(msg: str) -> None:
     print(f"[pi-bench] {msg}", file=sys.stderr, flush=True)
 
 
-def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, check=check, capture_output=True, text=True)
-
-
-class Network:
-    """The namespaces, the bridge and the shaped veth pairs; removed by close()."""
-
-    def __init__(self, hosts: list[str], rate_mbit: int) -> None:
-        self.switch = f"{PREFIX}-sw"
-        self.hosts = hosts
-        self.rate_mbit = rate_mbit
-        self.namespaces: list[str] = []
-
-    def ns(self, host: str) -> str:
-        return f"{PREFIX}-{host}"
-
-    def port(self, host: str) -> str:
-        return f"{PREFIX}{host}"[:15]  # the switch-side end of the host's link
-
-    def open(self) -> Network:
-        sh("ip", "netns", "add", self.switch)
-        self.namespaces.append(self.switch)
-        sw = ["ip", "netns", "exec", self.switch]
-        sh(*sw, "ip", "link", "add", "br0", "type", "bridge")
-        sh(*sw, "ip", "link", "set", "br0", "up")
-        for index, host in enumerate(self.hosts):
-            ns = self.ns(host)
-            sh("ip", "netns", "add", ns)
-            self.namespaces.append(ns)
-            port = self.port(host)
-            sh("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            sh("ip", "link", "set", port, "netns", self.switch)
-            sh(*sw, "ip", "link", "set", port, "master", "br0")
-            sh(*sw, "ip", "link", "set", port, "up")
-            inside = ["ip", "netns", "exec", ns]
-            sh(*inside, "ip", "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
-            sh(*inside, "ip", "link", "set", "eth0", "up")
-            sh(*inside, "ip", "link", "set", "lo", "up")
-            # Both directions of the link: the host's uplink and the switch port's downlink.
-            self._shape(inside, "eth0")
-            self._shape(sw, port)
-        return self
-
-    def _shape(self, prefix: list[str], dev: str) -> None:
-        # burst: one 1 ms slice of the line rate, at least a few full frames.
-        burst = max(self.rate_mbit * 1_000_000 // 8 // 1000, 8 * 1514)
-        sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-           "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
-
-    def address(self, index: int) -> str:
-        return COORD_IP if index == 0 else f"{SUBNET}.{10 + index}"
-
-    def exec_prefix(self, host: str) -> list[str]:
-        return ["ip", "netns", "exec", self.ns(host)]
-
-    def cut(self, host: str) -> None:
-        """Unplug: the switch port goes down, packets vanish, nobody gets a reset."""
-        sh(*self.exec_prefix_switch(), "ip", "link", "set", self.port(host), "down")
-
-    def reconnect(self, host: str) -> None:
-        sh(*self.exec_prefix_switch(), "ip", "link", "set", self.port(host), "up")
-
-    def exec_prefix_switch(self) -> list[str]:
-        return ["ip", "netns", "exec", self.switch]
-
-    def counters(self) -> dict[str, tuple[int, int]]:
-        """Per host: (bytes the host sent, bytes it received), read on the switch side."""
-        out = {}
-        for host in self.hosts:
-            port = self.port(host)
-            read = sh(*self.exec_prefix_switch(), "cat",
-                      f"/sys/class/net/{port}/statistics/rx_bytes",
-                      f"/sys/class/net/{port}/statistics/tx_bytes").stdout.split()  # fmt: skip
-            out[host] = (int(read[0]), int(read[1]))
-        return out
-
-    def close(self) -> None:
-        for ns in reversed(self.namespaces):
-            sh("ip", "netns", "del", ns, check=False)
-        self.namespaces.clear()
-
-
 class Sampler(threading.Thread):
     """Per-host bytes per second over time, from the switch ports' counters."""
 
-    def __init__(self, net: Network) -> None:
+    def __init__(self, net: Lan) -> None:
         super().__init__(daemon=True)
         self.net = net
         self.samples: list[dict] = []
@@ -177,100 +90,12 @@ class Sampler(threading.Thread):
         return self.samples
 
 
-class Cluster:
-    """Redis, the worker and the nodes, each a real process in its namespace."""
-
-    def __init__(
-        self, net: Network, root: Path, nodes: list[str], extra_env: dict[str, str]
-    ) -> None:
-        self.net = net
-        self.root = root
-        self.nodes = nodes
-        self.procs: list[subprocess.Popen] = []
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "SMOLTORRENT_HOME": str(root / "home"),
-            "SMOLTORRENT_REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0",
-            "SMOLTORRENT_CLUSTER_KEY": secrets.token_hex(32),
-            "SMOLTORRENT_HOST_ID": "pi-bench-coordinator",
-            # Gathers write only where allowed (safe defaults): the bench's own directory.
-            "SMOLTORRENT_GATHER_DIRS": str(root),
-            **extra_env,
-        }
-
-    def _spawn(self, host: str, argv: list[str], log_name: str) -> subprocess.Popen:
-        log = open(self.root / log_name, "ab")  # noqa: SIM115 (kept open for the child)
-        proc = subprocess.Popen(
-            [*self.net.exec_prefix(host), *argv], env=self.env, stdout=log, stderr=log
-        )
-        self.procs.append(proc)
-        return proc
-
-    def start(self) -> None:
-        redis_dir = self.root / "redis"
-        redis_dir.mkdir(parents=True)
-        self._spawn("coord", [redis_server_binary(), "--port", str(REDIS_PORT), "--bind",
-                              "127.0.0.1", "--dir", str(redis_dir), "--appendonly", "yes",
-                              "--save", ""], "redis.log")  # fmt: skip
-        for index, node in enumerate(self.nodes, start=1):
-            data = self.root / node
-            self._spawn(node, [sys.executable, "-m", "worker_server", "--data-dir", str(data),
-                               "--host", self.net.address(index), "--port", str(NODE_PORT)],
-                        f"{node}.log")  # fmt: skip
-        self._wait_redis()
-        self._spawn("coord", [sys.executable, "-m", "coordinator.cli", "worker", "--loglevel",
-                              "INFO"], "worker.log")  # fmt: skip
-        deadline = time.monotonic() + 60
-        worker_log = self.root / "worker.log"
-        while b" ready." not in worker_log.read_bytes():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the worker did not start; see {worker_log}")
-            time.sleep(0.2)
-        while True:
-            added = self.cli("nodes", "add",
-                             *(f"{self.net.address(i)}:{NODE_PORT}"
-                               for i in range(1, len(self.nodes) + 1)), check=False)  # fmt: skip
-            if added.returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nodes did not answer: {added.stderr}")
-            time.sleep(0.5)
-
-    def _wait_redis(self) -> None:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if b"Ready to accept connections" in (self.root / "redis.log").read_bytes():
-                return
-            time.sleep(0.1)
-        raise RuntimeError("redis-server did not start in the coordinator namespace")
-
-    def cli(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(
-            [*self.net.exec_prefix("coord"), sys.executable, "-m", "coordinator.cli", *argv],
-            env=self.env,
-            capture_output=True,
-            text=True,
-        )
-        if check and proc.returncode != 0:
-            raise RuntimeError(f"smoltorrent {' '.join(argv)}: {proc.stderr or proc.stdout}")
-        return proc
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def timed_store(cluster: Cluster, source: Path, name: str, cut: tuple[str, float] | None) -> dict:
+def timed_store(
+    cluster: LanCluster, source: Path, name: str, cut: tuple[str, float] | None
+) -> dict:
     timer = None
     if cut:
-        timer = threading.Timer(cut[1], cluster.net.cut, args=(cut[0],))
+        timer = threading.Timer(cut[1], cluster.lan.cut, args=(cut[0],))
         timer.start()
     t = time.monotonic()
     proc = cluster.cli("store", str(source), "--name", name, "--json", check=False)
@@ -285,13 +110,13 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix="smoltorrent-pi-"))
     size = args.size_mib * MIB
     line_s = size * 8 / (args.rate_mbit * 1e6)
-    net = Network(["coord", *nodes], args.rate_mbit)
+    net = Lan(["coord", *nodes], prefix=PREFIX, rate_mbit=args.rate_mbit)
     extra_env = {}
     if args.socket_timeout is not None:
         extra_env["SMOLTORRENT_SOCKET_TIMEOUT_S"] = str(args.socket_timeout)
     if args.no_chain:
         extra_env["SMOLTORRENT_CHAIN"] = "0"
-    cluster = Cluster(net, root, nodes, extra_env)
+    cluster = LanCluster(net, root, nodes, extra_env)
     runs: list[dict] = []
     try:
         net.open()
@@ -318,8 +143,8 @@ def run(args: argparse.Namespace) -> dict:
             gather_s = time.monotonic() - t
             gather_samples = sampler.stop()
             status = json.loads(cluster.cli("status", "--json").stdout)
-            identical = gathered.returncode == 0 and sh("cmp", str(source), str(out),
-                                                         check=False).returncode == 0  # fmt: skip
+            same = subprocess.run(["cmp", "-s", str(source), str(out)], check=False)
+            identical = gathered.returncode == 0 and same.returncode == 0
             runs.append(
                 {
                     "store_s": round(store["seconds"], 2),
