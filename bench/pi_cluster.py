@@ -105,6 +105,41 @@ def timed_store(
     return {"seconds": seconds, "exit": proc.returncode, "error": proc.stderr.strip()[-400:]}
 
 
+def blobs_per_node(cluster: LanCluster) -> dict[str, int]:
+    """Blobs each node says it holds (status probes every node), by host name."""
+    rows = json.loads(cluster.cli("status", "--json").stdout)["nodes"]
+    by_address = {r["address"]: r["blobs"] or 0 for r in rows}
+    return {n: by_address.get(cluster.node_address(n), 0) for n in cluster.nodes}
+
+
+def served_counts(gather_json: str, cluster: LanCluster) -> dict[str, int]:
+    """Shards each node served in a gather, from the gather's report."""
+    try:
+        served = json.loads(gather_json)["served_by"].values()
+    except (ValueError, KeyError):
+        return {}
+    return {n: sum(a == cluster.node_address(n) for a in served) for n in cluster.nodes}
+
+
+def port_bytes(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
+) -> dict[str, dict[str, int]]:
+    return {
+        h: {"sent": after[h][0] - before[h][0], "received": after[h][1] - before[h][1]}
+        for h in after
+    }
+
+
+def git_head() -> str:
+    here = Path(__file__).resolve().parent
+    head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--", "..",
+                            ":!bench/results"], capture_output=True, text=True,
+                           check=False).stdout.strip()  # fmt: skip
+    return head + ("+uncommitted" if dirty else "")
+
+
 def run(args: argparse.Namespace) -> dict:
     nodes = [f"n{i}" for i in range(1, args.nodes + 1)]
     root = Path(tempfile.mkdtemp(prefix="smoltorrent-pi-"))
@@ -128,11 +163,16 @@ def run(args: argparse.Namespace) -> dict:
         for i in range(args.repeat):
             # A fresh name and fresh random bytes each run, so nothing is deduplicated.
             write_checkpoint(source, size)
+            load_before = os.getloadavg()
+            blobs_before = blobs_per_node(cluster)
+            ports = net.counters()
             sampler = Sampler(net)
             sampler.start()
             cut = (nodes[-1], args.cut_node_after) if args.cut_node_after is not None else None
             store = timed_store(cluster, source, f"bench/run{i}.safetensors", cut)
             store_samples = sampler.stop()
+            store_ports, ports = port_bytes(ports, net.counters()), net.counters()
+            blobs_after = blobs_per_node(cluster)
             out = root / f"gathered{i}.safetensors"
             t = time.monotonic()
             sampler = Sampler(net)
@@ -142,6 +182,7 @@ def run(args: argparse.Namespace) -> dict:
             )
             gather_s = time.monotonic() - t
             gather_samples = sampler.stop()
+            gather_ports = port_bytes(ports, net.counters())
             status = json.loads(cluster.cli("status", "--json").stdout)
             same = subprocess.run(["cmp", "-s", str(source), str(out)], check=False)
             identical = gathered.returncode == 0 and same.returncode == 0
@@ -155,7 +196,17 @@ def run(args: argparse.Namespace) -> dict:
                     "gather_x_line": round(gather_s / line_s, 3),
                     "byte_identical": identical,
                     "gather_exit": gathered.returncode,
-                    "gather_error": (gathered.stderr.strip() or gathered.stdout.strip())[-400:],
+                    "gather_error": "" if gathered.returncode == 0 else gathered.stderr[-400:],
+                    "load_before": [round(x, 2) for x in load_before],
+                    "load_after": [round(x, 2) for x in os.getloadavg()],
+                    # Balance: blobs this run put on each node (the nodes' own counts), the
+                    # shards each node served in the gather, each port's bytes either way.
+                    "blobs_added": {
+                        n: blobs_after.get(n, 0) - blobs_before.get(n, 0) for n in blobs_after
+                    },
+                    "shards_served": served_counts(gathered.stdout, cluster),
+                    "store_port_bytes": store_ports,
+                    "gather_port_bytes": gather_ports,
                     "under_replicated": len(status.get("under_replicated", [])),
                     "dead_letters": status.get("dead_letters"),
                     "store_bandwidth": store_samples,
@@ -180,6 +231,7 @@ def run(args: argparse.Namespace) -> dict:
             shutil.rmtree(root, ignore_errors=True)
     med = sorted(runs, key=lambda r: r["store_s"])[len(runs) // 2] if runs else {}
     return {
+        "code": git_head(),
         "size_mib": args.size_mib,
         "nodes": args.nodes,
         "rate_mbit": args.rate_mbit,
@@ -195,26 +247,45 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    """Per-node bandwidth over time for the first run's store and gather (needs matplotlib)."""
+    """Wall time and aggregate throughput against the original system and the line, and
+    per-port bandwidth over time for the first run's store and gather (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run0 = summary["runs"][0]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
-    for ax, key, title in ((axes[0], "store_bandwidth", "store"), (axes[1], "gather_bandwidth",
-                                                                   "gather")):  # fmt: skip
+    mib, original = summary["size_mib"], summary["original"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ours = (summary["median_store_s"], summary["median_gather_s"])
+    theirs = (original["store_s"], original["gather_s"])
+    x = [0, 1]
+    for ax, values, unit in (
+        (axes[0][0], (ours, theirs), "seconds"),
+        (axes[0][1], [[mib * MIB / 1e6 / v for v in vs] for vs in (ours, theirs)], "MB/s"),
+    ):
+        ax.bar([i - 0.2 for i in x], values[0], width=0.4, label="smoltorrent (median)")
+        if mib == original["size_mib"]:  # its figures are for that size only
+            ax.bar([i + 0.2 for i in x], values[1], width=0.4, label="original system")
+        line = summary["line_s"] if unit == "seconds" else mib * MIB / 1e6 / summary["line_s"]
+        ax.axhline(line, color="grey", linestyle="--", label="line (one copy, one port)")
+        ax.set_xticks(x, ["store", "gather"])
+        ax.set_ylabel(unit)
+        ax.set_title(f"{'wall time' if unit == 'seconds' else 'aggregate throughput'}, "
+                     f"{mib} MiB, R=2")  # fmt: skip
+        ax.legend(fontsize=7)
+    for ax, key, title in ((axes[1][0], "store_bandwidth", "store"), (axes[1][1],
+                           "gather_bandwidth", "gather")):  # fmt: skip
         samples = run0[key]
         hosts = [h for h in samples[0] if h != "t"] if samples else []
         for host in hosts:
             direction = "tx_mbit" if (host == "coord") == (title == "store") else "rx_mbit"
             ax.plot([s["t"] for s in samples], [s[host][direction] for s in samples],
                     label=f"{host} {direction[:2]}")  # fmt: skip
-        ax.set_title(f"{title} of {summary['size_mib']} MiB, {run0[title + '_s']} s")
+        ax.set_title(f"{title} of {mib} MiB, run 1: {run0[title + '_s']} s, per port")
         ax.set_xlabel("seconds")
+        ax.set_ylabel("Mbit/s")
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("Mbit/s per port")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
