@@ -1,18 +1,27 @@
-"""The repair sweep: bring every blob of a committed version back to R copies on nodes
-that are not dead, and trim copies above R (a dead node that came back).
-coordinator/state/repair_plan.py decides from Redis; this sends each step as a task."""
+"""The repair sweep: bring every blob of a committed version (and of a pending version's
+shards its store is done with) back to R copies on nodes that are not dead, and trim
+copies above R (a dead node that came back). coordinator/state/repair_plan.py decides
+from Redis; this sends each step as a task.
+
+send_repairs also runs outside the sweep, for the blobs just found bad (a gather's
+report, a scrub report): their repair is queued at once, not at the next sweep. The
+in-flight records and the task ids (repair-<digest>-<target>) keep the two from ever
+sending the same copy twice."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Collection
 
 from celery.utils.log import get_task_logger
 
 from beat.sweeps import sweep
 from coordinator import config
 from coordinator.state import repairs
-from coordinator.state.liveness import node_health
-from coordinator.state.repair_plan import TRIM, placements, plan, wanted_blobs
+from coordinator.state.liveness import node_health, probe_registered
+from coordinator.state.metadata import Metadata
+from coordinator.state.repair_plan import TRIM, Plan, placements, plan, wanted_blobs
 from smoltorrent import defaults
 from tasks.context import metadata
 from tasks.enqueue import send_repair, send_trim, transfer_time_limit
@@ -20,14 +29,21 @@ from tasks.enqueue import send_repair, send_trim, transfer_time_limit
 log = get_task_logger(__name__)
 
 
-def run_pass() -> dict[str, int]:
-    md = metadata()
+def send_repairs(md: Metadata, only: Collection[str] | None = None) -> Plan:
+    """Decide and send the repairs (and trims) of every wanted blob, or of the blobs in
+    `only` (then the nodes not heard from lately are probed first: no sweep may have)."""
     now = time.time()
     nodes = md.nodes()
-    # The health sweep keeps these fresh: this pass probes nothing itself.
-    alive = md.alive(nodes)
+    if only is None:
+        # The health sweep keeps these fresh: a pass probes nothing itself.
+        alive = md.alive(nodes)
+    else:
+        live = probe_registered(md, config.cluster_key(), trust_recent=True)
+        alive = {n: dataclasses.asdict(stat) for n, stat in live.items()}
     health = node_health(md, now, config.dead_after(), set(alive))
     blobs = wanted_blobs(md)
+    if only is not None:
+        blobs = {d: b for d, b in blobs.items() if d in only}
     decided = plan(
         blobs,
         placements(md, blobs),
@@ -36,6 +52,7 @@ def run_pass() -> dict[str, int]:
         repairs.in_flight(md, now),
         per_node=config.repairs_per_node(),
         max_in_flight=defaults.REPAIRS_MAX_IN_FLIGHT,
+        backoff=repairs.waiting_targets(md, now),
     )
     for r in decided.repairs:
         limit = transfer_time_limit(r.size)
@@ -48,6 +65,12 @@ def run_pass() -> dict[str, int]:
     for digest in decided.trims:
         if repairs.claim(md, digest, TRIM, "", 0, defaults.TRIM_TIME_LIMIT_S):
             send_trim(digest, blobs[digest].replicas)
+    return decided
+
+
+def run_pass() -> dict[str, int]:
+    md = metadata()
+    decided = send_repairs(md)
     repairs.set_unrepairable(md, decided.unrepairable)
     counts = decided.counts()
     if decided.repairs or decided.trims:

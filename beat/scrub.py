@@ -2,7 +2,9 @@
 (worker_server/scrub.py); this sweep starts a pass on each node where none runs, reads
 what each found, takes the bad copies out of the placement so the repair sweep copies
 them again, and discards a bad copy once a good one is counted on another node. Copies a
-gather found corrupt are re-hashed by their nodes here too."""
+gather found corrupt are re-hashed by their nodes here too (those the gather's own
+bad_copy task could not check). Every copy found bad has its repair queued in the same
+pass (beat/repair.py send_repairs), not at the next repair sweep."""
 
 from __future__ import annotations
 
@@ -10,13 +12,21 @@ import time
 
 from celery.utils.log import get_task_logger
 
+from beat.repair import send_repairs
 from beat.sweeps import sweep
 from coordinator import config
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import scrub_reports
-from coordinator.state.healing import UNREACHABLE, check_reported_bad, settle_quarantined
+from coordinator.state.healing import (
+    UNREACHABLE,
+    check_bad_copy,
+    check_reported_bad,
+    settle_quarantined,
+)
 from coordinator.state.liveness import DEAD, node_health
-from tasks.context import metadata
+from smoltorrent import defaults
+from tasks.app import app
+from tasks.context import REDIS_TRANSIENT, metadata
 
 log = get_task_logger(__name__)
 
@@ -30,7 +40,15 @@ def run_pass(*, start: bool = True) -> dict[str, int]:
     health = node_health(md, time.time(), config.dead_after(), set(alive))
     counted = {n for n, h in health.items() if h.state != DEAD}
     key = config.cluster_key()
-    counts = {"nodes": 0, "quarantined": 0, "released": 0, "discarded": 0, "reported_bad": 0}
+    counts = {
+        "nodes": 0,
+        "quarantined": 0,
+        "released": 0,
+        "discarded": 0,
+        "reported_bad": 0,
+        "repairs_sent": 0,
+    }
+    found: set[str] = set()
     for node_id in sorted(set(alive) & set(nodes)):
         try:
             report = NodeClient(nodes[node_id].address, cluster_key=key).scrub(start=start)
@@ -46,7 +64,12 @@ def run_pass(*, start: bool = True) -> dict[str, int]:
             continue
         counts["released"] += len(did["released"])
         counts["discarded"] += len(did["discarded"])
-    counts["reported_bad"] = len(check_reported_bad(md, nodes, key))
+        found.update(did["released"])
+    reported = check_reported_bad(md, nodes, key)
+    counts["reported_bad"] = len(reported)
+    found.update(d for d, _ in reported)
+    if found:
+        counts["repairs_sent"] = len(send_repairs(md, found).repairs)
     if counts["released"] or counts["discarded"] or counts["reported_bad"]:
         log.warning("scrub: %s", counts)
     return counts
@@ -56,3 +79,27 @@ def run_pass(*, start: bool = True) -> dict[str, int]:
 def scrub() -> dict[str, int]:
     """One round of every node's scrub reports."""
     return run_pass()
+
+
+@app.task(
+    name="smoltorrent.bad_copy",
+    autoretry_for=REDIS_TRANSIENT,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_jitter=False,
+    max_retries=config.transfer_retries(),
+)
+def bad_copy(digest: str, node_id: str) -> dict:
+    """A copy a gather just found corrupt: its node re-hashes it now, and if it is bad its
+    repair is queued now. A node that does not answer leaves the report on record for the
+    scrub sweep."""
+    md = metadata()
+    try:
+        bad = check_bad_copy(md, md.nodes(), config.cluster_key(), digest, node_id)
+    except UNREACHABLE as exc:
+        return {"checked": False, "error": str(exc)}
+    sent = len(send_repairs(md, {digest}).repairs) if bad else 0
+    if bad:
+        log.warning(
+            "bad copy of %s on %s: out of the placement, %d repair(s) sent", digest, node_id, sent
+        )
+    return {"checked": True, "bad": bad, "repairs_sent": sent}

@@ -148,6 +148,17 @@ def repair_interval() -> float:
     return _seconds_from_env("SMOLTORRENT_REPAIR_INTERVAL_S", defaults.REPAIR_INTERVAL_S)
 
 
+def repair_backoff() -> float:
+    """Seconds a repair target waits after a failed copy, doubling
+    (SMOLTORRENT_REPAIR_BACKOFF_S)."""
+    return _seconds_from_env("SMOLTORRENT_REPAIR_BACKOFF_S", defaults.REPAIR_BACKOFF_S)
+
+
+def repair_backoff_max() -> float:
+    """The longest repair backoff, in seconds: at least the first one."""
+    return max(defaults.REPAIR_BACKOFF_MAX_S, repair_backoff())
+
+
 def repairs_per_node() -> int:
     """Repair copies one node takes part in at once (SMOLTORRENT_REPAIRS_PER_NODE)."""
     value = _int_from_env(

@@ -177,6 +177,13 @@ REPAIRS_PER_NODE = 2
 # repair copies in flight in the whole cluster: each holds a worker process while its nodes
 # copy, so half of WORKER_CONCURRENCY stays free for stores, commits and gathers
 REPAIRS_MAX_IN_FLIGHT = 2
+# seconds a repair target waits after its copy of a blob failed (SMOLTORRENT_REPAIR_BACKOFF_S),
+# doubling with each failure in a row: a node that errs on every put (a full or failing card)
+# is not sent the same copy every repair sweep; two sweeps at the default interval
+REPAIR_BACKOFF_S = 60.0
+# seconds the doubling repair backoff stops at: a target that failed for hours is still
+# tried about hourly, which costs one copy attempt
+REPAIR_BACKOFF_MAX_S = 3600.0
 # seconds a trim (re-hash the copies kept, delete the surplus) may take before the sweep
 # may send it again; a trim is rare (a dead node came back) and each step is idempotent
 TRIM_TIME_LIMIT_S = 3600

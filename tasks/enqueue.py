@@ -238,6 +238,16 @@ def send_repair(digest: str, source: str, target: str, time_limit: int) -> None:
     )
 
 
+def send_bad_copy(digest: str, node_id: str) -> None:
+    """Have a copy a reader found corrupt re-hashed by its node, and repaired at once."""
+    app.send_task(
+        "smoltorrent.bad_copy",
+        kwargs={"digest": digest, "node_id": node_id},
+        task_id=f"bad-copy-{digest}-{node_id}",
+        queue=config.CONTROL_QUEUE,
+    )
+
+
 def send_trim(digest: str, replicas: int) -> None:
     """Delete the copies of a blob above `replicas`, once the ones kept are verified."""
     app.send_task(

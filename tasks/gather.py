@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from collections.abc import Callable
+
+import redis
+from kombu.exceptions import OperationalError
 
 from coordinator import config
 from coordinator.dataplane.gather_engine import BadCopy, check_destination, gather_checkpoint
@@ -20,6 +24,7 @@ from coordinator.state.reader_mark import reading
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.context import BOOT_ID, client, metadata
+from tasks.enqueue import send_bad_copy
 
 
 @app.task(name="smoltorrent.gather", bind=True)
@@ -132,10 +137,15 @@ def _gather_tensors(md: Metadata, vkey: str, out_path: str, patterns: list[str])
 
 
 def bad_copy_recorder(md: Metadata, nodes: dict[str, NodeRecord]) -> Callable[[BadCopy], None]:
-    """Every copy a gather finds corrupt goes on record, so the integrity sweep repairs it."""
+    """Every copy a gather finds corrupt goes on record, and its check and repair are
+    queued at once; the scrub sweep checks what is still on record (a send that failed)."""
     by_address = {str(n.address): node_id for node_id, n in nodes.items()}
 
     def record(bad: BadCopy) -> None:
-        md.record_bad_copy(bad.digest, by_address.get(bad.address, bad.address), bad.reason)
+        node_id = by_address.get(bad.address, bad.address)
+        md.record_bad_copy(bad.digest, node_id, bad.reason)
+        # The gather goes on if the send fails: the record is the scrub sweep's to check.
+        with contextlib.suppress(redis.RedisError, OperationalError):
+            send_bad_copy(bad.digest, node_id)
 
     return record

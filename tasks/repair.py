@@ -1,12 +1,15 @@
 """Repair tasks: one node-to-node copy of a blob, one trim of a blob's surplus copies.
 
 Both are sent by the repair sweep (beat/repair.py), which records each in flight
-first; whatever happens, the task frees that record, and a failure is only logged: the
-next pass decides again from fresh liveness, so a failed copy is retried at the sweep's
-pace, never in a loop, and never becomes a dead letter.
+first; whatever happens, the task frees that record, and a failure is only logged and
+puts its target in backoff (coordinator/state/repairs.py): the next pass decides again
+from fresh liveness, so a failed copy is retried by another target or after the
+backoff, never in a loop, and never becomes a dead letter.
 """
 
 from __future__ import annotations
+
+import time
 
 from celery.utils.log import get_task_logger
 
@@ -39,12 +42,23 @@ def repair(self, digest: str, source: str, target: str) -> str:
         nodes = md.nodes()
         if source not in nodes or target not in nodes:
             return "node removed"
-        return copy_blob(md, nodes, config.cluster_key(), digest, source, target)
+        how = copy_blob(md, nodes, config.cluster_key(), digest, source, target)
     except NODE_FAILURES as exc:
-        log.warning("repair of %s from %s to %s failed: %s", digest, source, target, exc)
+        until = repairs.failed(md, digest, target, str(exc))
+        log.warning(
+            "repair of %s from %s to %s failed: %s; that target waits %.0f s",
+            digest,
+            source,
+            target,
+            exc,
+            until - time.time(),
+        )
         return f"failed: {exc}"
     finally:
         repairs.finished(md, digest, target)
+    if how in ("stored", "exists"):
+        repairs.succeeded(md, digest, target)
+    return how
 
 
 @app.task(

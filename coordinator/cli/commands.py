@@ -514,6 +514,22 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for r in copies
             )
         )
+    if s["repairs_waiting"]:
+        table(
+            "repairs waiting out a backoff (their copy failed)",
+            ["blob", "checkpoints", "target", "failures", "until", "last error"],
+            [
+                (
+                    w["digest"][:12],
+                    ", ".join(w["names"]),
+                    w["target"][:8],
+                    w["failures"],
+                    time.strftime("%H:%M:%S", time.localtime(w["until"])),
+                    w["error"],
+                )
+                for w in s["repairs_waiting"]
+            ],
+        )
     if s["unrepairable"]:
         table(
             "cannot repair now (retried every repair sweep)",

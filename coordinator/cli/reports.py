@@ -129,6 +129,17 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
             }
             for r in sorted(repairs.in_flight(md), key=lambda r: (r.digest, r.target))
         ],
+        "repairs_waiting": [
+            {
+                "digest": b.digest,
+                "target": b.target,
+                "failures": b.failures,
+                "until": b.until,
+                "error": b.error,
+                "names": sorted(names_of.get(b.digest, ())),
+            }
+            for b in sorted(repairs.backing_off(md), key=lambda b: (b.until, b.digest))
+        ],
         "repairs_done": repairs.counts(md),
         "pending": [c for c in ckpts if c["state"] == "pending"],
         "dead_letters": md.dead_letter_depth(),

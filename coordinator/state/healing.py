@@ -141,22 +141,36 @@ def settle_quarantined(
     return {"released": released, "discarded": discarded}
 
 
+def check_bad_copy(
+    md: Metadata,
+    nodes: dict[str, NodeRecord],
+    cluster_key: bytes | None,
+    digest: str,
+    node_id: str,
+) -> bool:
+    """A copy a gather found corrupt: its node re-hashes it (quarantining a bad one), and
+    a copy that is bad or gone leaves the placement (True). The report is forgotten once
+    its node answered. UNREACHABLE if it did not (the report stays, asked again)."""
+    if node_id not in nodes:
+        md.forget_bad_copy(digest, node_id)
+        return False
+    bad = NodeClient(nodes[node_id].address, cluster_key=cluster_key).verify([digest])
+    if digest in bad:
+        md.remove_placement(digest, node_id)
+    md.forget_bad_copy(digest, node_id)
+    return digest in bad
+
+
 def check_reported_bad(
     md: Metadata, nodes: dict[str, NodeRecord], cluster_key: bytes | None
 ) -> list[tuple[str, str]]:
-    """Copies a gather found corrupt: the node re-hashes each (quarantining a bad one) and
-    a copy that is bad or gone leaves the placement. (digest, node) of those it left."""
+    """Every copy a gather found corrupt, checked (check_bad_copy). (digest, node) of those
+    that left the placement."""
     out = []
     for digest, node_id in md.reported_bad_copies():
-        if node_id not in nodes:
-            md.forget_bad_copy(digest, node_id)
-            continue
         try:
-            bad = NodeClient(nodes[node_id].address, cluster_key=cluster_key).verify([digest])
+            if check_bad_copy(md, nodes, cluster_key, digest, node_id):
+                out.append((digest, node_id))
         except UNREACHABLE:
             continue  # asked again next pass
-        if digest in bad:
-            md.remove_placement(digest, node_id)
-            out.append((digest, node_id))
-        md.forget_bad_copy(digest, node_id)
     return out

@@ -96,6 +96,9 @@ REPAIRS = PREFIX + "repairs"
 # hash digest -> JSON {copies, replicas, reason, names}: blobs below R that no repair can
 # raise now (fewer live nodes than R, no reachable copy, no space), rewritten every pass
 UNREPAIRABLE = PREFIX + "unrepairable"
+# hash "digest:target" -> JSON {failures, until, error}: repair copies that failed, waiting
+# out a doubling backoff before that target is sent that copy again
+REPAIR_BACKOFF = PREFIX + "repairs:backoff"
 # hash counter -> number: repairs done, copies trimmed (for status and the closing note)
 REPAIR_COUNTS = PREFIX + "repairs:counts"
 # hash of one step of a per-rank sharded checkpoint: world_size, state, parts (count),

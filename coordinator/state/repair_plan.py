@@ -11,7 +11,12 @@ it every few seconds; coordinator/state/healing.py carries each step out. Rules:
   receiver), at most `max_in_flight` in the whole cluster.
 - A blob that no step can raise now (fewer live nodes than R, no reachable copy, no
   space) is reported, not retried in a loop: the next pass looks again.
-- A blob with more copies on up nodes than R, and nothing in flight for it, is trimmed.
+- A blob with more copies on up nodes than R, and nothing in flight for it, is trimmed,
+  unless a pending version's store is still placing it (its R may be higher).
+- A pending version's shard counts once every transfer of it has settled (the store no
+  longer moves it): below R then, it is repaired like a committed one.
+- A target whose copy of a blob failed lately waits out its backoff (another target
+  may take the copy meanwhile); see coordinator/state/repairs.py.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from dataclasses import dataclass, field
 
 from coordinator.state import redis_keys as K
 from coordinator.state.liveness import DEAD, UP, NodeHealth
-from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.metadata import COMMITTED, PENDING, Metadata
 from coordinator.state.repairs import InFlight
+from smoltorrent.errors import NotFoundError
 
 TRIM = "trim"  # the target of an in-flight record that is a trim, not a copy
 
@@ -34,6 +40,7 @@ class Blob:
     size: int
     replicas: int  # the most copies any version using it asks for
     names: tuple[str, ...]  # checkpoints using it, for status
+    placing: bool = False  # a pending version's store is still placing it: never trimmed
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class Plan:
     trims: list[str] = field(default_factory=list)  # digests with copies to spare
     unrepairable: dict[str, dict] = field(default_factory=dict)
     throttled: int = 0  # copies needed that wait for a free slot
+    waiting: int = 0  # copies needed whose only targets wait out a backoff
 
     def counts(self) -> dict[str, int]:
         return {
@@ -58,27 +66,56 @@ class Plan:
             "trims": len(self.trims),
             "unrepairable": len(self.unrepairable),
             "throttled": self.throttled,
+            "waiting": self.waiting,
         }
 
 
+def settled_shards(md: Metadata, vkey: str) -> set[int]:
+    """Shards of a pending version its store is done with: every transfer of the shard
+    settled and a verified copy placed. The store moves them no more."""
+    plan_, (_, settled, ready) = md.plan(vkey), md.snapshot(vkey)
+    return {
+        i
+        for i, nodes in enumerate(plan_)
+        if i in ready and all(f"{i}:{r}" in settled for r in range(len(nodes)))
+    }
+
+
 def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, Blob]:
-    """Every blob of a committed version (or of `vkeys`), with its size, the most copies
-    any version using it asks for, and the names using it. Pending versions are left to
-    their own transfers, which retry and are re-driven by the reconcile sweep: a repair
-    racing them could only add a surplus copy."""
+    """Every blob of a committed version (or of `vkeys`), and of a pending version's shards
+    its store is done with (settled_shards), with its size, the most copies any version
+    using it asks for, and the names using it. The other shards of a pending version are
+    left to their own transfers, which retry, replace a lost node and are re-driven by the
+    reconcile sweep (a repair racing them could only add a surplus copy); their blobs are
+    marked `placing` so no trim races the store either."""
+    pending: list[str] = []
     if vkeys is None:
         vkeys = [vkey for vkey, _ in md.versions_in(COMMITTED)]
+        pending = [vkey for vkey, _ in md.versions_in(PENDING)]
     sizes: dict[str, int] = {}
     replicas: dict[str, int] = {}
     names: dict[str, set[str]] = defaultdict(set)
-    for vkey in vkeys:
-        manifest = md.manifest(vkey)
-        for shard in manifest.shards:
+    placing: set[str] = set()
+    chosen = [(vkey, None) for vkey in vkeys]
+    for vkey in pending:
+        try:
+            chosen.append((vkey, settled_shards(md, vkey)))
+        except NotFoundError:
+            continue  # committed, aborted or removed since the listing
+    for vkey, done in chosen:
+        try:
+            manifest = md.manifest(vkey)
+        except NotFoundError:
+            continue  # removed since the listing
+        for i, shard in enumerate(manifest.shards):
             d = shard.blob_sha256
+            if done is not None and i not in done:
+                placing.add(d)
+                continue
             sizes[d] = shard.blob_size
             replicas[d] = max(replicas.get(d, 0), manifest.replicas)
             names[d].add(manifest.name)
-    return {d: Blob(d, sizes[d], replicas[d], tuple(sorted(names[d]))) for d in sizes}
+    return {d: Blob(d, sizes[d], replicas[d], tuple(sorted(names[d])), d in placing) for d in sizes}
 
 
 def placements(md: Metadata, digests: Iterable[str]) -> dict[str, set[str]]:
@@ -100,8 +137,11 @@ def plan(
     *,
     per_node: int,
     max_in_flight: int,
+    backoff: Mapping[str, set[str]] | None = None,
 ) -> Plan:
-    """Decide one pass (pure: every input passed in)."""
+    """Decide one pass (pure: every input passed in). `backoff`: digest -> the targets
+    whose copy of it failed lately and wait out their backoff."""
+    backoff = backoff or {}
     out = Plan()
     up = {n for n, h in health.items() if h.state == UP}
     counted = {n for n, h in health.items() if h.state != DEAD}
@@ -123,7 +163,7 @@ def plan(
         copies = len(holders & counted)
         if copies < blob.replicas:
             short.append((copies, d))
-        elif len(holders & up) > blob.replicas and not arriving[d]:
+        elif len(holders & up) > blob.replicas and not arriving[d] and not blob.placing:
             out.trims.append(d)
 
     for copies, d in sorted(short):
@@ -133,7 +173,8 @@ def plan(
             continue
         sources = sorted(holders & up)
         candidates = sorted(up - holders - arriving[d])
-        room = [n for n in candidates if free.get(n, 0) >= blob.size]
+        spacious = [n for n in candidates if free.get(n, 0) >= blob.size]
+        room = [n for n in spacious if n not in backoff.get(d, ())]
         reason = None
         if not sources:
             on_dead = sorted(holders & (set(health) - counted))
@@ -146,8 +187,10 @@ def plan(
             )
         elif len(candidates) < wanted:
             reason = f"{len(up)} live node(s) for {blob.replicas} copies: add or bring back a node"
-        elif len(room) < wanted:
+        elif len(spacious) < wanted:
             reason = f"no live node without a copy has {blob.size} bytes free"
+        elif len(room) < wanted:
+            out.waiting += wanted - len(room)  # targets backing off: not unrepairable
         if reason is not None:
             out.unrepairable[d] = {
                 "copies": copies,

@@ -1,5 +1,11 @@
 """Repair records in Redis: copies in flight (the throttle), blobs no repair can raise
-now (shown by `status`), and the one step that makes a repaired copy count.
+now (shown by `status`), targets backing off after a failed copy, and the one step that
+makes a repaired copy count.
+
+A copy that fails (the target errs, times out, or its task dies) puts its (blob, target)
+in backoff: REPAIR_BACKOFF_S after the first failure, doubling with each further one up
+to REPAIR_BACKOFF_MAX_S, so a target that keeps failing is not sent the same copy every
+sweep; another target may take it meanwhile. A copy that succeeds clears it.
 
 A repaired copy joins the placement only after its target verified it, and only while
 some version still uses the blob and no remove is deleting it (one script, so a remove
@@ -12,6 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from coordinator import config
 from coordinator.state import redis_keys as K
 from coordinator.state.metadata import Metadata
 
@@ -80,6 +87,62 @@ def in_flight(md: Metadata, now: float | None = None) -> list[InFlight]:
         )
     if stale:
         md.r.hdel(K.REPAIRS, *stale)
+        for key in stale:
+            digest, _, target = key.partition(":")
+            if target != "trim":
+                failed(md, digest, target, "its task ended without finishing", now)
+    return out
+
+
+@dataclass(frozen=True)
+class Backoff:
+    digest: str
+    target: str
+    failures: int  # failed copies in a row
+    until: float  # unix time before which the copy is not sent to this target again
+    error: str  # the last failure
+
+
+def failed(md: Metadata, digest: str, target: str, error: str, now: float | None = None) -> float:
+    """A copy of digest to target failed: back off (doubling); the time it may run again."""
+    now = time.time() if now is None else now
+    raw = md.r.hget(K.REPAIR_BACKOFF, _field(digest, target))
+    failures = (json.loads(raw)["failures"] if raw else 0) + 1
+    delay = min(config.repair_backoff() * 2 ** (failures - 1), config.repair_backoff_max())
+    record = {"failures": failures, "until": now + delay, "error": error[:500]}
+    md.r.hset(K.REPAIR_BACKOFF, _field(digest, target), json.dumps(record))
+    return now + delay
+
+
+def succeeded(md: Metadata, digest: str, target: str) -> None:
+    """A copy of digest to target is placed: no backoff left for it."""
+    md.r.hdel(K.REPAIR_BACKOFF, _field(digest, target))
+
+
+def backing_off(md: Metadata, now: float | None = None) -> list[Backoff]:
+    """Copies waiting out a backoff now. Records older than the longest backoff (the blob
+    was repaired elsewhere, or removed) are dropped: a failure that old starts over."""
+    now = time.time() if now is None else now
+    out, old = [], []
+    for key, raw in md.r.hgetall(K.REPAIR_BACKOFF).items():
+        digest, _, target = key.partition(":")
+        record = json.loads(raw)
+        if record["until"] + config.repair_backoff_max() < now:
+            old.append(key)
+        elif record["until"] > now:
+            out.append(
+                Backoff(digest, target, record["failures"], record["until"], record["error"])
+            )
+    if old:
+        md.r.hdel(K.REPAIR_BACKOFF, *old)
+    return out
+
+
+def waiting_targets(md: Metadata, now: float | None = None) -> dict[str, set[str]]:
+    """Digest -> targets backing off, as repair_plan.plan takes it."""
+    out: dict[str, set[str]] = {}
+    for b in backing_off(md, now):
+        out.setdefault(b.digest, set()).add(b.target)
     return out
 
 

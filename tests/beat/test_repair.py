@@ -3,8 +3,16 @@ a real worker, real node processes killed with SIGKILL and started again."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import time
 from collections import Counter
 
+import pytest
+
+from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
 from coordinator.state.metadata import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
@@ -121,3 +129,105 @@ def test_fewer_live_nodes_than_r_is_shown_as_unrepairable_not_retried(make_clust
 
     gone.start()
     wait_until(lambda: not listed(), timeout=60, what="the list cleared once the node is back")
+
+
+def pending_with_shard_0_placed(c, src):
+    """A long store as it stands mid-way: every blob on its nodes, but only shard 0's
+    transfers settled; shard 1's are still (as far as Redis knows) on their way."""
+    md = c.md
+    result = store_checkpoint(src, [n.address for n in c.node_procs], shards=2)
+    manifest = result.manifest
+    targets = [tuple(result.holders[i]) for i in range(len(manifest.shards))]
+    identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes()}).identity
+    vkey = manifest.storage_key()
+    fields = {"path": str(src), "host": c.host_id, "identity": json.dumps(identity.to_dict())}
+    assert md.create_pending(manifest, vkey, fields, targets) == "created"
+    for r, node in enumerate(targets[0]):
+        assert md.settle(vkey, 0, r, node, manifest.shards[0].blob_sha256) is False
+    return vkey, manifest, targets
+
+
+def test_a_pending_versions_settled_shard_is_repaired_when_its_node_dies(
+    make_cluster, beat, tmp_path
+):
+    """Shard 0 of a store still running is placed and settled (its transfers are done)
+    when a node holding it dies: the store moves that shard no more, so the repair sweep
+    brings it back to R while the version is still pending. Shard 1, still the store's,
+    is left to its transfers."""
+    # No reconcile pass while the test runs: it would re-drive shard 1 and commit.
+    c = make_cluster(4, **FAST, SMOLTORRENT_RECONCILE_INTERVAL_S="3600")
+    src = make_ckpt(tmp_path / "long.safetensors", size=6_000_000)
+    vkey, manifest, targets = pending_with_shard_0_placed(c, src)
+    placed = manifest.shards[0].blob_sha256
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    lost = by_id[targets[0][0]]
+    beat(c)
+    lost.kill()
+    survivors = [n for n in c.node_procs if n is not lost]
+    wait_until(
+        lambda: at_r_on(c, [placed], survivors), timeout=90, what="shard 0 at R on survivors"
+    )
+    assert c.md.state(vkey) == "pending"
+    assert copies_on_disk(survivors)[placed] == 2
+    # Shard 1 is the store's: no repair touched it (it has no placement yet at all).
+    assert c.md.placement(manifest.shards[1].blob_sha256) == set()
+
+
+@pytest.fixture
+def tiny_tmp():
+    """tiny_tmp(node): a 4 KiB tmpfs over the node's tmp dir, where every blob it receives
+    is written first: the node answers pings and says it has room, and every put fails."""
+    mounted = []
+
+    def mount(node) -> None:
+        target = node.data_dir / "tmp"
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(target)], check=True)
+        mounted.append(target)
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_a_target_that_keeps_failing_backs_off_and_status_says_until_when(
+    make_cluster, beat, tiny_tmp, tmp_path
+):
+    """A dead node's shards must go to the one other node left, whose puts all fail: each
+    copy fails once, then waits out its backoff (shown by status), instead of being sent
+    again by every repair sweep."""
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    c = make_cluster(3, **FAST, SMOLTORRENT_REPAIR_BACKOFF_S="3600")
+    src = make_ckpt(tmp_path / "fail.safetensors", size=6_000_000)
+    digests = stored(c, src, "fail.safetensors")
+    dying, failing, holder = c.node_procs
+    failing_id = failing.client().ping()
+    # Blobs on the dying node and the holder can only be repaired onto the failing node.
+    ids = {n: n.client().ping() for n in c.node_procs}
+    stuck = {d for d in digests if c.md.placement(d) == {ids[dying], ids[holder]}}
+    if not stuck:
+        pytest.skip("placement put no blob on exactly the dying node and the holder")
+    tiny_tmp(failing)
+    beat(c)
+    dying.kill()
+
+    def waiting() -> list[dict]:
+        return [w for w in c.cli_json("status")["repairs_waiting"] if w["digest"] in stuck]
+
+    rows = wait_until(lambda: len(waiting()) == len(stuck) and waiting(), timeout=90)
+    assert {(w["digest"], w["target"]) for w in rows} == {(d, failing_id) for d in stuck}
+    assert all(w["failures"] == 1 and w["until"] > time.time() + 1800 for w in rows)
+    assert "last error" in c.cli("status").stdout
+
+    # Several repair sweeps later, not one of those copies was sent again.
+    runs = c.md.r.llen("smoltorrent:sweep:repair:runs")
+    wait_until(
+        lambda: c.md.r.llen("smoltorrent:sweep:repair:runs") >= min(runs + 5, 100),
+        timeout=120,
+        what="five more repair sweeps",
+    )
+    log = c.worker_log()
+    for d in stuck:
+        assert log.count(f"repair of {d} from") == 1, f"{d} was sent again before its backoff"
+    assert all(w["failures"] == 1 for w in waiting())
+    assert {d for d in stuck if len(c.md.placement(d) - {ids[dying]}) < 2} == stuck

@@ -71,21 +71,18 @@ def test_a_flipped_byte_on_a_two_node_cluster_is_repaired_onto_the_same_node(
     assert sha(out) == sha(src)
 
 
-def test_a_copy_a_gather_found_corrupt_is_rehashed_and_repaired(make_cluster, beat, tmp_path):
-    """A bad copy the scrub has not reached yet, met by a gather first: the gather records
-    it, the sweep has its node re-hash it, and the repair brings the copy back."""
+def test_a_reported_bad_copy_left_on_record_is_rehashed_and_repaired(make_cluster, beat, tmp_path):
+    """A bad copy the scrub has not reached yet, reported by a reader whose at-once check
+    never ran (its send failed): the record stays, the scrub sweep has its node re-hash
+    it, and the repair brings the copy back."""
     slow = {**FAST, "SMOLTORRENT_SCRUB_RATE_BPS": "1"}  # the node's own pass is no help here
     c = make_cluster(3, **slow)
     src = make_ckpt(tmp_path / "read.safetensors")
     digests = stored(c, src, "read.safetensors")
-    # The gather reads shard 0 from its first holder in id order first: damage that copy.
     by_id = {n.client().ping(): n for n in c.node_procs}
-    first = by_id[min(c.md.placement(digests[0]))]
-    flip_byte(first, digests[0], 99)
-    out = tmp_path / "out.safetensors"
-    c.cli("gather", "read.safetensors", "-o", str(out))  # falls back to the other copies
-    assert sha(out) == sha(src)
-    assert c.md.reported_bad_copies()
+    bad_on = min(c.md.placement(digests[0]))
+    flip_byte(by_id[bad_on], digests[0], 99)
+    c.md.record_bad_copy(digests[0], bad_on, "sha256 mismatch")
     beat(c)
     wait_until(
         lambda: (
@@ -96,3 +93,50 @@ def test_a_copy_a_gather_found_corrupt_is_rehashed_and_repaired(make_cluster, be
         timeout=120,
         what="every blob back at 2 verified copies",
     )
+
+
+def test_a_copy_a_gather_found_corrupt_is_repaired_at_once_with_no_sweep(make_cluster, tmp_path):
+    """No beat at all: the gather that met the bad copy queues its check and its repair
+    itself, so the blob is back at 2 verified copies without waiting for any sweep."""
+    c = make_cluster(3)
+    src = make_ckpt(tmp_path / "now.safetensors")
+    digests = stored(c, src, "now.safetensors")
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    bad_on = min(c.md.placement(digests[0]))
+    flip_byte(by_id[bad_on], digests[0], 99)
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "now.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+    wait_until(
+        lambda: (
+            len(c.md.placement(digests[0])) == 2
+            and sum(whole(n, digests[0]) for n in c.node_procs) == 2
+            and not c.md.reported_bad_copies()
+        ),
+        timeout=60,
+        what="the bad copy repaired with no sweep running",
+    )
+    for name in ("scrub", "repair"):
+        assert not c.md.r.exists(f"smoltorrent:sweep:{name}:runs")
+    assert c.md.r.hget("smoltorrent:repairs:counts", "repaired") == "1"
+
+
+def test_a_bad_copy_a_scrub_reports_is_repaired_in_the_same_sweep(make_cluster, beat, tmp_path):
+    """The repair sweep is an hour away: the scrub sweep that reads the node's report of
+    a bad copy queues its repair itself."""
+    c = make_cluster(3, **{**FAST, "SMOLTORRENT_REPAIR_INTERVAL_S": "3600"})
+    src = make_ckpt(tmp_path / "rep.safetensors")
+    digests = stored(c, src, "rep.safetensors")
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    victim = by_id[min(c.md.placement(digests[0]))]
+    flip_byte(victim, digests[0], 4321)
+    beat(c)
+    wait_until(
+        lambda: (
+            len(c.md.placement(digests[0])) == 2
+            and sum(whole(n, digests[0]) for n in c.node_procs) == 2
+        ),
+        timeout=60,
+        what="2 verified copies with no repair sweep",
+    )
+    assert not c.md.r.exists("smoltorrent:sweep:repair:runs")

@@ -79,5 +79,7 @@ def test_bad_bytes_under_a_selected_tensor_fall_back_to_the_replica(make_cluster
     blob.write_bytes(bytes(data))
     out = run_api(c, LOAD.format(patterns=[name], framework="torch"))
     assert out["names"] == [name] and out["same_bits"]
-    # The corrupt copy went on record for repair.
-    assert md.r.hexists(K.BAD_COPIES, f"{shard.blob_sha256}:{first}")
+    # The corrupt copy went on record for repair (gone from it once its at-once check ran).
+    assert md.r.hexists(K.BAD_COPIES, f"{shard.blob_sha256}:{first}") or (
+        f"bad-copy-{shard.blob_sha256}-{first}" in c.worker_log()
+    )

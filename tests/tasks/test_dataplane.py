@@ -64,7 +64,10 @@ def test_oversized_copies_gather_identical_and_are_recorded(make_cluster, tmp_pa
     report = json.loads(proc.stdout)
     assert len(report["bad_copies"]) == len(manifest.shards)
     recorded = redis.Redis.from_url(c.redis_url, decode_responses=True).hgetall(K.BAD_COPIES)
-    assert set(recorded) == spoiled
+    # Each on record, or already taken by its at-once check (the record goes once checked).
+    log = c.worker_log()
+    assert set(recorded) <= spoiled
+    assert all(s in recorded or f"bad-copy-{s.replace(':', '-')}" in log for s in spoiled)
 
 
 FLIP_AT = 64 * 1024  # bytes into a connection: inside every blob body, past any small request

@@ -17,7 +17,7 @@ def blob(d: str, replicas: int = 2) -> Blob:
     return Blob(d, 1000, replicas, ("ckpt",))
 
 
-def decide(blobs, placement, nodes, busy=(), per_node=2, max_in_flight=10, free=None):
+def decide(blobs, placement, nodes, busy=(), per_node=2, max_in_flight=10, free=None, backoff=None):
     free = free or {n: GB for n in nodes}
     return plan(
         {b.digest: b for b in blobs},
@@ -27,6 +27,7 @@ def decide(blobs, placement, nodes, busy=(), per_node=2, max_in_flight=10, free=
         list(busy),
         per_node=per_node,
         max_in_flight=max_in_flight,
+        backoff=backoff,
     )
 
 
@@ -88,3 +89,18 @@ def test_surplus_on_up_nodes_is_trimmed_unless_a_step_is_in_flight():
     assert decide([blob("x")], {"x": {"a", "b", "c"}}, nodes).trims == ["x"]
     busy = [InFlight("x", TRIM, "", 0, 0.0, 1e18)]
     assert decide([blob("x")], {"x": {"a", "b", "c"}}, nodes, busy=busy).trims == []
+
+
+def test_a_target_backing_off_is_skipped_for_another_or_waits_not_unrepairable():
+    nodes = health(a=UP, b=DEAD, c=UP, d=UP)
+    p = decide([blob("x")], {"x": {"a", "b"}}, nodes, backoff={"x": {"d"}})
+    assert [(r.source, r.target) for r in p.repairs] == [("a", "c")]
+    p = decide([blob("x")], {"x": {"a", "b"}}, nodes, backoff={"x": {"c", "d"}})
+    assert p.repairs == [] and p.unrepairable == {} and p.waiting == 1
+
+
+def test_a_blob_a_pending_store_is_placing_is_never_trimmed():
+    nodes = health(a=UP, b=UP, c=UP)
+    placing = Blob("x", 1000, 2, ("ckpt",), placing=True)
+    assert decide([placing], {"x": {"a", "b", "c"}}, nodes).trims == []
+    assert decide([blob("x")], {"x": {"a", "b", "c"}}, nodes).trims == ["x"]
