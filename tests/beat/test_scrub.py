@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import time
 
+from coordinator.plan.read_order import read_order
 from tests.beat.test_repair import stored
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
@@ -29,6 +30,16 @@ def flip_byte(node, digest: str, at: int) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0x01
     path.write_bytes(data)
+
+
+def first_read(c, name: str, index: int = 0):
+    """The node a gather of `name` reads shard `index` from first (plan/read_order, as
+    the gather task asks it)."""
+    manifest = c.md.manifest(c.md.current(name))
+    holders = [c.md.placement(s.blob_sha256) for s in manifest.shards]
+    sizes = [s.blob_size for s in manifest.shards]
+    node_id = read_order(holders, sizes, c.md.alive(c.md.nodes()))[index][0]
+    return node_id, next(n for n in c.node_procs if n.client().ping() == node_id)
 
 
 def whole(node, digest: str) -> bool:
@@ -101,12 +112,12 @@ def test_a_copy_a_gather_found_corrupt_is_repaired_at_once_with_no_sweep(make_cl
     c = make_cluster(3)
     src = make_ckpt(tmp_path / "now.safetensors")
     digests = stored(c, src, "now.safetensors")
-    by_id = {n.client().ping(): n for n in c.node_procs}
-    bad_on = min(c.md.placement(digests[0]))
-    flip_byte(by_id[bad_on], digests[0], 99)
+    _, bad_node = first_read(c, "now.safetensors")
+    flip_byte(bad_node, digests[0], 99)
     out = tmp_path / "out.safetensors"
-    c.cli("gather", "now.safetensors", "-o", str(out))
+    report = c.cli_json("gather", "now.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
+    assert [b["shard"] for b in report["bad_copies"]] == [0]  # the gather met it
     wait_until(
         lambda: (
             len(c.md.placement(digests[0])) == 2

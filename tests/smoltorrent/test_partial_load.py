@@ -3,6 +3,7 @@ bytes leave the nodes, verified per tensor, a bad copy falls back to its replica
 
 from __future__ import annotations
 
+from coordinator.plan.read_order import read_order
 from coordinator.plan.selection import select
 from coordinator.state import redis_keys as K
 from tests.nodeproc import bytes_sent
@@ -67,9 +68,10 @@ def test_bad_bytes_under_a_selected_tensor_fall_back_to_the_replica(make_cluster
     name = "model.layers.4.mlp.up_proj.weight"
     manifest = md.manifest(md.current("api/partial.safetensors"))
     index, shard = next((i, s) for i, s in enumerate(manifest.shards) if name in s.tensors)
-    # The replica the gather tries first: holders sorted, rotated by the shard index.
-    holders = sorted(md.placement(shard.blob_sha256))
-    first = holders[index % len(holders)]
+    # The replica the gather tries first (plan/read_order, as the gather task asks it).
+    holders = [md.placement(s.blob_sha256) for s in manifest.shards]
+    sizes = [s.blob_size for s in manifest.shards]
+    first = read_order(holders, sizes, md.alive(md.nodes()))[index][0]
     node = next(n for n in c.node_procs if n.client().ping() == first)
     blob = node.data_dir / "blobs" / shard.blob_sha256[:2] / shard.blob_sha256
     data = bytearray(blob.read_bytes())

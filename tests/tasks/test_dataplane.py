@@ -13,6 +13,7 @@ from pathlib import Path
 import redis
 
 from coordinator.local.synthetic import write_checkpoint
+from coordinator.plan.read_order import read_order
 from coordinator.state import redis_keys as K
 from coordinator.state.metadata import COMMITTED
 from tests.tcpproxy import start_proxy
@@ -32,11 +33,13 @@ def sha(path: Path) -> str:
 
 
 def first_tried(c, index: int, digest: str):
-    """The node the gather task tries first for shard `index` (its order: sorted holders,
-    rotated by the shard index, live ones first; all are live here)."""
-    holders = sorted(c.md.placement(digest))
-    k = index % len(holders)
-    node_id = (holders[k:] + holders[:k])[0]
+    """The node the gather task tries first for shard `index` (plan/read_order, as the
+    gather task asks it; `digest` is that shard's blob)."""
+    manifest = c.md.manifest(c.md.current(c.md.names()[0]))
+    assert manifest.shards[index].blob_sha256 == digest
+    holders = [c.md.placement(s.blob_sha256) for s in manifest.shards]
+    sizes = [s.blob_size for s in manifest.shards]
+    node_id = read_order(holders, sizes, c.md.alive(c.md.nodes()))[index][0]
     address = str(c.md.nodes()[node_id].address)
     return node_id, next(n for n in c.node_procs if str(n.address) == address)
 
