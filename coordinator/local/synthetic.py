@@ -65,6 +65,35 @@ def write_checkpoint(path: str | os.PathLike, target_bytes: int, hidden: int = 1
     return 8 + len(raw) + offset
 
 
+def write_sparse_checkpoint(path: str | os.PathLike, tensor_bytes: int) -> int:
+    """Write a checkpoint of one U8 tensor of tensor_bytes (plus a 16-byte one after it),
+    cheaply: the file is sparse (reads as zeros) except 1 MiB of random bytes at its start,
+    around each 2^31 and 2^32 boundary of the file and at its end, so bytes moved to the
+    wrong offset show. Returns its size. For shards past 4 GiB in little time and disk."""
+    header = {
+        "big": {"dtype": "U8", "shape": [tensor_bytes], "data_offsets": [0, tensor_bytes]},
+        "small": {
+            "dtype": "U8",
+            "shape": [16],
+            "data_offsets": [tensor_bytes, tensor_bytes + 16],
+        },
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    size = 8 + len(raw) + tensor_bytes + 16
+    marked = 1 << 20
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(size)
+        spots = [8 + len(raw), size - marked]
+        spots += [b - marked // 2 for b in (1 << 31, 1 << 32) if b + marked // 2 < size - marked]
+        for at in spots:
+            f.seek(max(at, 8 + len(raw)))
+            f.write(os.urandom(marked))
+    return size
+
+
 def synthetic_manifest(name: str, index: int, shards: int = 2, replicas: int = 2) -> Manifest:
     """A valid manifest with made-up blob digests and no file behind it, for recording many
     versions straight into the metadata (listing tests and benchmarks). Version `index` of
