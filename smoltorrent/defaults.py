@@ -10,6 +10,10 @@ PROTOCOL_VERSION = 3  # bumped on any incompatible frame or operation change (3:
 DEFAULT_PORT = 7411  # TCP; unassigned by IANA, easy to remember
 MAX_HEADER_BYTES = 64 * 1024  # bytes; JSON headers carry names and digests, never data
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024  # bytes; inventories and manifests, bounded per request
+# entries per page of a node's blob inventory or manifest list: a blob entry is at most 84
+# bytes of JSON, a manifest key 131, so a full page stays under MAX_JSON_BODY_BYTES however
+# many blobs a node holds (the client asks for pages until the node says there are no more)
+LIST_PAGE_ENTRIES = 100_000
 MAX_BLOB_BYTES = 1 << 50  # bytes (1 PiB); a sanity cap far above any shard, below 2^63 lies
 IO_CHUNK_BYTES = 1024 * 1024  # bytes; one fixed buffer per stream keeps memory flat
 SOCKET_TIMEOUT_S = 30.0  # seconds without progress before a peer counts as stalled

@@ -168,6 +168,26 @@ class BlobStore:
                     sizes[entry.name] = entry.stat().st_size
         return sizes
 
+    def inventory_page(self, after: str | None, limit: int) -> tuple[dict[str, int], bool]:
+        """At most `limit` complete blobs whose digests sort after `after` (from the first if
+        None), in digest order: digest -> size; and whether more follow. A page reads only
+        the buckets from `after`'s on, so listing a node in pages reads each bucket about once."""
+        sizes: dict[str, int] = {}
+        buckets = sorted(b.name for b in self.blobs_dir.iterdir() if b.is_dir())
+        for name in buckets:
+            if after is not None and name < after[:2]:
+                continue
+            held = sorted(
+                (entry.name, entry)
+                for entry in os.scandir(self.blobs_dir / name)
+                if (after is None or entry.name > after) and self._is_blob_entry(entry, name)
+            )
+            for digest, entry in held:
+                if len(sizes) == limit:
+                    return sizes, True
+                sizes[digest] = entry.stat().st_size
+        return sizes, False
+
     @staticmethod
     def _is_blob_entry(entry: os.DirEntry[str], bucket_name: str) -> bool:
         name = entry.name

@@ -78,7 +78,8 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "ping": (BODY_NONE, frozenset()),
     "stat": (BODY_NONE, frozenset()),
     "has": (BODY_JSON, frozenset()),
-    "list": (BODY_NONE, frozenset()),
+    # One page: the entries after `after` (in order), at most `limit` of them.
+    "list": (BODY_NONE, frozenset({"after", "limit"})),
     "put": (BODY_BLOB, frozenset({"digest", "size"})),
     # A put that the node also passes on, while it arrives, to the `forward` nodes in turn.
     "chain_put": (BODY_BLOB, frozenset({"digest", "size", "forward"})),
@@ -87,7 +88,7 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "delete": (BODY_NONE, frozenset({"digest"})),
     "replicate": (BODY_NONE, frozenset({"digest", "peer"})),
     "manifest_put": (BODY_JSON, frozenset({"key"})),
-    "manifest_list": (BODY_NONE, frozenset()),
+    "manifest_list": (BODY_NONE, frozenset({"after", "limit"})),
     "manifest_get": (BODY_NONE, frozenset({"key"})),
     "manifest_delete": (BODY_NONE, frozenset({"key"})),
     "auth": (BODY_NONE, frozenset({"mac", "nonce"})),
@@ -208,6 +209,17 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
         request["size"] = validate_length(header.get("size"), "size")
     if op == "chain_put":
         request["forward"] = validate_forward(header.get("forward"))
+    if op in ("list", "manifest_list"):
+        after = header.get("after")
+        if after is not None:
+            after = validate_digest(after) if op == "list" else validate_key(after)
+        request["after"] = after
+        limit = header.get("limit", defaults.LIST_PAGE_ENTRIES)
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise ProtocolError(f"limit must be an integer, got {_shown(limit)}")
+        if not 1 <= limit <= defaults.LIST_PAGE_ENTRIES:
+            raise ProtocolError(f"limit {limit} is outside 1..{defaults.LIST_PAGE_ENTRIES}")
+        request["limit"] = limit
     if op == "get":
         request["offset"] = validate_length(header.get("offset", 0), "offset")
         length = header.get("length")

@@ -8,6 +8,7 @@ Nothing a peer sends can make this allocate more than one fixed buffer.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -198,14 +199,14 @@ class Session:
         self._unread_body = 0
         return body
 
-    def _reply_json(self, value: Any) -> None:
+    def _reply_json(self, value: Any, **header: Any) -> None:
         body = protocol.encode_json(value)
         if len(body) > defaults.MAX_JSON_BODY_BYTES:
             raise FrameTooLargeError(
                 f"the answer is {len(body)} bytes, over the {defaults.MAX_JSON_BODY_BYTES}"
                 " byte JSON body limit: ask about fewer items at a time"
             )
-        wire.send_frame(self.sock, {"ok": True}, body)
+        wire.send_frame(self.sock, {"ok": True, **header}, body)
 
     def op_ping(self, request: dict[str, Any]) -> None:
         wire.send_frame(self.sock, {"ok": True, "node_id": self.store.node_id})
@@ -221,7 +222,8 @@ class Session:
         self._reply_json(self.store.present(digests))
 
     def op_list(self, request: dict[str, Any]) -> None:
-        self._reply_json(self.store.inventory())
+        page, more = self.store.inventory_page(request["after"], request["limit"])
+        self._reply_json(page, more=more)
 
     def _ticker(self) -> Callable[[int], None]:
         """Progress frames often enough that a peer waiting one socket timeout never gives up
@@ -462,7 +464,10 @@ class Session:
         wire.send_frame(self.sock, {"ok": True})
 
     def op_manifest_list(self, request: dict[str, Any]) -> None:
-        self._reply_json(self.store.list_manifests())
+        keys = self.store.list_manifests()
+        start = 0 if request["after"] is None else bisect.bisect_right(keys, request["after"])
+        page = keys[start : start + request["limit"]]
+        self._reply_json(page, more=start + len(page) < len(keys))
 
     def op_manifest_get(self, request: dict[str, Any]) -> None:
         wire.send_frame(self.sock, {"ok": True}, self.store.get_manifest(request["key"]))

@@ -155,15 +155,38 @@ class NodeClient:
                 present.update(protocol.validate_digest_list(self._recv_json_answer(sock)))
         return present & set(digests)
 
-    def list_blobs(self) -> dict[str, int]:
-        """Inventory: digest -> size in bytes."""
-        inventory = self._call_json({"op": "list"})
-        if not isinstance(inventory, dict):
-            raise ProtocolError(f"node {self.address} sent an inventory that is not an object")
-        return {
-            protocol.validate_digest(digest): protocol.validate_length(size, "size")
-            for digest, size in inventory.items()
-        }
+    def list_blobs(self, page_entries: int = defaults.LIST_PAGE_ENTRIES) -> dict[str, int]:
+        """Inventory: digest -> size in bytes, read in pages of page_entries (one answer
+        is bounded by MAX_JSON_BODY_BYTES; a node may hold far more blobs than fit one)."""
+        inventory: dict[str, int] = {}
+        for page in self._pages("list", page_entries):
+            if not isinstance(page, dict):
+                raise ProtocolError(f"node {self.address} sent an inventory that is not an object")
+            inventory.update(
+                (protocol.validate_digest(digest), protocol.validate_length(size, "size"))
+                for digest, size in page.items()
+            )
+        return inventory
+
+    def _pages(self, op: str, page_entries: int) -> Iterator[Any]:
+        """Every page of a listing op, over one connection: each asks for the entries after
+        the last one the previous page held, until the node says no more follow."""
+        after = None
+        with self._connection() as sock:
+            while True:
+                header = {"op": op, "limit": page_entries}
+                if after is not None:
+                    header["after"] = after
+                wire.send_frame(sock, header)
+                response, body_len = wire.recv_response(sock, str(self.address))
+                page = wire.recv_json_body(sock, body_len, what=f"answer from node {self.address}")
+                yield page
+                if response.get("more") is not True or not page:
+                    return
+                last = max(page)
+                if after is not None and last <= after:
+                    raise ProtocolError(f"node {self.address} sent a page that does not advance")
+                after = last
 
     def put_blob(
         self,
@@ -362,11 +385,14 @@ class NodeClient:
     def put_manifest(self, key: str, data: bytes) -> None:
         self._call({"op": "manifest_put", "key": key}, data)
 
-    def list_manifests(self) -> list[str]:
-        keys = self._call_json({"op": "manifest_list"})
-        if not isinstance(keys, list):
-            raise ProtocolError(f"node {self.address} sent a manifest list that is not a list")
-        return [protocol.validate_key(key) for key in keys]
+    def list_manifests(self, page_entries: int = defaults.LIST_PAGE_ENTRIES) -> list[str]:
+        """Every manifest key the node holds, read in pages (see list_blobs)."""
+        keys: list[str] = []
+        for page in self._pages("manifest_list", page_entries):
+            if not isinstance(page, list):
+                raise ProtocolError(f"node {self.address} sent a manifest list that is not a list")
+            keys.extend(protocol.validate_key(key) for key in page)
+        return keys
 
     def delete_manifest(self, key: str) -> bool:
         response, _ = self._call({"op": "manifest_delete", "key": key})
