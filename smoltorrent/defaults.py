@@ -234,6 +234,10 @@ UP_WORKER_GRACE_S = 60.0
 UP_WORKER_START_S = 60.0  # seconds for the worker's first heartbeat; Celery's start is slow
 UP_WORKER_METRICS = 9410  # TCP; the worker's /metrics with `up --metrics` (deploy/ uses it)
 UP_NODE_METRICS = 9411  # TCP; node i's /metrics is this + i with `up --metrics`
+# seconds between a local Prometheus' scrapes (coordinator/local/prometheus.py: the metrics
+# test and bench/dashboard.py): a store on loopback lasts about a second, so every one shows
+LOCAL_PROMETHEUS_SCRAPE_S = 1
+LOCAL_PROMETHEUS_START_S = 60.0  # seconds for a local Prometheus to answer /-/ready
 
 # --- discovery (coordinator/discovery.py) --------------------------------------
 

@@ -3,99 +3,29 @@ store and a gather every PromQL expression of the Grafana dashboard returns data
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
-import socket
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from coordinator.local.prometheus import LocalPrometheus, dashboard_panels, prometheus_binary
 from coordinator.local.synthetic import write_checkpoint
 from tests.tasks.conftest import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "deploy" / "grafana" / "smoltorrent.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read()
-
 
 def dashboard_expressions() -> list[str]:
-    def walk(panels):
-        for panel in panels:
-            yield from (t["expr"] for t in panel.get("targets", []))
-            yield from walk(panel.get("panels", []))
-
-    return list(walk(json.loads(DASHBOARD.read_text())["panels"]))
+    return [t["expr"] for panel in dashboard_panels() for t in panel["targets"]]
 
 
-class Prometheus:
-    def __init__(self, root: Path, targets: dict[str, list[str]]) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            pytest.skip(
-                "Prometheus is not installed (Debian: apt-get install prometheus; .ci/run "
-                "installs it where it can)"
-            )
-        root.mkdir()
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": hosts}]}
-                for job, hosts in targets.items()
-            ],
-        }
-        # JSON is YAML: no YAML library needed to write the config.
-        (root / "prometheus.yml").write_text(json.dumps(config))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root / "prometheus.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={root / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={root / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def ready(self) -> bool:
-        assert self.proc.poll() is None, self.log.read_text()
-        try:
-            return get(self.url + "/-/ready").startswith(b"Prometheus")
-        except OSError:
-            return False
-
-    def targets_up(self) -> list[str]:
-        data = json.loads(get(self.url + "/api/v1/targets"))["data"]["activeTargets"]
-        return [t["scrapeUrl"] for t in data if t["health"] == "up"]
-
-    def query(self, expr: str) -> list:
-        url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        body = json.loads(get(url))
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+def start_prometheus(root: Path, targets: dict[str, list[str]]) -> LocalPrometheus:
+    if prometheus_binary() is None:
+        pytest.skip(
+            "Prometheus is not installed (Debian: apt-get install prometheus; .ci/run "
+            "installs it where it can)"
+        )
+    return LocalPrometheus(root, targets)
 
 
 def worker_metrics_port(cluster) -> int:
@@ -115,7 +45,7 @@ def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
         f"127.0.0.1:{(n.data_dir / 'metrics_port').read_text().strip()}" for n in c.node_procs
     ]
     worker_target = f"127.0.0.1:{worker_metrics_port(c)}"
-    prom = Prometheus(
+    prom = start_prometheus(
         tmp_path / "prometheus",
         {"smoltorrent-nodes": node_targets, "smoltorrent-worker": [worker_target]},
     )
