@@ -12,7 +12,12 @@ import logging
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import repairs
 from coordinator.state.metadata import Metadata, NodeRecord
-from smoltorrent.errors import DigestMismatchError, NodeError, NodeUnavailableError
+from smoltorrent.errors import (
+    DigestMismatchError,
+    NodeError,
+    NodeUnavailableError,
+    NotFoundError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,9 @@ def trim_blob(
     """Delete the copies of `digest` above `replicas` on the up nodes `up` (node id -> its
     last stat), keeping the copies on the nodes with the most free space. Keepers are
     re-hashed first (a bad one is quarantined there and replaced by the next holder): a
-    copy is deleted only while `replicas` verified copies stay."""
+    copy is deleted only while `replicas` verified copies stay, and only while more
+    copies stay than any version using the blob asks for now (a store that began using
+    it after the sweep decided, maybe at a higher R, is counted right before each delete)."""
     holders = sorted(
         md.placement(digest) & set(up) & set(nodes),
         key=lambda n: (-int(up[n].get("free_bytes", 0)), n),
@@ -98,6 +105,10 @@ def trim_blob(
         return {"kept": keep, "deleted": []}
     deleted = []
     for node_id in spare:
+        # Asked again at each delete: a store that started using the blob since the sweep
+        # decided (at a higher R, its copies settled on these very nodes) keeps them.
+        if len(md.placement(digest) & set(up)) <= max(replicas, copies_wanted(md, digest)):
+            break
         try:
             NodeClient(nodes[node_id].address, cluster_key=cluster_key).delete(digest)
         except UNREACHABLE:
@@ -108,6 +119,17 @@ def trim_blob(
     if deleted:
         repairs.count(md, "trimmed", len(deleted))
     return {"kept": keep, "deleted": deleted}
+
+
+def copies_wanted(md: Metadata, digest: str) -> int:
+    """The most copies any version using `digest` asks for now, pending ones included."""
+    most = 0
+    for vkey in md.blob_refs(digest):
+        try:
+            most = max(most, md.manifest(vkey).replicas)
+        except NotFoundError:
+            continue  # removed since the read
+    return most
 
 
 def settle_quarantined(

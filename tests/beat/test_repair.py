@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -16,6 +18,7 @@ from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
 from coordinator.state.metadata import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
+from tests.tcpproxy import start_proxy
 
 FAST = {
     "SMOLTORRENT_HEALTH_INTERVAL_S": "1",
@@ -231,3 +234,63 @@ def test_a_target_that_keeps_failing_backs_off_and_status_says_until_when(
         assert log.count(f"repair of {d} from") == 1, f"{d} was sent again before its backoff"
     assert all(w["failures"] == 1 for w in waiting())
     assert {d for d in stuck if len(c.md.placement(d) - {ids[dying]}) < 2} == stuck
+
+
+def run_sweep(c, name: str) -> dict:
+    """One pass of a sweep, run by the cluster's worker now (no beat)."""
+    from celery import Celery
+
+    app = Celery(broker=c.redis_url, backend=c.redis_url)
+    try:
+        return app.send_task(f"smoltorrent.sweep.{name}", queue="control").get(timeout=120)
+    finally:
+        app.close()
+
+
+def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluster, tmp_path):
+    """A blob has a surplus copy (3 copies at R=2: a dead node came back) and its trim is
+    on its way when a new store of the same bytes at R=3 settles on all three copies. The
+    trim must not leave the new version with fewer than 3. The trim is held mid-way, as
+    it re-hashes the copies it keeps, by freezing every node's link (SIGSTOP on the
+    proxies the nodes are registered through) until the new store has settled."""
+    c = make_cluster(3, SMOLTORRENT_SOCKET_TIMEOUT_S="300")
+    src = make_ckpt(tmp_path / "shared.safetensors")
+    c.cli("store", str(src), "--name", "old", "--shards", "1")
+    (blob,) = [s.blob_sha256 for s in c.md.manifest(c.md.current("old")).shards]
+    ids = {n.client().ping(): n for n in c.node_procs}
+    holder = ids[min(c.md.placement(blob))]
+    (back_id,) = set(ids) - c.md.placement(blob)
+    # The node that came back holds a good copy, counted: a surplus the sweep trims.
+    holder.client().replicate(blob, ids[back_id].address)
+    c.md.add_placement(blob, back_id)
+    proxies = [start_proxy(str(n.address), tmp_path / "proxies") for n in c.node_procs]
+    try:
+        c.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies))
+        run_sweep(c, "health")  # fresh liveness through the proxies
+        for p in proxies:
+            os.kill(p.process.pid, signal.SIGSTOP)
+        assert run_sweep(c, "repair")["trims"] == 1
+        wait_until(lambda: f"smoltorrent.trim[trim-{blob}]" in c.worker_log(), 60, what="trim")
+        store = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "new"]
+            + ["--replicas", "3", "--shards", "1"],
+            env=c.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        vkey = wait_until(lambda: next(iter(c.md.versions("new")), None), 60, what="new")
+        wait_until(lambda: c.md.barrier_complete(vkey), 60, what="the new store settled")
+        assert [s.blob_sha256 for s in c.md.manifest(vkey).shards] == [blob]
+    finally:
+        for p in proxies:
+            os.kill(p.process.pid, signal.SIGCONT)
+    try:
+        assert store.wait(timeout=300) == 0, store.stdout.read()
+        wait_until(lambda: c.md.r.hlen("smoltorrent:repairs") == 0, 120, what="the trim done")
+        assert c.md.state(vkey) == COMMITTED
+        assert len(c.md.placement(blob)) == 3
+        assert copies_on_disk(c.node_procs)[blob] == 3
+    finally:
+        for p in proxies:
+            p.stop()

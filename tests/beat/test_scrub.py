@@ -151,3 +151,29 @@ def test_a_bad_copy_a_scrub_reports_is_repaired_in_the_same_sweep(make_cluster, 
         what="2 verified copies with no repair sweep",
     )
     assert not c.md.r.exists("smoltorrent:sweep:repair:runs")
+
+
+def test_a_flipped_byte_and_a_deleted_blob_are_healed_by_beat_alone(make_cluster, beat, tmp_path):
+    """One byte flipped in one copy, another blob's file deleted from another node: with
+    `smoltorrent beat` running and nothing else done, every blob is back to 2 verified
+    copies (the scrub finds the first, the crosscheck the second, the repairs copy both)."""
+    c = make_cluster(3, **FAST, SMOLTORRENT_CROSSCHECK_INTERVAL_S="1")
+    src = make_ckpt(tmp_path / "both.safetensors", size=6_000_000)
+    digests = stored(c, src, "both.safetensors")
+    flipped, deleted = digests[0], next(d for d in digests if d != digests[0])
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    flip_byte(by_id[min(c.md.placement(flipped))], flipped, 777)
+    gone_from = by_id[max(c.md.placement(deleted))]
+    blob_file(gone_from, deleted).unlink()
+    beat(c)
+
+    def healed() -> bool:
+        return all(
+            len(c.md.placement(d)) == 2 and sum(whole(n, d) for n in c.node_procs) == 2
+            for d in digests
+        ) and not any(n.client().scrub(start=False)["quarantined"] for n in c.node_procs)
+
+    wait_until(healed, timeout=180, what="every blob at 2 verified copies")
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "both.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
