@@ -46,11 +46,23 @@ def run_pass(started_host: str | None = None) -> dict[str, int]:
         deadline=defaults.PENDING_DEADLINE_S,
         started_host=started_host,
     )
+    counts = execute(md, actions)
+    if any(counts.values()):
+        log.warning(
+            "reconcile%s: %s", f" at start of {started_host}" if started_host else "", counts
+        )
+    return counts
+
+
+def execute(md, actions: decide.Actions) -> dict[str, int]:
+    """Send what a pass decided; how many of each."""
     for rid, record in actions.requests:
         redrive_request(rid, record)
     for vkey in actions.transfers:
-        v = md.version(vkey)
-        send_transfers(vkey, md.manifest(vkey), md.plan(vkey), v["host"], skip=md.settled(vkey))
+        v, plan = md.version(vkey), md.plan(vkey)
+        busy = actions.busy.get(vkey, set())
+        skip = md.settled(vkey) | {f"{s}:{r}" for s in busy for r in range(len(plan[s]))}
+        send_transfers(vkey, md.manifest(vkey), plan, v["host"], skip=skip)
         md.mark_resent(vkey)
     for vkey in actions.commits:
         send_commit(vkey)
@@ -59,12 +71,7 @@ def run_pass(started_host: str | None = None) -> dict[str, int]:
         md.abort(vkey, reason)
     for vkey in actions.removes:
         send_remove(vkey)
-    counts = actions.counts()
-    if any(counts.values()):
-        log.warning(
-            "reconcile%s: %s", f" at start of {started_host}" if started_host else "", counts
-        )
-    return counts
+    return actions.counts()
 
 
 @sweep("reconcile")

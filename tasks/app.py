@@ -7,6 +7,10 @@ Each setting answers a known pitfall (see DESIGN.md, Celery):
 - the visibility timeout, set everywhere the Redis transport reads it, stays
   above the longest transfer plus its backoff, so nothing runs twice at once.
 - JSON only: no pickle on any wire.
+- a broker connection lost mid-task: running tasks go on (their Redis writes retry),
+  the worker and its publishers survive kombu's use of closed channels
+  (tasks/broker_transport.py), and what the dead Redis could not take back is sent
+  again at reconnection (beat/reconnect.py).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from beat.schedule import SCHEDULE
 from coordinator import config
 from coordinator.state.embedded_redis import ensure_redis_url
 from smoltorrent import defaults
+from tasks import broker_transport
 
 REDIS_URL = ensure_redis_url()
+broker_transport.register()
 
 app = Celery(
     "smoltorrent",
@@ -68,6 +74,9 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     beat_schedule=SCHEDULE,
+    # Cancelling them would only lose their progress: their messages cannot go back to a
+    # Redis that is down, and a running transfer's own Redis writes retry until it is up.
+    worker_cancel_long_running_tasks_on_connection_loss=False,
     # Publishing (a retry, the next task) while Redis restarts waits for it to come back
     # instead of failing the task after Celery's default ~1 s of attempts.
     task_publish_retry_policy={
@@ -77,3 +86,5 @@ app.conf.update(
         "interval_max": defaults.PUBLISH_RETRY_MAX_S,
     },
 )
+# At every reconnection to the broker: send again what the lost connection dropped.
+app.steps["consumer"].add("beat.reconnect:Redrive")

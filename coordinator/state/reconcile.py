@@ -23,9 +23,21 @@ class Actions:
     commits: list[str] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)  # (vkey, reason)
     removes: list[str] = field(default_factory=list)
+    # vkey -> its shards a live task is moving: the transfers sent leave them out
+    busy: dict[str, set[int]] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
-        return {k: len(v) for k, v in vars(self).items()}
+        return {k: len(v) for k, v in vars(self).items() if k != "busy"}
+
+
+@dataclass(frozen=True)
+class Held:
+    """What live tasks hold right now (running, or waiting in a queue): they will do it,
+    so it is not sent again."""
+
+    requests: frozenset[str] = frozenset()  # request ids (a store or gather task's id)
+    shards: frozenset[tuple[str, int]] = frozenset()  # (vkey, shard) a delivery task moves
+    commits: frozenset[str] = frozenset()  # vkeys whose commit task is there
 
 
 def plan(
@@ -70,4 +82,36 @@ def plan(
             out.aborts.append((vkey, f"still pending after {deadline:.0f} s; store it again"))
         elif now - md.last_activity(vkey, v) > stale_after(vkey, v):
             out.transfers.append(vkey)
+    return out
+
+
+def plan_reconnected(md: Metadata, host: str, held: Held) -> Actions:
+    """Decide for a worker of `host` whose broker connection came back. Celery dropped the
+    messages it had fetched and not started (prefetched, or retries waiting out their
+    countdown) and could not give them back to a dead broker, so everything of this host
+    that no live task holds goes again now; what one holds is left to it. `held` must be
+    read before this runs: a task finishing in between has then settled what it did."""
+    out = Actions()
+    out.requests = [
+        (rid, r)
+        for rid, r in md.open_requests()
+        if r.get("host") == host and rid not in held.requests
+    ]
+    for vkey, v in md.versions_in(PENDING):
+        if v.get("host") != host or v.get("request_id") in held.requests:
+            continue  # a store task still running sends this version's transfers itself
+        if md.barrier_complete(vkey):
+            if vkey not in held.commits:
+                out.commits.append(vkey)
+            continue
+        settled = md.settled(vkey)
+        busy = {shard for k, shard in held.shards if k == vkey}
+        open_shards = {
+            shard
+            for shard, nodes in enumerate(md.plan(vkey))
+            if any(f"{shard}:{r}" not in settled for r in range(len(nodes)))
+        }
+        if open_shards - busy:
+            out.transfers.append(vkey)
+            out.busy[vkey] = busy
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -68,17 +69,10 @@ def test_a_failed_request_is_reported_and_closed(make_cluster, tmp_path):
     assert [v for v in c.cli_json("ls") if v["state"] == COMMITTED] == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap (issue 10): a task message the worker had prefetched when Redis died "
-    "cannot be restored to the dead server and waits out the visibility timeout; the "
-    "reconcile sweep re-sends it only after the transfer's whole time limit. Passes when "
-    "no message is caught in flight (most runs); fails about one run in three since "
-    "chain replication made one task per shard",
-)
 def test_redis_killed_mid_store_and_restarted_from_its_aof(make_cluster, tmp_path):
     """redis-server SIGKILLed 1 s into a store and started again from its AOF 3 s later:
-    the tasks that lost Redis retry instead of dead-lettering, the store commits once."""
+    the tasks that lost Redis retry instead of dead-lettering, what the worker held and
+    Celery dropped is sent again as it reconnects, and the store commits once."""
     c = make_cluster(4, retries=6)
     src = make_ckpt(tmp_path / "r.safetensors", 300_000_000)
     c.cli("store", str(src), "--shards", "8", "--no-wait")
@@ -91,11 +85,52 @@ def test_redis_killed_mid_store_and_restarted_from_its_aof(make_cluster, tmp_pat
     rows = wait_until(
         lambda: committed(c, "r.safetensors"), timeout=120, what="the store to commit itself"
     )
+    assert c.worker.poll() is None  # the worker lived through the outage
     assert len([r for r in c.cli_json("ls") if r["name"] == "r.safetensors"]) == 1
     assert rows[0]["min_copies"] == 2
     assert c.cli_json("dlq", "ls") == []
     out = tmp_path / "out.safetensors"
     c.cli("gather", "r.safetensors", "-o", str(out), timeout=300)
+    assert sha(out) == sha(src)
+
+
+def _held_retries(c, task: str) -> list[int]:
+    """The retry counts of `task` messages a worker has fetched and not acked yet with a
+    countdown still to wait: the Redis transport keeps each in its `unacked` hash."""
+    out = []
+    for raw in c.md.r.hvals("unacked"):
+        headers = json.loads(raw)[0]["headers"]
+        if headers.get("task") == task and headers.get("eta"):
+            out.append(int(headers.get("retries") or 0))
+    return out
+
+
+def test_a_retry_the_worker_holds_when_redis_dies_is_sent_again(make_cluster, tmp_path):
+    """A chain retry waiting out its countdown in the worker when redis-server is
+    SIGKILLed: Celery drops it from its timer at the connection loss and cannot put it
+    back into the dead Redis, so it would wait in the restarted one for the visibility
+    timeout (hours). The worker re-sends, as it reconnects, what no live task holds."""
+    c = make_cluster(2, retries=6)
+    src = make_ckpt(tmp_path / "e.safetensors")
+    c.node_procs[1].kill()  # its replica retries: no other node can take it
+    c.cli("store", str(src), "--shards", "1", "--no-wait")
+    # The third retry waits 4 s: long enough to kill Redis while the worker holds it.
+    wait_until(
+        lambda: any(r >= 3 for r in _held_retries(c, "smoltorrent.chain")),
+        timeout=60,
+        what="a chain retry held by the worker",
+    )
+    c.kill_redis()
+    c.node_procs[1].start()
+    c.start_redis()
+    rows = wait_until(
+        lambda: committed(c, "e.safetensors"), timeout=60, what="the store to commit itself"
+    )
+    assert c.worker.poll() is None  # the worker lived through the outage
+    assert rows[0]["min_copies"] == 2
+    assert c.cli_json("dlq", "ls") == []
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "e.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
 
 

@@ -1,0 +1,111 @@
+"""At every reconnection of the worker to the broker, send again what the lost
+connection dropped.
+
+When the broker connection breaks (redis-server killed, restarted, unreachable), Celery
+forgets the messages the worker had fetched and not started: prefetched ones, and
+retries waiting out their countdown in its timer. It asks the broker to take them
+back, which a dead Redis cannot do; the restarted Redis holds them only in the
+transport's unacked hash, redelivered after the visibility timeout (hours), and a
+message taken off a queue in the instant Redis died is nowhere at all. So as the
+consumer starts again, before it takes any message, this host's open requests and
+pending versions are compared with what live tasks hold (running in this worker, or
+waiting in one of its queues), and the rest is sent again under its deterministic
+id (coordinator/state/reconcile.py decides). Every task sent is idempotent: a lost
+message that does come back later finds its work done.
+
+The worker's first connection is left to beat/boot.py, which runs at every start.
+"""
+
+from __future__ import annotations
+
+import json
+
+from celery import bootsteps
+from celery.utils.log import get_task_logger
+from celery.worker.state import active_requests, reserved_requests
+from kombu.exceptions import ContentDisallowed, DecodeError
+
+from beat import reconcile
+from coordinator import config
+from coordinator.state import reconcile as decide
+from tasks.context import metadata
+
+log = get_task_logger(__name__)
+
+REQUEST_TASKS = ("smoltorrent.store", "smoltorrent.gather")
+DELIVERY_TASKS = ("smoltorrent.transfer", "smoltorrent.chain")
+COMMIT_TASK = "smoltorrent.commit"
+ACCEPT = ["application/json"]  # what tasks/app.py accepts: a queued pickle is never loaded
+
+# (task name, task id, args, kwargs) of one task a live worker or a queue holds
+TaskCall = tuple[str, str, list, dict]
+
+
+def in_worker() -> list[TaskCall]:
+    """The tasks this worker runs or has reserved (Celery already dropped the rest)."""
+    return [(r.name, r.id, r.args, r.kwargs) for r in (*active_requests, *reserved_requests)]
+
+
+def queued(channel, queues: list[str]) -> list[TaskCall]:
+    """The task messages waiting in `queues`, read from the Redis transport's lists (one
+    per priority step) through the consumer's own channel; none is taken off."""
+    out = []
+    keys = [channel._q_for_pri(q, priority) for q in queues for priority in channel.priority_steps]
+    # A client of its own: the channel's `client` is the asynchronous one its BRPOP uses.
+    with channel.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.lrange(key, 0, -1)
+        lists = pipe.execute()
+    for raws in lists:
+        for raw in raws:
+            message = channel.Message(json.loads(raw), channel=channel, accept=ACCEPT)
+            try:
+                args, kwargs, _ = message.decode()
+            except (ContentDisallowed, DecodeError, ValueError):
+                continue  # not one of ours: it holds nothing of this host's work
+            headers = message.headers
+            out.append((headers.get("task"), headers.get("id"), args, kwargs))
+    return out
+
+
+def held(calls: list[TaskCall]) -> decide.Held:
+    requests, shards, commits = set(), set(), set()
+    for name, task_id, args, kwargs in calls:
+        if name in REQUEST_TASKS:
+            requests.add(kwargs.get("request_id") or task_id)
+        elif name in DELIVERY_TASKS:
+            shards.add((kwargs["vkey"], int(kwargs["shard"])))
+        elif name == COMMIT_TASK and args:
+            commits.add(args[0])
+    return decide.Held(frozenset(requests), frozenset(shards), frozenset(commits))
+
+
+def run(host: str, channel) -> dict[str, int]:
+    # What live tasks hold first, then the state: a task that ends in between has
+    # settled its work by the time the state is read, so nothing is missed.
+    queues = [config.host_queue(host), config.transfer_queue(host), config.CONTROL_QUEUE]
+    now_held = held(in_worker() + queued(channel, queues))
+    md = metadata()
+    counts = reconcile.execute(md, decide.plan_reconnected(md, host, now_held))
+    log.warning("reconnection of %s: sent again %s", host, counts)
+    return counts
+
+
+class Redrive(bootsteps.StartStopStep):
+    """A consumer step: its start runs at every (re)connection, after the task consumer
+    is set up and before the event loop takes the first message."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, parent, **kwargs):
+        super().__init__(parent, **kwargs)
+        self.connections = 0
+
+    def start(self, c) -> None:
+        self.connections += 1
+        if self.connections == 1:
+            return  # the worker's start: beat/boot.py brings its work back
+        try:
+            run(config.host_id(), c.connection.default_channel)
+        except Exception:  # Redis gone again: the next reconnection runs this again
+            log.exception("re-sending after the broker reconnection failed")

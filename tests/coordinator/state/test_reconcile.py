@@ -1,0 +1,70 @@
+"""What a worker sends again when its broker connection comes back, decided on a real
+redis-server from the state and what live tasks hold."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from coordinator.dataplane.store_engine import prepare_store
+from coordinator.local.synthetic import write_checkpoint
+from coordinator.state.embedded_redis import start_redis, url_for
+from coordinator.state.metadata import Metadata
+from coordinator.state.reconcile import Held, plan_reconnected
+
+
+@pytest.fixture
+def md(tmp_path):
+    pid, port = start_redis(tmp_path / "redis")
+    yield Metadata(url_for(tmp_path / "redis", port))
+    os.kill(pid, signal.SIGTERM)
+
+
+def _pending(md, tmp_path, seed: int, host: str, request_id: str):
+    """A pending version of `host`'s store request `request_id`: two shards, two copies."""
+    path = tmp_path / f"ckpt-{seed}.safetensors"
+    write_checkpoint(path, 200_000 + seed, hidden=32)
+    free = {"node-a": 10**12, "node-b": 10**12}
+    p = prepare_store(path, path.name, free, replicas=2, shards=2)
+    fields = {"host": host, "request_id": request_id}
+    assert md.create_pending(p.manifest, p.vkey, fields, list(p.targets)) == "created"
+    return p
+
+
+def test_only_what_no_live_task_holds_is_sent_again(md, tmp_path):
+    mine = _pending(md, tmp_path, 1, "h1", "r1")
+    other_host = _pending(md, tmp_path, 2, "h2", "r2")
+    digest = mine.manifest.shards[0].blob_sha256
+    md.settle(mine.vkey, 0, 0, mine.targets[0][0], digest)
+
+    nothing_held = plan_reconnected(md, "h1", Held())
+    assert nothing_held.transfers == [mine.vkey] and nothing_held.busy == {mine.vkey: set()}
+    assert other_host.vkey not in nothing_held.transfers
+
+    # A live chain task moves shard 0: only shard 1 goes again.
+    one_held = plan_reconnected(md, "h1", Held(shards=frozenset({(mine.vkey, 0)})))
+    assert one_held.transfers == [mine.vkey] and one_held.busy == {mine.vkey: {0}}
+
+    # Every open shard is held, or the store task that sends them still runs: nothing.
+    all_held = Held(shards=frozenset({(mine.vkey, 0), (mine.vkey, 1)}))
+    assert plan_reconnected(md, "h1", all_held).transfers == []
+    assert plan_reconnected(md, "h1", Held(requests=frozenset({"r1"}))).transfers == []
+
+
+def test_a_complete_barrier_gets_its_commit_unless_one_is_held(md, tmp_path):
+    p = _pending(md, tmp_path, 3, "h1", "r3")
+    for shard, nodes in enumerate(p.targets):
+        for replica, node in enumerate(nodes):
+            md.settle(p.vkey, shard, replica, node, p.manifest.shards[shard].blob_sha256)
+    assert plan_reconnected(md, "h1", Held()).commits == [p.vkey]
+    assert plan_reconnected(md, "h1", Held(commits=frozenset({p.vkey}))).commits == []
+
+
+def test_open_requests_go_again_unless_their_task_is_held(md, tmp_path):
+    md.open_request("q1", "store", "h1", {"path": "/x", "name": "x"})
+    md.open_request("q2", "gather", "h1", {"vkey": "v", "out": "/y"})
+    md.open_request("q3", "store", "h2", {"path": "/z", "name": "z"})
+    actions = plan_reconnected(md, "h1", Held(requests=frozenset({"q2"})))
+    assert [rid for rid, _ in actions.requests] == ["q1"]
