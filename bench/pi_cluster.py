@@ -67,22 +67,25 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         t0 = time.monotonic()
-        last = self.net.counters()
+        last, last_t = self.net.counters(), time.monotonic()
         while not self.stop_event.wait(SAMPLE_S):
-            now = self.net.counters()
+            # Rates over the time that really passed between reads: on a loaded machine a
+            # read (a process in the switch namespace) can come late.
+            now, now_t = self.net.counters(), time.monotonic()
+            dt = now_t - last_t
             self.samples.append(
                 {
-                    "t": round(time.monotonic() - t0, 2),
+                    "t": round(now_t - t0, 2),
                     **{
                         h: {
-                            "tx_mbit": (now[h][0] - last[h][0]) * 8 / SAMPLE_S / 1e6,
-                            "rx_mbit": (now[h][1] - last[h][1]) * 8 / SAMPLE_S / 1e6,
+                            "tx_mbit": (now[h][0] - last[h][0]) * 8 / dt / 1e6,
+                            "rx_mbit": (now[h][1] - last[h][1]) * 8 / dt / 1e6,
                         }
                         for h in now
                     },
                 }
             )
-            last = now
+            last, last_t = now, now_t
 
     def stop(self) -> list[dict]:
         self.stop_event.set()

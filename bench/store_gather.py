@@ -41,6 +41,7 @@ from coordinator.dataplane.node_client import NodeClient  # noqa: E402
 from coordinator.local.cluster import LocalCluster, NodeProcess  # noqa: E402
 from coordinator.local.synthetic import write_checkpoint  # noqa: E402
 from coordinator.plan.manifest import Manifest  # noqa: E402
+from coordinator.plan.read_order import read_order  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1_000_000_000  # decimal, like the MB/s figures
@@ -136,13 +137,6 @@ def phase(label: str) -> None:
     log(label)
 
 
-def rotate(holders: list[int], index: int) -> list[int]:
-    """Shard i tries its replicas starting from the (i mod R)-th, as tasks/gather.py does, so
-    the reads spread over all nodes (placement pairs equal nodes: shards 0 and 3 on A, B)."""
-    k = index % len(holders)
-    return holders[k:] + holders[:k]
-
-
 def twice(label: str, spec: dict, out: Path, digest: str, root: Path, timeout: float):
     """A gather, then the same gather again: (cold, warm).
 
@@ -198,7 +192,12 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
             "op": "gather",
             "manifest": str(manifest_path),
             "out": str(gathered),
-            "sources": [[addresses[n] for n in rotate(h, i)] for i, h in enumerate(holders)],
+            # The replica each shard is read from, chosen as the Celery gather does.
+            "sources": read_order(
+                [[addresses[n] for n in h] for h in holders],
+                [s.blob_size for s in manifest.shards],
+                set(addresses),
+            ),
         }
         out["gather_cold"], gather = twice(
             "gather (direct engine)", spec, gathered, digest, root, timeout
