@@ -38,6 +38,11 @@ def _require_worker() -> None:
     require_worker()
 
 
+def _time_and_rate(size: int, seconds: float) -> str:
+    """How long a summary line's transfer took and its rate: "0.31 s (85.9 MB/s)"."""
+    return f"{seconds:.2f} s ({human_bytes(size / max(seconds, 1e-9))}/s)"
+
+
 def _progress(as_json: bool = False) -> Progress:
     """A byte-level bar on a terminal; nothing in a pipe, a file or under --json (the
     summary line, or the JSON, says it all)."""
@@ -286,8 +291,7 @@ def cmd_store(args: argparse.Namespace) -> int:
         console.print(
             f"{verb}: {name} version {row['version_id'][:12]}, "
             f"{human_bytes(row['size'])} in {row['shards']} shards x "
-            f"{row['replicas']} replicas, {seconds:.2f} s "
-            f"({human_bytes(row['size'] / max(seconds, 1e-9))}/s)"
+            f"{row['replicas']} replicas, {_time_and_rate(row['size'], seconds)}"
         )
         if row["under_replicated"]:
             warn(
@@ -303,7 +307,9 @@ def _store_directory(args: argparse.Namespace) -> int:
 
     if args.no_wait or args.shards:
         raise UsageError("--no-wait and --shards apply to a single file, not to a directory")
+    started = time.monotonic()
     stored = store_directory(args.path, args.name, args.replicas)
+    seconds = time.monotonic() - started
     v = stored.version
     row = {
         "name": v.name,
@@ -320,7 +326,8 @@ def _store_directory(args: argparse.Namespace) -> int:
     console.print(
         f"stored directory {v.name} version {v.version_id[:12]}: {len(v.files)} files"
         + (f" and {v.index_name}" if v.index_name else "")
-        + f", {human_bytes(row['size'])} ({len(stored.new_files)} new)"
+        + f", {human_bytes(row['size'])} ({len(stored.new_files)} new), "
+        + _time_and_rate(row["size"], seconds)
     )
     if stored.plan.ignored:
         warn(
@@ -338,15 +345,20 @@ def _gather_directory(args: argparse.Namespace) -> int:
             f"{args.name} is a directory checkpoint: gather it whole, or gather --tensors from"
             f" one of its files ({args.name}/FILE)"
         )
+    started = time.monotonic()
     v = gather_directory(args.name, args.output, args.version)
+    seconds = time.monotonic() - started
     out = os.path.abspath(args.output)
+    size = sum(m.size for m in v.files.values())
     if args.json:
         emit_json({"path": out, "name": v.name, "version_id": v.version_id,
                    "files": sorted(v.files), "index": v.index_name})  # fmt: skip
     else:
         console.print(
             f"gathered directory {v.name} version {v.version_id[:12]} -> {out} "
-            f"({len(v.files)} files" + (f" and {v.index_name})" if v.index_name else ")")
+            f"({len(v.files)} files"
+            + (f" and {v.index_name}" if v.index_name else "")
+            + f", {human_bytes(size)}, {_time_and_rate(size, seconds)})"
         )
     return 0
 
