@@ -1,6 +1,11 @@
 """The health sweep: ping every registered node, refresh its alive key and last-seen
 time, declare dead the nodes silent past the dead timeout, and re-admit those that
-answer again. The repair sweep acts on what this records."""
+answer again. The repair sweep acts on what this records.
+
+Each node's answer also says how many bad copies its scrub holds in quarantine: a count
+the last scrub report did not show (a copy found bad mid-pass) sends a scrub sweep that
+only collects the reports, which takes the copy out of the placement and queues its
+repair, so a bad copy waits one health interval, not up to a scrub interval."""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import time
 
 from celery.utils.log import get_task_logger
 
+from beat.scrub import scrub
 from beat.sweeps import sweep
 from coordinator import config
+from coordinator.state import scrub_reports
 from coordinator.state.liveness import DEAD, UP, node_health, probe_registered
 from tasks.context import metadata
 
@@ -21,7 +28,7 @@ def run_pass() -> dict[str, int]:
     live = probe_registered(md, config.cluster_key())
     now = time.time()
     health = node_health(md, now, config.dead_after(), set(live))
-    counts = {"up": 0, "down": 0, "dead": 0, "newly_dead": 0, "readmitted": 0}
+    counts = {"up": 0, "down": 0, "dead": 0, "newly_dead": 0, "readmitted": 0, "new_bad": 0}
     declared = md.declared_dead()
     for node_id, h in sorted(health.items()):
         counts[h.state] += 1
@@ -37,6 +44,16 @@ def run_pass() -> dict[str, int]:
         elif h.state == UP and node_id in declared and md.readmit(node_id):
             counts["readmitted"] += 1
             log.warning("node %s answers again: re-admitted; copies above R are trimmed", node_id)
+    reported = scrub_reports.reports(md)
+    news = sorted(
+        n
+        for n, stat in live.items()
+        if stat.quarantined != len(reported.get(n, {}).get("quarantined") or [])
+    )
+    if news:
+        counts["new_bad"] = len(news)
+        log.warning("bad copies held on %s changed: collecting the scrub reports now", news)
+        scrub.apply_async(kwargs={"start": False}, queue=config.CONTROL_QUEUE)
     return counts
 
 

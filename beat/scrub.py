@@ -76,9 +76,9 @@ def run_pass(*, start: bool = True) -> dict[str, int]:
 
 
 @sweep("scrub")
-def scrub() -> dict[str, int]:
-    """One round of every node's scrub reports."""
-    return run_pass()
+def scrub(start: bool = True) -> dict[str, int]:
+    """One round of every node's scrub reports (and, with `start`, passes started)."""
+    return run_pass(start=start)
 
 
 @app.task(

@@ -168,8 +168,9 @@ DEAD_AFTER_S = 300.0
 # seconds between scrub sweeps (SMOLTORRENT_SCRUB_INTERVAL_S): each collects every node's
 # scrub report (bad copies it quarantined) and starts a pass where none runs, so a node re-
 # hashes its whole inventory at least this often; a node of 100 GB at SCRUB_RATE_BPS needs
-# ~3 h, so its passes run back to back. A bad copy is out of reads at once; its shard waits
-# at most this long at R-1 before the repair starts
+# ~3 h, so its passes run back to back. A bad copy is out of reads at once; the health probe
+# sees the node hold it (its stat counts them) and has the reports collected then, so its
+# shard waits about one HEALTH_INTERVAL_S at R-1 before the repair starts, not this long
 SCRUB_INTERVAL_S = 3600.0
 # seconds between repair sweeps (SMOLTORRENT_REPAIR_INTERVAL_S): each only reads Redis and
 # sends copies, so it can run often; a shard below R waits at most this (plus the dead

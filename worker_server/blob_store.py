@@ -322,6 +322,8 @@ class BlobStore:
             "total_bytes": usage.f_blocks * usage.f_frsize,
             "used_bytes": sum(sizes.values()),
             "blob_count": len(sizes),
+            # Bad copies held: the coordinator's health probe sees a new one at once.
+            "quarantined": len(self.quarantined()),
         }
 
     def _manifest_path(self, key: str) -> Path:

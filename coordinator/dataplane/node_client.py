@@ -62,6 +62,7 @@ class NodeStat:
     used_bytes: int  # bytes held in blobs
     blob_count: int
     protocol_version: int
+    quarantined: int = 0  # bad copies its scrub holds (0 from a node that does not say)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class NodeClient:
                 used_bytes=response["used_bytes"],
                 blob_count=response["blob_count"],
                 protocol_version=response["protocol"],
+                quarantined=int(response.get("quarantined", 0)),
             )
         except KeyError as exc:
             raise ProtocolError(f"node {self.address} sent a stat without {exc}") from None

@@ -5,6 +5,7 @@ done, the blob is back to 2 verified copies."""
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 from coordinator.plan.read_order import read_order
@@ -177,3 +178,31 @@ def test_a_flipped_byte_and_a_deleted_blob_are_healed_by_beat_alone(make_cluster
     out = tmp_path / "out.safetensors"
     c.cli("gather", "both.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
+
+
+def test_a_bad_copy_a_node_finds_mid_pass_is_repaired_before_the_next_scrub_sweep(
+    make_cluster, beat, tmp_path
+):
+    """The scrub and repair sweeps are an hour away; a node's pass (started as the last
+    scrub sweep would have) finds a flipped byte. The health probe sees the node hold a
+    new bad copy, the reports are collected then, and the repair is queued at once."""
+    hours = {"SMOLTORRENT_SCRUB_INTERVAL_S": "3600", "SMOLTORRENT_REPAIR_INTERVAL_S": "3600"}
+    c = make_cluster(3, **{**FAST, **hours})
+    src = make_ckpt(tmp_path / "mid.safetensors")
+    digests = stored(c, src, "mid.safetensors")
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    victim = by_id[min(c.md.placement(digests[0]))]
+    flip_byte(victim, digests[0], 2024)
+    beat(c)
+    victim.client().scrub()  # the pass an earlier scrub sweep started
+    wait_until(
+        lambda: (
+            len(c.md.placement(digests[0])) == 2
+            and sum(whole(n, digests[0]) for n in c.node_procs) == 2
+        ),
+        timeout=60,
+        what="2 verified copies before any scrub or repair sweep came round",
+    )
+    assert not c.md.r.exists("smoltorrent:sweep:repair:runs")
+    runs = [json.loads(r) for r in c.md.r.lrange("smoltorrent:sweep:scrub:runs", 0, -1)]
+    assert runs and all(r["outcome"] == "done" for r in runs)
