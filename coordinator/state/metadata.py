@@ -923,7 +923,10 @@ class Metadata:
 
     def worker_alive(self, host: str, boot: str) -> None:
         """Refresh the TTL key saying this host's worker (started as `boot`) runs."""
-        self.r.set(K.WORKER_ALIVE.format(host=host), boot, ex=defaults.WORKER_ALIVE_TTL_S)
+        with self.r.pipeline() as p:
+            p.set(K.WORKER_ALIVE.format(host=host), boot, ex=defaults.WORKER_ALIVE_TTL_S)
+            p.sadd(K.WORKER_HOSTS, host)
+            p.execute()
 
     def worker_gone(self, host: str, boot: str) -> None:
         """Drop the alive key of a worker shutting down cleanly (if it is still ours)."""
@@ -936,14 +939,14 @@ class Metadata:
         return self.r.get(K.WORKER_ALIVE.format(host=host))
 
     def worker_boots(self) -> dict[str, str]:
-        """Host -> boot id of every worker heard from lately."""
-        pattern = K.WORKER_ALIVE.format(host="*")
-        head, tail = K.WORKER_ALIVE.split("{host}")
-        keys = list(self.r.scan_iter(match=pattern, count=1000))
-        values = self.r.mget(keys) if keys else []
-        return {
-            k[len(head) : len(k) - len(tail)]: v for k, v in zip(keys, values, strict=True) if v
-        }
+        """Host -> boot id of every worker heard from lately (the hosts from their set, not
+        a scan of the keyspace; a host whose alive key expired leaves the set)."""
+        hosts = sorted(self.r.smembers(K.WORKER_HOSTS))
+        boots = self.r.mget([K.WORKER_ALIVE.format(host=h) for h in hosts]) if hosts else []
+        gone = [h for h, boot in zip(hosts, boots, strict=True) if boot is None]
+        if gone:
+            self.r.srem(K.WORKER_HOSTS, *gone)
+        return {h: boot for h, boot in zip(hosts, boots, strict=True) if boot is not None}
 
     def pending_versions(self) -> list[str]:
         return self._vkeys_in((PENDING,))

@@ -114,6 +114,9 @@ DIRECTORY = PREFIX + "directory:{name}"
 
 # TTL key per host: the boot id of the worker serving it, refreshed while it runs
 WORKER_ALIVE = PREFIX + "worker:{host}:alive"
+# set of the hosts whose workers ever set an alive key (pruned once the key expired), so
+# the reconcile sweep finds the live workers without scanning the keyspace
+WORKER_HOSTS = PREFIX + "workers"
 # lock held while one sweep runs, so two beat instances never run it twice at once
 SWEEP_LOCK = PREFIX + "sweep:{name}:lock"
 # list of JSON {started, finished, by, outcome} of a sweep's latest runs (Redis clock, s)

@@ -245,3 +245,14 @@ def test_retire_takes_an_aborted_version_only_under_a_newer_committed_one(md, tm
     committed_version(md, tmp_path, "s", 31)
     assert md.retire(old.vkey, 3) == "retired"
     assert md.blobs_to_delete(old.vkey) == {s.blob_sha256 for s in old.manifest.shards}
+
+
+def test_live_workers_are_found_without_scanning_the_keyspace(md):
+    md.worker_alive("host-a", "boot-1")
+    md.worker_alive("host-b", "boot-2")
+    md.r.delete("smoltorrent:worker:host-b:alive")  # its TTL ran out
+    md.r.config_resetstat()
+    assert md.worker_boots() == {"host-a": "boot-1"}
+    assert "cmdstat_scan" not in md.r.info("commandstats")
+    md.worker_alive("host-b", "boot-3")  # back
+    assert md.worker_boots() == {"host-a": "boot-1", "host-b": "boot-3"}
