@@ -8,8 +8,9 @@ For each size: a synthetic LLM-like checkpoint (random bytes, written to disk), 
 LocalCluster (Redis, N node processes, one Celery worker with its default pool), then
 `smoltorrent store` and `smoltorrent gather` through the CLI, as a user runs them. While
 each runs, the RSS of the worker's main process and every pool child (/proc, the tree as
-it is at each sample) is sampled every 50 ms; the peak of their sum and of the largest one
-are reported, and the tree's RSS just before the store (the idle worker) for reference.
+it is at each sample) is sampled every 50 ms; the peak of their sum, of their PSS sum (the
+pool is forked: RSS counts each shared page once per process, PSS once) and of the largest
+process are reported, and the tree's just before the store (the idle worker) for reference.
 The gathered file is checked byte-identical, then every file is removed.
 """
 
@@ -63,6 +64,18 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def _pss(pid: int) -> int:
+    """Proportional set size in bytes (shared pages split among their sharers, so the sum
+    over a forked pool counts each page once), 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def tree(pid: int) -> list[int]:
     """A process and all its descendants now (Linux /proc)."""
     out, todo = [], [pid]
@@ -73,24 +86,26 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def tree_rss(pid: int) -> tuple[int, int]:
-    """(sum, largest) RSS in bytes of a process and all its descendants now."""
-    sizes = [_rss(p) for p in tree(pid)]
-    return sum(sizes), max(sizes, default=0)
+def tree_rss(pid: int) -> tuple[int, int, int]:
+    """(RSS sum, largest RSS, PSS sum) in bytes of a process and all its descendants now."""
+    procs = tree(pid)
+    sizes = [_rss(p) for p in procs]
+    return sum(sizes), max(sizes, default=0), sum(_pss(p) for p in procs)
 
 
 class Sampler:
     """Peak tree RSS of `pid` while the block runs."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.peak_sum, self.peak_one = pid, 0, 0
+        self.pid, self.peak_sum, self.peak_one, self.peak_pss = pid, 0, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            total, largest = tree_rss(self.pid)
+            total, largest, pss = tree_rss(self.pid)
             self.peak_sum, self.peak_one = max(self.peak_sum, total), max(self.peak_one, largest)
+            self.peak_pss = max(self.peak_pss, pss)
             self._stop.wait(SAMPLE_S)
 
     def __enter__(self) -> Sampler:
@@ -137,8 +152,13 @@ def measure(size_gb: float, nodes: int, root: Path) -> dict:
         env = cluster.env()
         cli(env, "nodes", "add", *(str(n.address) for n in cluster.node_procs))
         pid = cluster.worker.pid
-        idle, _ = tree_rss(pid)
-        row = {"size_bytes": size, "idle_tree_rss_mb": idle / MB, "nodes": nodes}
+        idle, _, idle_pss = tree_rss(pid)
+        row = {
+            "size_bytes": size,
+            "idle_tree_rss_mb": round(idle / MB, 1),
+            "idle_tree_pss_mb": round(idle_pss / MB, 1),
+            "nodes": nodes,
+        }
         for what, argv in (
             ("store", ("store", str(source), "--name", "rss")),
             ("gather", ("gather", "rss", "-o", str(out))),
@@ -150,6 +170,7 @@ def measure(size_gb: float, nodes: int, root: Path) -> dict:
                 "seconds": round(seconds, 2),
                 "peak_tree_rss_mb": round(s.peak_sum / MB, 1),
                 "peak_process_rss_mb": round(s.peak_one / MB, 1),
+                "peak_tree_pss_mb": round(s.peak_pss / MB, 1),
                 "processes": len(tree(pid)),
             }
         if sha256_file(out) != digest:
@@ -176,16 +197,19 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print("size GB | op     | seconds | peak worker tree RSS MB | largest process MB | procs")
+    print("size GB | op     | seconds | peak tree RSS MB | peak tree PSS MB | largest MB | procs")
     for row in rows:
         for what in ("store", "gather"):
             r = row[what]
             print(
                 f"{row['size_bytes'] / GB:7.2f} | {what:6s} | {r['seconds']:7.1f} |"
-                f" {r['peak_tree_rss_mb']:23.1f} | {r['peak_process_rss_mb']:18.1f} |"
-                f" {r['processes']:5d}"
+                f" {r['peak_tree_rss_mb']:16.1f} | {r['peak_tree_pss_mb']:16.1f} |"
+                f" {r['peak_process_rss_mb']:10.1f} | {r['processes']:5d}"
             )
-        print(f"        idle worker tree before the store: {row['idle_tree_rss_mb']:.1f} MB")
+        print(
+            f"        idle worker tree before the store: RSS {row['idle_tree_rss_mb']:.1f} MB,"
+            f" PSS {row['idle_tree_pss_mb']:.1f} MB"
+        )
     return 0
 
 
