@@ -135,6 +135,7 @@ STORE_PROGRESS_INTERVAL_S = 0.5  # seconds between a transfer's writes of its by
 # flight for progress bars, so it goes by itself once nothing moves
 SENT_PROGRESS_TTL_S = 3600
 CLI_POLL_INTERVAL_S = 0.1  # seconds between CLI polls of a task's progress
+LOG_ID_CHARS = 12  # hex characters of a version, blob or node id in a log line: unique enough
 LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to come up
 # seconds; a small shard on loopback (~10 ms) to a checkpoint of tens of GB over 100 Mbit/s (hours)
 WORKER_SECONDS_BUCKETS = (0.01, 0.05, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)

@@ -50,6 +50,7 @@ app = Celery(
         "tasks.repair",
         "beat.crosscheck",
         "beat.boot",
+        "tasks.event_log",
     ],
 )
 
