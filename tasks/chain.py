@@ -11,6 +11,7 @@ A retry only moves what is still unsettled.
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from celery.utils.log import get_task_logger
 
@@ -79,7 +80,7 @@ def chain_transfer(
     blob_size = manifest.shards[shard].blob_size
 
     def spare(seen: set[str]) -> Target | None:
-        return spare_for(registered, keep_off | seen, blob_size)
+        return spare_for(registered, keep_off | seen, blob_size, md.plan(vkey), digest)
 
     targets, lost = [], []
     for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)
@@ -143,8 +144,12 @@ def chain_transfer(
     return {"how": "+".join(sorted(set(nodes.values()))), "nodes": nodes}
 
 
-def spare_for(registered, keep_off: set[str], size: int) -> Target | None:
-    """Another node for a lost replica (see chain_engine.pick_spare), as a chain target."""
+def spare_for(
+    registered, keep_off: set[str], size: int, plan: list[list[str]], digest: str
+) -> Target | None:
+    """Another node for a lost replica (see chain_engine.pick_spare), as a chain target:
+    the version's plan says how many replicas each node already takes."""
     candidates = {n: rec.address for n, rec in registered.items() if n not in keep_off}
-    node_id = pick_spare(candidates, size, config.cluster_key())
+    planned = Counter(n for nodes in plan for n in nodes)
+    node_id = pick_spare(candidates, size, config.cluster_key(), planned=planned, spread=digest)
     return None if node_id is None else Target(-1, node_id, node_client(node_id, registered))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from functools import partial
 
 from celery.utils.log import get_task_logger
@@ -90,9 +91,16 @@ def move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc):
     vkey = manifest.storage_key()
     registered = md.nodes()
     holding = md.placement(digest)
-    keep_off = set(md.plan(vkey)[shard]) | holding
+    plan = md.plan(vkey)
+    keep_off = set(plan[shard]) | holding
     candidates = {n: rec.address for n, rec in registered.items() if n not in keep_off}
-    spare_id = pick_spare(candidates, manifest.shards[shard].blob_size, config.cluster_key())
+    spare_id = pick_spare(
+        candidates,
+        manifest.shards[shard].blob_size,
+        config.cluster_key(),
+        planned=Counter(n for nodes in plan for n in nodes),
+        spread=digest,
+    )
     if spare_id is None:
         return None
     holders = [node_client(h, registered) for h in sorted(holding) if h in registered]

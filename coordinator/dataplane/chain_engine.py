@@ -20,7 +20,8 @@ it, and dead-letters it when the retries run out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -236,12 +237,21 @@ def _wrong_node(target: Target, fate: dict) -> str:
 
 
 def pick_spare(
-    candidates: dict[str, NodeAddress], size: int, cluster_key: bytes | None
+    candidates: dict[str, NodeAddress],
+    size: int,
+    cluster_key: bytes | None,
+    *,
+    planned: Mapping[str, int] | None = None,
+    spread: str = "",
 ) -> str | None:
     """The node to take a lost replica: among `candidates` (registered nodes that neither
     hold the blob nor are planned or tried for it), one answering a stat now, under its own
-    id, with room for `size` bytes; the one with the most room."""
-    best: tuple[int, str] | None = None
+    id, with room for `size` bytes. Of those, the one with the fewest replicas `planned`
+    for the version, then the most room (within PLACEMENT_EQUAL_FREE_SHARE of the roomiest
+    counts as equal); ties are broken by a hash of `spread` (the blob's digest) with the
+    node id, so the replicas of a lost node, replaced at the same moment by tasks that do
+    not see each other's choice, spread over the nodes rather than all landing on one."""
+    room: dict[str, int] = {}
     for node_id in sorted(candidates):
         probe = NodeClient(
             candidates[node_id], cluster_key=cluster_key, timeout=defaults.CONNECT_TIMEOUT_S
@@ -250,7 +260,17 @@ def pick_spare(
             stat = probe.stat()
         except (SmoltorrentError, OSError):
             continue
-        roomy = stat.node_id == node_id and stat.free_bytes >= size
-        if roomy and (best is None or stat.free_bytes > best[0]):
-            best = (stat.free_bytes, node_id)
-    return None if best is None else best[1]
+        if stat.node_id == node_id and stat.free_bytes >= size:
+            room[node_id] = stat.free_bytes
+    if not room:
+        return None
+    roomiest = max(max(room.values()), 1)
+    step = defaults.PLACEMENT_EQUAL_FREE_SHARE
+    return min(
+        room,
+        key=lambda n: (
+            (planned or {}).get(n, 0),
+            -round(room[n] / roomiest / step),
+            hashlib.sha256(f"{spread}:{n}".encode()).digest(),
+        ),
+    )

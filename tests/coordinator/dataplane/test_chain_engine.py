@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.dataplane.chain_engine import Target, store_shard_chain
+from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
 from coordinator.dataplane.store_engine import PreparedStore, prepare_store
 from smoltorrent.errors import NodeUnavailableError
 from tests.checkpoints import write_llm_like
@@ -112,3 +112,25 @@ def test_holders_head_the_chain_and_the_source_sends_nothing(nodes, tmp_path):
     assert out.bytes_from_source == 0 and out.failed == {}
     assert {how for _, how in out.placed.values()} == {"replicated"}
     assert held(nodes[1], digest) and held(nodes[2], digest)
+
+
+def test_a_spare_is_the_node_with_fewest_replicas_planned(nodes):
+    addresses = {n.client().ping(): n.address for n in nodes}
+    ids = sorted(addresses)
+    planned = {ids[0]: 3, ids[1]: 2, ids[2]: 1, ids[3]: 2}
+    assert pick_spare(addresses, 1, KEY, planned=planned, spread="a" * 64) == ids[2]
+
+
+def test_spares_for_different_blobs_spread_over_equal_nodes(nodes):
+    """The replicas of one lost node are replaced at the same moment by tasks that do not
+    see each other's choice: on nodes sharing one disk (free bytes a few MB apart) they
+    used to land all on the node that happened to report the most."""
+    addresses = {n.client().ping(): n.address for n in nodes}
+    planned = dict.fromkeys(addresses, 2)
+    picks = {
+        pick_spare(
+            addresses, 1, KEY, planned=planned, spread=hashlib.sha256(bytes([i])).hexdigest()
+        )
+        for i in range(16)
+    }
+    assert len(picks) >= 3, picks
