@@ -267,7 +267,8 @@ def cli(env: dict[str, str], timeout: float, *argv: str) -> tuple[float, dict | 
     )
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise RuntimeError(f"smoltorrent {' '.join(argv)} failed: {done.stderr.strip()}")
+        why = done.stderr.strip() or done.stdout.strip()
+        raise RuntimeError(f"smoltorrent {' '.join(argv)} failed: {why}")
     return seconds, json.loads(done.stdout)
 
 
@@ -281,7 +282,9 @@ def measure_celery(source: Path, digest: str, args, root: Path, timeout: float) 
         phase("store (Celery, CLI)")
         store_s, stored = cli(env, timeout, "store", str(source), "--replicas", str(args.replicas))
         phase("gather (Celery, CLI)")
-        gathered = root / "celery-gathered.safetensors"
+        # The worker writes gathers only under the directories it allows (safe defaults):
+        # the cluster's own is one.
+        gathered = cluster.root / "celery-gathered.safetensors"
         gather_s, report_ = cli(env, timeout, "gather", source.name, "-o", str(gathered))
         check_same(gathered, digest, "celery gather")
         return {
