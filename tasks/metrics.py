@@ -159,6 +159,11 @@ def _healing_gauges(md) -> list:
         ),
         gauge("smoltorrent_repairs_in_flight", "Repair copies sent and not finished.", len(copies)),
         gauge(
+            "smoltorrent_repairs_waiting",
+            "Repair copies that failed and wait out their backoff (see smoltorrent status).",
+            len(repairs.backing_off(md)),
+        ),
+        gauge(
             "smoltorrent_unrepairable_blobs",
             "Blobs below R that no repair can raise now (see smoltorrent status).",
             len(repairs.unrepairable(md)),

@@ -85,12 +85,12 @@ def in_flight(md: Metadata, now: float | None = None) -> list[InFlight]:
                 digest, target, record["source"], record["size"], record["at"], record["deadline"]
             )
         )
-    if stale:
-        md.r.hdel(K.REPAIRS, *stale)
-        for key in stale:
-            digest, _, target = key.partition(":")
-            if target != "trim":
-                failed(md, digest, target, "its task ended without finishing", now)
+    for key in stale:
+        # Only the reader that drops the record counts the failure (status and the
+        # metrics read this too).
+        digest, _, target = key.partition(":")
+        if md.r.hdel(K.REPAIRS, key) and target != "trim":
+            failed(md, digest, target, "its task ended without finishing", now)
     return out
 
 

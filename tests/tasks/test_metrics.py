@@ -76,6 +76,7 @@ def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
         for healing in (
             "smoltorrent_nodes_dead",
             "smoltorrent_repairs_in_flight",
+            "smoltorrent_repairs_waiting",
             "smoltorrent_unrepairable_blobs",
             "smoltorrent_bad_copies_held",
         ):
@@ -87,6 +88,7 @@ def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
         for series in (
             "smoltorrent_nodes_dead",
             "smoltorrent_repairs_in_flight",
+            "smoltorrent_repairs_waiting",
             "smoltorrent_unrepairable_blobs",
             "smoltorrent_bad_copies_held",
             "smoltorrent_repairs_total",
