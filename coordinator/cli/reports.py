@@ -18,44 +18,40 @@ def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
     """Every version of every checkpoint, or of `name` only (NotFoundError if unknown)."""
     if name is not None and not md.has_name(name):
         raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
-    return [row for row, _ in _versions(md, name)]
+    return [row for row, _, _ in _versions(md, name)]
 
 
 def _versions(
     md: Metadata, name: str | None = None, live: set[str] | None = None
-) -> list[tuple[dict, list[int]]]:
-    """Every version as a listing row, with its live copies per shard when `live` is given
-    (for `status`). Read from the listing summaries and the placement counts, in a few
+) -> list[tuple[dict, list[str], list[int]]]:
+    """Every version as a listing row, with its shards' blobs and, when `live` is given
+    (for `status`), its live copies per shard. Read from the listing summaries in a few
     round trips whatever the number of versions: no manifest is read."""
     registered = set(md.nodes())
-    summaries = md.version_summaries(name, registered, None if live is None else live & registered)
+    # With every registered node live, the live copies are the copies: not counted twice.
+    live_differs = live is not None and not registered <= live
+    summaries = md.version_summaries(name, registered, live & registered if live_differs else None)
     out = []
     for v in summaries:
-        counts = v["copies"]
-        replicas = v["replicas"]
-        out.append(
-            (
-                {
-                    "name": v["name"],
-                    "version_id": v["version_id"],
-                    "vkey": v["vkey"],
-                    "state": v["state"],
-                    "current": v["current"],
-                    "size": v["size"],
-                    "shards": v["shards"],
-                    "tensors": v["tensors"],
-                    "replicas": replicas,
-                    "min_copies": min(counts) if counts else replicas,
-                    "under_replicated": [i for i, c in enumerate(counts) if c < replicas],
-                    "transfers_settled": v["settled"],
-                    "transfers": v["transfers"],
-                    "created_at": float(v["created_at"]),
-                    "reason": v["reason"],
-                    "digests": v["digests"],
-                },
-                v["live"] or [],
-            )
-        )
+        counts, replicas = v["copies"], v["replicas"]
+        row = {
+            "name": v["name"],
+            "version_id": v["version_id"],
+            "vkey": v["vkey"],
+            "state": v["state"],
+            "current": v["current"],
+            "size": v["size"],
+            "shards": v["shards"],
+            "tensors": v["tensors"],
+            "replicas": replicas,
+            "min_copies": min(counts) if counts else replicas,
+            "under_replicated": [i for i, c in enumerate(counts) if c < replicas],
+            "transfers_settled": v["settled"],
+            "transfers": v["transfers"],
+            "created_at": float(v["created_at"]),
+            "reason": v["reason"],
+        }
+        out.append((row, v["digests"], v["live"] if live_differs else counts))
     return out
 
 
@@ -93,13 +89,13 @@ def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[
 def status(md: Metadata, cluster_key: bytes | None) -> dict:
     nodes, live = node_rows(md, cluster_key)
     versions = _versions(md, live=live)
-    ckpts = [row for row, _ in versions]
+    ckpts = [row for row, _, _ in versions]
     names_of: dict[str, set[str]] = {}  # blob -> checkpoints using it, for the repairs
-    for c in ckpts:
-        for digest in c["digests"]:
+    for c, digests, _ in versions:
+        for digest in digests:
             names_of.setdefault(digest, set()).add(c["name"])
     under = []
-    for c, live_copies in versions:
+    for c, _, live_copies in versions:
         if c["state"] != COMMITTED:
             continue
         for i, n in enumerate(live_copies):
