@@ -83,9 +83,9 @@ def transfer(
 
 
 def move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc):
-    """A target that stops answering (or is full) loses this replica to another live node
-    that does not hold the shard: (that node, how it got the shard), or None when no node
-    can take it (the transfer then retries and dead-letters as before)."""
+    """A target that stops answering, is full or corrupts what it is sent loses this replica
+    to another live node that does not hold the shard: (that node, how it got the shard),
+    or None when no node can take it (the transfer then retries and dead-letters)."""
     if not replaceable(exc):
         return None
     vkey = manifest.storage_key()

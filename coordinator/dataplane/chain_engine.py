@@ -11,8 +11,9 @@ tried again in rounds, never by the source when a node already holds a verified 
   between two nodes may be down while both still answer us);
 - only the first digest mismatch in a chain is that node's fault: the nodes after it
   received the same bad bytes and are tried again;
-- a target that stops answering or is full is replaced by `spare` (another live node
-  that does not hold the blob), so the shard still ends at R copies on the survivors.
+- a target that stops answering, is full, or stored other bytes than an unchanged
+  source sent (its disk, RAM or link corrupts data) is replaced by `spare` (another live
+  node that does not hold the blob), so the shard still ends at R copies on good nodes.
 
 Whatever is still unplaced at the end is returned with its error: the caller retries
 it, and dead-letters it when the retries run out.
@@ -40,9 +41,12 @@ from smoltorrent.errors import (
     SourceChangedError,
 )
 
-# Errors that make a target worth replacing by another node: it does not answer, or it
-# cannot hold the blob. A node that corrupts bytes or refuses for other reasons is
-# retried and dead-lettered as before, so the failure stays visible.
+# Errors that make a target worth replacing by another node: it does not answer, it
+# cannot hold the blob, or it corrupted what it was sent (BadTargetError: the source was
+# re-hashed and is unchanged). A corrupting node is replaced at its first mismatch, not
+# after its retries: a retry costs the same bytes as a send to a spare and is far less
+# likely to land, and the mismatch stays on record (attempts, the worker's log). A node
+# that refuses for other reasons is retried and dead-lettered, so that stays visible.
 REPLACEABLE_CODES = frozenset({"peer_unavailable", "disk_full"})
 NODE_FAILURES = (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError)
 
@@ -66,7 +70,7 @@ class ChainOutcome:
 
 
 def replaceable(exc: Exception) -> bool:
-    if isinstance(exc, NodeUnavailableError):
+    if isinstance(exc, NodeUnavailableError | BadTargetError):
         return True
     return isinstance(exc, NodeError) and exc.code in REPLACEABLE_CODES
 

@@ -202,8 +202,9 @@ def send_shard(
     When the target hashes other bytes than the source sent, the source is
     hashed again: only a changed source raises SourceChangedError (abandon the
     version). An unchanged one means the target corrupted the bytes:
-    BadTargetError, a NodeError the caller retries and finally dead-letters,
-    never a reason to abandon and re-store.
+    BadTargetError, a NodeError: the caller moves the replica to another node, or
+    retries and finally dead-letters when none can take it; never a reason to
+    abandon and re-store.
     """
     shard = manifest.shards[shard_index]
     for holder in holders:

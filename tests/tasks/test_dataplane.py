@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from coordinator.local.synthetic import write_checkpoint
@@ -97,6 +98,39 @@ def test_a_node_that_corrupts_every_put_is_dead_lettered_not_a_restore_loop(make
         assert all("error" in a for a in tries)
         out = tmp_path / "out.safetensors"
         c.cli("gather", "c.safetensors", "-o", str(out))
+        assert sha(out) == sha(src)
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("chain", ["1", "0"], ids=["chain", "per-replica"])
+def test_a_node_that_corrupts_every_put_loses_its_replicas_to_good_nodes(
+    make_cluster, tmp_path, chain
+):
+    """Three nodes, R=2, one corrupting every put: each replica planned on it moves to a
+    good node that does not hold the shard, so the store commits with two verified copies
+    of every shard on the good nodes and no dead letter."""
+    c = make_cluster(3, retries=2, SMOLTORRENT_CHAIN=chain)
+    bad = c.node_procs[2]
+    bad_id = bad.client().ping()
+    good = c.node_procs[:2]
+    proxy = start_proxy(str(bad.address), tmp_path, flip_at=FLIP_AT)
+    try:
+        c.cli("nodes", "add", f"127.0.0.1:{proxy.port}")  # node 2 is now reached through it
+        src = make_ckpt(tmp_path / "g.safetensors")
+        vkey = c.cli_json("store", str(src), "--shards", "3")["vkey"]
+        assert c.md.version(vkey)["state"] == COMMITTED
+        assert c.cli_json("dlq", "ls") == []
+        tries = [a for a in c.md.attempts(vkey) if a["node"] == bad_id]
+        assert tries and all("error" in a for a in tries)  # it was planned, and it failed
+        digests = [s.blob_sha256 for s in c.md.manifest(vkey).shards]
+        good_ids = {n.client().ping() for n in good}
+        assert [c.md.placement(d) for d in digests] == [good_ids] * len(digests)
+        assert all(n.client().verify(digests) == [] for n in good)
+        assert bad.client().list_blobs() == {}
+        assert [v["vkey"] for v in c.cli_json("ls") if v["name"] == "g.safetensors"] == [vkey]
+        out = tmp_path / "out.safetensors"
+        c.cli("gather", "g.safetensors", "-o", str(out))
         assert sha(out) == sha(src)
     finally:
         proxy.stop()
