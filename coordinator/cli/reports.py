@@ -32,26 +32,9 @@ def _versions(
     live_differs = live is not None and not registered <= live
     summaries = md.version_summaries(name, registered, live & registered if live_differs else None)
     out = []
-    for v in summaries:
-        counts, replicas = v["copies"], v["replicas"]
-        row = {
-            "name": v["name"],
-            "version_id": v["version_id"],
-            "vkey": v["vkey"],
-            "state": v["state"],
-            "current": v["current"],
-            "size": v["size"],
-            "shards": v["shards"],
-            "tensors": v["tensors"],
-            "replicas": replicas,
-            "min_copies": min(counts) if counts else replicas,
-            "under_replicated": [i for i, c in enumerate(counts) if c < replicas],
-            "transfers_settled": v["settled"],
-            "transfers": v["transfers"],
-            "created_at": float(v["created_at"]),
-            "reason": v["reason"],
-        }
-        out.append((row, v["digests"], v["live"] if live_differs else counts))
+    for row in summaries:
+        digests, copies, live_copies = row.pop("digests"), row.pop("copies"), row.pop("live")
+        out.append((row, digests, live_copies if live_differs else copies))
     return out
 
 

@@ -368,10 +368,12 @@ return 1
 
 # One slice of a listing, as the text of a JSON list (one reply parses far faster than
 # thousands of small ones): for each version at ranks ARGV[1]..ARGV[2] of the zset KEYS[1]
-# that has a listing row, {"vkey", "state", "current", "settled" (transfers settled; not
-# counted for a committed version, whose barrier fired: all of them), "reason" (aborted
-# only), "copies" (per shard, how many of the nodes `among` its placement lists), "live"
-# (the same among the nodes `live`, if given), "row" (the listing row)}.
+# that has a listing row, that row with "vkey", "state", "current", "transfers_settled"
+# (not counted for a committed version, whose barrier fired: all of them), "reason"
+# (aborted only), "copies" (per shard, how many of the nodes `among` its placement lists),
+# "min_copies", "under_replicated" (shards with fewer copies than its replicas) and "live"
+# (copies per shard among the nodes `live`, if given) added: the row `ls` shows, built
+# here so the client only parses it.
 # KEYS: versions zset, listing rows, listing states, current
 # ARGV: start, stop, version-key prefix, placement key head and tail, number of nodes
 #       among, their ids, number of live nodes (-1: not asked), their ids
@@ -393,7 +395,7 @@ local function counts(digests, nodes)
     end
     out[#out + 1] = c
   end
-  return '[' .. table.concat(out, ',') .. ']'
+  return out
 end
 local current = {}  -- name (as JSON) -> its current vkey, read once per name
 local out = {}
@@ -401,29 +403,38 @@ for _, vkey in ipairs(redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])) do
   local raw = redis.call('HGET', KEYS[2], vkey)
   local state = redis.call('HGET', KEYS[3], vkey)
   if raw and state then
-    -- The row is written by _listing_row: name first, digests last. Matching them is far
-    -- cheaper than decoding the row (a quote inside a name is escaped, so cannot match).
+    -- The row is written by _listing_row: name first, digests last. Matching its fields is
+    -- far cheaper than decoding it (a quote inside a name is escaped, so cannot match).
     local name = string.match(raw, '^{"name":(".-"),"version_id":')
     if current[name] == nil then
       current[name] = redis.call('HGET', KEYS[4], cjson.decode(name)) or false
     end
+    local replicas = tonumber(string.match(raw, ',"replicas":(%d+),'))
     local digests = {}
     for d in string.gmatch(string.match(raw, '"digests":%[([^%]]*)%]}$'), '%x+') do
       digests[#digests + 1] = d
     end
-    local settled, reason = -1, ''
+    local settled, reason = string.match(raw, ',"transfers":(%d+),'), ''
     if state ~= 'committed' then
       settled = redis.call('SCARD', ARGV[3] .. vkey .. ':settled')
     end
     if state == 'aborted' then
       reason = redis.call('HGET', ARGV[3] .. vkey, 'reason') or ''
     end
-    out[#out + 1] = '{"vkey":"' .. vkey .. '","state":"' .. state
+    local copies = counts(digests, among)
+    local least, under = replicas, {}
+    for i, c in ipairs(copies) do
+      if c < least then least = c end
+      if c < replicas then under[#under + 1] = i - 1 end
+    end
+    out[#out + 1] = string.sub(raw, 1, -2) .. ',"vkey":"' .. vkey .. '","state":"' .. state
       .. '","current":' .. tostring(current[name] == vkey)
-      .. ',"settled":' .. settled .. ',"reason":' .. cjson.encode(reason)
-      .. ',"copies":' .. counts(digests, among)
-      .. ',"live":' .. (live and counts(digests, live) or 'null')
-      .. ',"row":' .. raw .. '}'
+      .. ',"transfers_settled":' .. settled .. ',"reason":' .. cjson.encode(reason)
+      .. ',"copies":[' .. table.concat(copies, ',') .. ']'
+      .. ',"min_copies":' .. least
+      .. ',"under_replicated":[' .. table.concat(under, ',') .. ']'
+      .. ',"live":' .. (live and '[' .. table.concat(counts(digests, live), ',') .. ']' or 'null')
+      .. '}'
   end
 end
 return '[' .. table.concat(out, ',') .. ']'
@@ -841,9 +852,10 @@ class Metadata:
         self, name: str | None, among: Iterable[str], live: Iterable[str] | None = None
     ) -> list[dict]:
         """Every listed version (of `name` only, if given) as `ls` shows it, ordered by name,
-        then request: the fields of its listing row, plus vkey, state, current, settled
-        (transfers settled), reason, copies (per shard, how many of the nodes `among` hold
-        it) and, if `live` is given, live (the same among those). A few round trips and one
+        then request: the fields of its listing row, plus vkey, state, current,
+        transfers_settled, reason, copies (per shard, how many of the nodes `among` hold
+        it), min_copies, under_replicated and live (the same as copies among the nodes
+        `live`, if given; else None). A few round trips and one
         reply per slice of LISTING_BATCH_VERSIONS, whatever the number of versions: no version
         hash or manifest is read."""
         self._fill_summaries()
@@ -866,14 +878,7 @@ class Metadata:
                     client=p,
                 )
             replies = p.execute() if count else []
-        out = []
-        for reply in replies:
-            for v in json.loads(reply):
-                row = v.pop("row")
-                row.update(v)
-                if row["settled"] < 0:
-                    row["settled"] = row["transfers"]
-                out.append(row)
+        out = [row for reply in replies for row in json.loads(reply)]
         out.sort(key=lambda r: r["name"])  # stable: request order within a name
         return out
 
