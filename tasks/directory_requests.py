@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator import config
-from coordinator.dataplane.gather_engine import fsync_dir
+from coordinator.dataplane.staged_output import fsync_dir
 from coordinator.plan.directory import (
     RECORD_FILE,
     DirectoryPlan,

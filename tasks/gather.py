@@ -13,9 +13,10 @@ import redis
 from kombu.exceptions import OperationalError
 
 from coordinator import config
-from coordinator.dataplane.gather_engine import BadCopy, check_destination, gather_checkpoint
+from coordinator.dataplane.gather_engine import check_destination, gather_checkpoint
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.dataplane.partial_engine import gather_tensors
+from coordinator.dataplane.replicas import BadCopy
 from coordinator.plan.manifest import Manifest
 from coordinator.plan.read_order import read_order
 from coordinator.plan.selection import select

@@ -15,38 +15,20 @@ destination is untouched.
 
 from __future__ import annotations
 
-import errno
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.replicas import BadCopy, first_intact
+from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest, source_prefix
 from smoltorrent import defaults
-from smoltorrent.errors import (
-    DestinationNotAllowedError,
-    DigestMismatchError,
-    GatherError,
-    NodeError,
-    NodeUnavailableError,
-    ProtocolError,
-    SmoltorrentError,
-)
+from smoltorrent.errors import DestinationNotAllowedError, GatherError, SmoltorrentError
 
 Progress = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class BadCopy:
-    """A replica that answered with bytes that are not its blob: wrong size or wrong hash."""
-
-    shard: int
-    digest: str
-    address: str
-    reason: str
 
 
 @dataclass
@@ -56,15 +38,6 @@ class GatherReport:
     served_by: dict[int, str] = field(default_factory=dict)  # shard -> node address
     fallbacks: list[str] = field(default_factory=list)  # one line per replica that failed
     bad_copies: list[BadCopy] = field(default_factory=list)  # copies that proved corrupt
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or create in directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_destination(out_path: str | os.PathLike, allowed: Sequence[os.PathLike]) -> str:
@@ -102,52 +75,39 @@ def gather_checkpoint(
             f"gather of {manifest.name}: {len(sources)} replica lists for "
             f"{len(manifest.shards)} shards"
         )
-    directory = os.path.dirname(out_path)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{os.path.basename(out_path)}.", suffix=".partial", dir=directory
-    )
     report = GatherReport(path=out_path, size=manifest.source_size)
     lock = threading.Lock()
-    try:
-        if manifest.source_size:
-            try:
-                os.posix_fallocate(fd, 0, manifest.source_size)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                raise GatherError(
-                    f"not enough free space in {directory} for {manifest.name} "
-                    f"({manifest.source_size} bytes); free some space or gather elsewhere. "
-                    "Nothing was written."
-                ) from None
+
+    def bad_copy(bad: BadCopy) -> None:
+        with lock:
+            report.bad_copies.append(bad)
+        if on_bad_copy:
+            on_bad_copy(bad)
+
+    with staged_output(out_path, manifest.source_size, manifest.name) as fd:
         os.pwrite(fd, source_prefix(manifest), 0)
 
         def one_shard(index: int) -> str | None:
             shard = manifest.shards[index]
-            tried: list[str] = []
-            for client in sources[index]:
-                try:  # the client hashes as bytes arrive and raises on a mismatch
-                    client.get_blob_to_file(
-                        shard.blob_sha256,
-                        fd,
-                        manifest.data_start + shard.data_start,
-                        size=shard.blob_size,
-                        skip=shard.blob_data_offset,
-                        progress=progress,
-                    )
-                except DigestMismatchError as exc:
-                    tried.append(f"{client.address}: {exc}")
-                    bad = BadCopy(index, shard.blob_sha256, str(client.address), str(exc))
-                    with lock:
-                        report.bad_copies.append(bad)
-                    if on_bad_copy:
-                        on_bad_copy(bad)
-                    continue
-                except (NodeUnavailableError, NodeError, ProtocolError) as exc:
-                    tried.append(f"{client.address}: {exc}")
-                    continue
-                report.served_by[index] = str(client.address)
-                report.fallbacks.extend(f"shard {index} {line}" for line in tried)
+
+            def read(client: NodeClient) -> None:
+                # the client hashes as bytes arrive and raises on a mismatch
+                client.get_blob_to_file(
+                    shard.blob_sha256,
+                    fd,
+                    manifest.data_start + shard.data_start,
+                    size=shard.blob_size,
+                    skip=shard.blob_data_offset,
+                    progress=progress,
+                )
+
+            served_by, tried = first_intact(
+                index, shard.blob_sha256, sources[index], read, bad_copy
+            )
+            if served_by is not None:
+                with lock:
+                    report.served_by[index] = served_by
+                    report.fallbacks.extend(f"shard {index} {line}" for line in tried)
                 return None
             where = "; ".join(tried) or "no node holds a copy"
             tensors = _names(shard.tensors)
@@ -170,17 +130,6 @@ def gather_checkpoint(
                 f" of its source; nothing was written to {out_path}. Gather again, and report"
                 " this if it repeats."
             )
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, out_path)
-        fsync_dir(directory)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return report
 
 

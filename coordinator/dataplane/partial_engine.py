@@ -13,27 +13,20 @@ verified; on failure nothing is left behind.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from coordinator.dataplane.gather_engine import BadCopy
 from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.replicas import BadCopy, first_intact
+from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest
 from coordinator.plan.selection import Piece, Read, Selection
 from smoltorrent import defaults
-from smoltorrent.errors import (
-    DigestMismatchError,
-    GatherError,
-    NodeError,
-    NodeUnavailableError,
-    ProtocolError,
-)
+from smoltorrent.errors import DigestMismatchError, GatherError
 
 
 @dataclass
@@ -107,7 +100,6 @@ def gather_tensors(
     """Write the selected tensors of `manifest` to out_path as one .safetensors file;
     sources[i] lists shard i's replicas in the order to try them."""
     out_path = os.path.abspath(os.fspath(out_path))
-    directory = os.path.dirname(out_path)
     report = PartialReport(
         path=out_path,
         size=selection.size,
@@ -115,51 +107,40 @@ def gather_tensors(
         whole_shards=sorted(selection.whole_shards),
     )
     lock = threading.Lock()
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{os.path.basename(out_path)}.", suffix=".partial", dir=directory
-    )
-    try:
-        try:
-            os.posix_fallocate(fd, 0, selection.size)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            raise GatherError(
-                f"not enough free space in {directory} for {selection.size} bytes of "
-                f"{manifest.name}; free some space or load elsewhere."
-            ) from None
+
+    def bad_copy(bad: BadCopy) -> None:
+        with lock:
+            report.bad_copies.append(bad)
+        if on_bad_copy:
+            on_bad_copy(bad)
+
+    with staged_output(out_path, selection.size, f"tensors of {manifest.name}") as fd:
         os.pwrite(fd, selection.prefix, 0)
 
         def one_read(read: Read) -> str | None:
             shard = manifest.shards[read.shard]
             whole = read.shard in selection.whole_shards
-            tried: list[str] = []
-            for client in sources[read.shard]:
-                sink = _Sink(fd, read.pieces, 0 if whole else read.offset, whole)
+            start = 0 if whole else read.offset
+
+            def fetch(client: NodeClient) -> None:
+                sink = _Sink(fd, read.pieces, start, whole)
                 try:
-                    got = client.read_blob(
+                    client.read_blob(
                         shard.blob_sha256,
                         sink,
-                        offset=0 if whole else read.offset,
+                        offset=start,
                         length=None if whole else read.length,
                         size=shard.blob_size,
                     )
+                finally:  # bytes that came, whether the read then failed or not
                     with lock:
-                        report.bytes_fetched += got
-                    sink.check(read, shard.blob_sha256, str(client.address))
-                except DigestMismatchError as exc:
-                    tried.append(f"{client.address}: {exc}")
-                    bad = BadCopy(read.shard, shard.blob_sha256, str(client.address), str(exc))
-                    with lock:
-                        report.bad_copies.append(bad)
-                    if on_bad_copy:
-                        on_bad_copy(bad)
-                    continue
-                except (NodeUnavailableError, NodeError, ProtocolError) as exc:
-                    with lock:
-                        report.bytes_fetched += sink.position - (0 if whole else read.offset)
-                    tried.append(f"{client.address}: {exc}")
-                    continue
+                        report.bytes_fetched += sink.position - start
+                sink.check(read, shard.blob_sha256, str(client.address))
+
+            served_by, tried = first_intact(
+                read.shard, shard.blob_sha256, sources[read.shard], fetch, bad_copy
+            )
+            if served_by is not None:
                 with lock:
                     report.fallbacks.extend(f"shard {read.shard} {line}" for line in tried)
                 return None
@@ -177,19 +158,4 @@ def gather_tensors(
                 + " | ".join(missing)
                 + ". Bring a node holding them back (`smoltorrent status`) and load again."
             )
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, out_path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return report
