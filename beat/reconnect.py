@@ -13,6 +13,12 @@ waiting in one of its queues), and the rest is sent again under its deterministi
 id (coordinator/state/reconcile.py decides). Every task sent is idempotent: a lost
 message that does come back later finds its work done.
 
+A task shown running at the reconnection may in fact have ended with the connection:
+its child finished, but the main process had not read that yet, and a retry it queued
+before Redis died was fetched and lost. So each time tasks of the lost connection are
+seen to end, the same check runs again (on the event loop, between two deliveries, so no
+message is half-way between a queue and the worker while it reads).
+
 The worker's first connection is left to beat/boot.py, which runs at every start.
 """
 
@@ -22,12 +28,13 @@ import json
 
 from celery import bootsteps
 from celery.utils.log import get_task_logger
-from celery.worker.state import active_requests, reserved_requests
+from celery.worker.state import active_requests, reserved_requests, scheduled_requests
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from beat import reconcile
 from coordinator import config
 from coordinator.state import reconcile as decide
+from smoltorrent import defaults
 from tasks.context import metadata
 
 log = get_task_logger(__name__)
@@ -42,8 +49,9 @@ TaskCall = tuple[str, str, list, dict]
 
 
 def in_worker() -> list[TaskCall]:
-    """The tasks this worker runs or has reserved (Celery already dropped the rest)."""
-    return [(r.name, r.id, r.args, r.kwargs) for r in (*active_requests, *reserved_requests)]
+    """The tasks this worker runs, has reserved or holds until their countdown ends."""
+    held_here = (*active_requests, *reserved_requests, *scheduled_requests)
+    return [(r.name, r.id, r.args, r.kwargs) for r in held_here]
 
 
 def queued(channel, queues: list[str]) -> list[TaskCall]:
@@ -87,7 +95,9 @@ def run(host: str, channel) -> dict[str, int]:
     now_held = held(in_worker() + queued(channel, queues))
     md = metadata()
     counts = reconcile.execute(md, decide.plan_reconnected(md, host, now_held))
-    log.warning("reconnection of %s: sent again %s", host, counts)
+    (log.warning if any(counts.values()) else log.info)(
+        "reconnection of %s: sent again %s", host, counts
+    )
     return counts
 
 
@@ -105,6 +115,26 @@ class Redrive(bootsteps.StartStopStep):
         self.connections += 1
         if self.connections == 1:
             return  # the worker's start: beat/boot.py brings its work back
+        # Tasks of the lost connection still shown running: checked again as they end. The
+        # timer entry belongs to this connection; Celery cancels it if this one breaks too.
+        old = {r.id for r in active_requests}
+        self._redrive(c)
+        if old:
+            entry = c.timer.call_repeatedly(
+                defaults.RECONNECT_RECHECK_S, self._on_tick, (c, old, lambda: entry)
+            )
+
+    def _on_tick(self, c, old: set[str], entry) -> None:
+        ended = old - {r.id for r in active_requests}
+        if not ended:
+            return
+        old -= ended
+        if not old:
+            entry().cancel()
+        self._redrive(c)
+
+    @staticmethod
+    def _redrive(c) -> None:
         try:
             run(config.host_id(), c.connection.default_channel)
         except Exception:  # Redis gone again: the next reconnection runs this again

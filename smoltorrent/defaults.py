@@ -153,6 +153,10 @@ PUBLISH_RETRIES = 30
 PUBLISH_RETRY_STEP_S = 0.5  # seconds added to the wait after each failed publish
 PUBLISH_RETRY_MAX_S = 2.0  # seconds; the longest wait between two publish attempts
 WORKER_HEARTBEAT_S = 5.0  # seconds between a worker's refreshes of its alive key
+# seconds between a reconnected worker's looks at the tasks that were running when the
+# broker connection broke: once one has ended, what it left is checked again (a retry it
+# queued may have been lost with the connection)
+RECONNECT_RECHECK_S = 1.0
 WORKER_ALIVE_TTL_S = 20  # seconds; a worker silent this long (4 missed beats) is gone
 RECONCILE_INTERVAL_S = 60.0  # seconds between reconcile sweeps: a lost step waits at most this
 # seconds a step (a queued commit, a remove, a re-driven request) may take before the
