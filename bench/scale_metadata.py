@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -137,6 +138,7 @@ def main() -> int:
         for node in nodes:
             node.stop()
         os.kill(pid, signal.SIGTERM)
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 
