@@ -32,6 +32,7 @@ from smoltorrent.errors import (
     DigestMismatchError,
     DiskFullError,
     NotFoundError,
+    ProtocolError,
     SmoltorrentError,
 )
 from worker_server import protocol
@@ -341,6 +342,46 @@ class BlobStore:
 
     def delete_manifest(self, key: str) -> bool:
         return unlink_durably(self._manifest_path(key))
+
+    def put_manifest_part(self, key: str, offset: int, total: int, data: bytes) -> None:
+        """Write one part of a manifest sent in parts, in order: the first (offset 0) starts
+        it afresh in tmp/, each next one must start where the last ended, and the one that
+        completes it publishes it like put_manifest (fsynced, renamed into place)."""
+        partial = self.tmp_dir / (protocol.validate_key(key) + ".manifest-parts")
+        try:
+            with open(partial, "wb" if offset == 0 else "r+b") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() != offset:
+                    raise ProtocolError(
+                        f"manifest {key!r} part at {offset}, but {f.tell()} bytes arrived so far:"
+                        " send its parts in order, from offset 0"
+                    )
+                f.write(data)
+                if offset + len(data) < total:
+                    return
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, self._manifest_path(key))
+            fsync_directory(self.manifests_dir)
+        except FileNotFoundError:
+            raise ProtocolError(
+                f"manifest {key!r} part at {offset} before its first part: start from offset 0"
+            ) from None
+        except OSError as exc:
+            if exc.errno in NO_SPACE_ERRNOS:
+                _unlink_quietly(partial)
+                raise DiskFullError(f"no space left to write manifest {key!r}") from exc
+            raise
+
+    def get_manifest_range(self, key: str, offset: int, length: int) -> tuple[int, bytes]:
+        """(the manifest's size, at most `length` of its bytes from `offset`)."""
+        try:
+            with open(self._manifest_path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(offset)
+                return size, f.read(length)
+        except FileNotFoundError:
+            raise NotFoundError(f"this node holds no manifest {key!r}") from None
 
     def get_manifest(self, key: str) -> bytes:
         try:

@@ -87,9 +87,12 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "verify": (BODY_NONE, frozenset({"digests"})),
     "delete": (BODY_NONE, frozenset({"digest"})),
     "replicate": (BODY_NONE, frozenset({"digest", "peer"})),
-    "manifest_put": (BODY_JSON, frozenset({"key"})),
+    # A manifest over one JSON body's limit travels in parts: each puts the bytes at
+    # `offset` of a manifest of `total` bytes, published once the last one arrives.
+    "manifest_put": (BODY_JSON, frozenset({"key", "offset", "total"})),
     "manifest_list": (BODY_NONE, frozenset({"after", "limit"})),
-    "manifest_get": (BODY_NONE, frozenset({"key"})),
+    # `length` bytes from `offset` (the whole manifest by default); the answer says its size.
+    "manifest_get": (BODY_NONE, frozenset({"key", "offset", "length"})),
     "manifest_delete": (BODY_NONE, frozenset({"key"})),
     "auth": (BODY_NONE, frozenset({"mac", "nonce"})),
     "scrub": (BODY_NONE, frozenset({"start"})),
@@ -220,6 +223,21 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
         if not 1 <= limit <= defaults.LIST_PAGE_ENTRIES:
             raise ProtocolError(f"limit {limit} is outside 1..{defaults.LIST_PAGE_ENTRIES}")
         request["limit"] = limit
+    if op == "manifest_put":
+        request["offset"] = validate_length(header.get("offset", 0), "offset")
+        total = header.get("total")
+        request["total"] = None if total is None else validate_length(total, "total")
+        if request["total"] is not None and request["offset"] + body_len > request["total"]:
+            raise ProtocolError(
+                f"manifest part at {request['offset']} of {body_len} bytes runs past its"
+                f" total of {request['total']}"
+            )
+        if request["total"] is None and request["offset"]:
+            raise ProtocolError("a manifest part past offset 0 must say the manifest's total")
+    if op == "manifest_get":
+        request["offset"] = validate_length(header.get("offset", 0), "offset")
+        length = header.get("length")
+        request["length"] = None if length is None else validate_length(length, "length")
     if op == "get":
         request["offset"] = validate_length(header.get("offset", 0), "offset")
         length = header.get("length")

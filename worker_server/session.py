@@ -459,8 +459,12 @@ class Session:
 
     def op_manifest_put(self, request: dict[str, Any]) -> None:
         data = self._read_body()
-        protocol.decode_json(data, what=f"manifest {request['key']!r}")
-        self.store.put_manifest(request["key"], data)
+        key, offset, total = request["key"], request["offset"], request["total"]
+        if total is None or (offset == 0 and total == len(data)):
+            protocol.decode_json(data, what=f"manifest {key!r}")
+            self.store.put_manifest(key, data)
+        else:  # a part: too large to check as JSON here; its reader parses and checks it
+            self.store.put_manifest_part(key, offset, total, data)
         wire.send_frame(self.sock, {"ok": True})
 
     def op_manifest_list(self, request: dict[str, Any]) -> None:
@@ -470,7 +474,20 @@ class Session:
         self._reply_json(page, more=start + len(page) < len(keys))
 
     def op_manifest_get(self, request: dict[str, Any]) -> None:
-        wire.send_frame(self.sock, {"ok": True}, self.store.get_manifest(request["key"]))
+        length = request["length"]
+        if length is not None and length > defaults.MAX_JSON_BODY_BYTES:
+            raise FrameTooLargeError(
+                f"a manifest_get reads at most {defaults.MAX_JSON_BODY_BYTES} bytes, not {length}"
+            )
+        size, data = self.store.get_manifest_range(
+            request["key"], request["offset"], length or defaults.MAX_JSON_BODY_BYTES
+        )
+        if length is None and len(data) < size:
+            raise FrameTooLargeError(
+                f"manifest {request['key']!r} is {size} bytes, over one answer's"
+                f" {defaults.MAX_JSON_BODY_BYTES}: read it in parts (offset, length)"
+            )
+        wire.send_frame(self.sock, {"ok": True, "size": size}, data)
 
     def op_manifest_delete(self, request: dict[str, Any]) -> None:
         wire.send_frame(

@@ -385,7 +385,17 @@ class NodeClient:
         return response.get("status") == "stored"
 
     def put_manifest(self, key: str, data: bytes) -> None:
-        self._call({"op": "manifest_put", "key": key}, data)
+        """Put a manifest; one over a JSON body's limit goes in parts over one connection."""
+        part = defaults.MAX_JSON_BODY_BYTES
+        if len(data) <= part:
+            self._call({"op": "manifest_put", "key": key}, data)
+            return
+        with self._connection() as sock:
+            for offset in range(0, len(data), part):
+                header = {"op": "manifest_put", "key": key, "offset": offset, "total": len(data)}
+                wire.send_frame(sock, header, data[offset : offset + part])
+                _, body_len = wire.recv_response(sock, str(self.address))
+                wire.recv_body(sock, _bounded_body(body_len, self.address))
 
     def list_manifests(self, page_entries: int = defaults.LIST_PAGE_ENTRIES) -> list[str]:
         """Every manifest key the node holds, read in pages (see list_blobs)."""
@@ -401,8 +411,19 @@ class NodeClient:
         return response.get("deleted") is True
 
     def get_manifest(self, key: str) -> bytes:
-        _, body = self._call({"op": "manifest_get", "key": key})
-        return body
+        """A manifest's bytes, read in parts of at most one JSON body's limit."""
+        parts, offset, size = [], 0, None
+        with self._connection() as sock:
+            while size is None or offset < size:
+                header = {"op": "manifest_get", "key": key, "offset": offset}
+                wire.send_frame(sock, {**header, "length": defaults.MAX_JSON_BODY_BYTES})
+                response, body_len = wire.recv_response(sock, str(self.address))
+                parts.append(wire.recv_body(sock, _bounded_body(body_len, self.address)))
+                size = protocol.validate_length(response.get("size"), "size")
+                if not parts[-1] and offset < size:
+                    raise ProtocolError(f"node {self.address} sent an empty part of {key!r}")
+                offset += len(parts[-1])
+        return b"".join(parts)
 
 
 def _bounded_body(body_len: int, address: NodeAddress) -> int:
