@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
-from coordinator.dataplane.store_engine import _hash_blob
+from coordinator.dataplane.store_engine import mismatch_cause
 from coordinator.plan.manifest import Manifest
 from coordinator.plan.source_file import SourceIdentity
 from smoltorrent import defaults
@@ -133,17 +133,11 @@ def store_shard_chain(
 
     def source_changed_or_bad(target: Target, exc: Exception) -> Exception:
         """A head hashed other bytes than the plan: the source changed, or the head is bad."""
-        identity.check(path)
-        if _hash_blob(path, shard_index, prefix, offset, length) != digest:
-            raise SourceChangedError(
-                f"{path} changed while shard {shard_index} was sent (the node hashed different"
-                " bytes); the partial version was abandoned."
-            ) from exc
-        return BadTargetError(
-            f"node {target.client.address} stored other bytes than the unchanged source sent"
-            f" for shard {shard_index} ({exc}): its disk, memory or network link corrupts data."
-            " Check that node (`smoltorrent status`), or remove it from the cluster.",
-        )
+        blob = (digest, prefix, offset, length)
+        cause = mismatch_cause(identity, path, shard_index, blob, target.client.address, exc)
+        if isinstance(cause, SourceChangedError):
+            raise cause from exc  # the whole version is abandoned, not one target
+        return cause
 
     # Each round places at least one target, gives one up, drops a source or uses up a
     # direct try; bounded all the same, so a confused node cannot loop us.

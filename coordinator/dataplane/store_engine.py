@@ -79,9 +79,36 @@ def _hash_shard(
     )
 
 
-def _hash_blob(path: str, index: int, prefix: bytes, offset: int, length: int) -> str:
+def hash_blob(path: str, index: int, prefix: bytes, offset: int, length: int) -> str:
     """SHA-256 of a blob as it would be sent now: prefix, then length bytes of path at offset."""
     return _hash_pass(path, index, prefix, offset, length, ())[0]
+
+
+def mismatch_cause(
+    identity: SourceIdentity,
+    path: str,
+    shard_index: int,
+    blob: tuple[str, bytes, int, int],
+    address: object,
+    exc: Exception,
+) -> SourceChangedError | BadTargetError:
+    """Whose fault a node's digest mismatch is, blob = (digest, prefix, offset, length):
+    the source's if its bytes changed since the plan (the version is abandoned), else the
+    node's (it corrupted what it was sent: another node takes the replica)."""
+    digest, prefix, offset, length = blob
+    identity.check(path)
+    if hash_blob(path, shard_index, prefix, offset, length) != digest:
+        cause: SourceChangedError | BadTargetError = SourceChangedError(
+            f"{path} changed while shard {shard_index} was sent (the node hashed different"
+            " bytes); the partial version was abandoned."
+        )
+    else:
+        cause = BadTargetError(
+            f"node {address} stored other bytes than the unchanged source sent for shard"
+            f" {shard_index} ({exc}): its disk, memory or network link corrupts data. Check"
+            " that node (`smoltorrent status`), or remove it from the cluster."
+        )
+    return cause
 
 
 def _hash_pass(
@@ -220,17 +247,9 @@ def send_shard(
                 shard.blob_sha256, prefix, f.fileno(), offset, length, progress
             )
         except DigestMismatchError as exc:
-            identity.check(prepared_path)
-            if _hash_blob(prepared_path, shard_index, prefix, offset, length) != shard.blob_sha256:
-                raise SourceChangedError(
-                    f"{prepared_path} changed while shard {shard_index} was sent (the node "
-                    "hashed different bytes); the partial version was abandoned."
-                ) from exc
-            raise BadTargetError(
-                f"node {target.address} stored other bytes than the unchanged source sent for"
-                f" shard {shard_index} ({exc}): its disk, memory or network link corrupts data."
-                " Check that node (`smoltorrent status`), or remove it from the cluster."
-            ) from exc
+            blob = (shard.blob_sha256, prefix, offset, length)
+            cause = mismatch_cause(identity, prepared_path, shard_index, blob, target.address, exc)
+            raise cause from exc
     return "sent" if stored else "exists"
 
 

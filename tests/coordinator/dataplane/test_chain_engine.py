@@ -4,6 +4,7 @@ rounds, by the nodes that hold a copy, and a lost target is replaced by a spare.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
 from coordinator.dataplane.store_engine import PreparedStore, prepare_store
-from smoltorrent.errors import NodeUnavailableError
+from smoltorrent.errors import NodeUnavailableError, SourceChangedError
 from tests.checkpoints import write_llm_like
 from tests.nodeproc import start_node
 
@@ -134,3 +135,21 @@ def test_spares_for_different_blobs_spread_over_equal_nodes(nodes):
         for i in range(16)
     }
     assert len(picks) >= 3, picks
+
+
+def test_a_source_changed_behind_its_identity_abandons_rather_than_blames_the_head(nodes, tmp_path):
+    """Bytes rewritten in place with the mtime put back: the head's digest differs, the
+    source is hashed again and differs too, so the version is abandoned (no node is
+    replaced for a fault that is the source's)."""
+    p = prepared(tmp_path / "a.safetensors", nodes)
+    before = Path(p.path).stat()
+    with open(p.path, "r+b") as f:
+        f.seek(p.manifest.data_start)
+        first = f.read(1)
+        f.seek(p.manifest.data_start)
+        f.write(bytes([first[0] ^ 0xFF]))
+    os.utime(p.path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    spares = []
+    with pytest.raises(SourceChangedError, match="changed while shard 0 was sent"):
+        run(p, [target(n, r) for r, n in enumerate(nodes[:3])], spare=lambda seen: spares.append(1))
+    assert spares == []
