@@ -50,7 +50,7 @@ def _record(md: Metadata, names: int, versions: int, node_ids: list[str]) -> Non
             md.commit(vkey, name)
 
 
-class _Counted(Metadata):
+class CountedMetadata(Metadata):
     """Metadata on a new client that counts the requests it sends to Redis (a command or a
     whole pipeline each); the class is set before its first connection."""
 
@@ -98,7 +98,7 @@ def main() -> int:
             f"recorded {args.versions} versions of {args.names} names in "
             f"{time.perf_counter() - t:.1f} s"
         )
-        md = counter = _Counted(url)
+        md = counter = CountedMetadata(url)
         one = "run0042/model.safetensors"
         results = {}
         for what, fn in (

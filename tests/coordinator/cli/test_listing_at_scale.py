@@ -10,6 +10,7 @@ import signal
 import pytest
 import redis
 
+from bench.scale_metadata import CountedMetadata
 from coordinator.cli import reports
 from coordinator.dataplane.node_client import NodeAddress
 from coordinator.local.synthetic import synthetic_manifest
@@ -25,23 +26,6 @@ SHARDS = 2
 # Round trips one listing may take, whatever the number of versions: summaries (marker,
 # rows, states, current, aborted reasons), settled counts, copy counts, scripts loaded.
 MAX_ROUND_TRIPS = 12
-
-
-class _Counted(Metadata):
-    """Metadata on a new client that counts the requests it sends to Redis: one per
-    command, one per pipeline (the class is set before its first connection)."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.sent = 0
-        counter = self
-
-        class Counting(self.r.connection_pool.connection_class):
-            def send_packed_command(self, command, check_health=True):
-                counter.sent += 1
-                return super().send_packed_command(command, check_health)
-
-        self.r.connection_pool.connection_class = Counting
 
 
 def _commandstats(md: Metadata) -> dict[str, int]:
@@ -124,7 +108,7 @@ def _check_rows(rows: list[dict], expected: dict[str, dict]) -> None:
 def test_ls_lists_10000_versions_correctly_in_a_few_round_trips(cluster):
     md, expected, _ = cluster
     md.r.config_resetstat()
-    counted = _Counted(md.url)
+    counted = CountedMetadata(md.url)
     rows = reports.checkpoints(counted)
     sent = counted.sent
     stats = _commandstats(md)
@@ -142,7 +126,7 @@ def test_ls_of_one_name_reads_only_that_name(cluster):
     md, expected, _ = cluster
     name = "run042/model.safetensors"
     md.r.config_resetstat()
-    counted = _Counted(md.url)
+    counted = CountedMetadata(md.url)
     rows = reports.checkpoints(counted, name)
     assert 0 < counted.sent <= MAX_ROUND_TRIPS
     _check_rows(rows, {v: e for v, e in expected.items() if e["name"] == name})
@@ -156,7 +140,7 @@ def test_ls_of_one_name_reads_only_that_name(cluster):
 def test_status_over_10000_versions_names_every_under_replicated_shard(cluster):
     md, expected, ids = cluster
     md.r.config_resetstat()
-    counted = _Counted(md.url)
+    counted = CountedMetadata(md.url)
     s = reports.status(counted, None)
     assert {n["node_id"] for n in s["nodes"] if n["up"]} == set(ids)
     under = {
