@@ -27,7 +27,7 @@ from celery.utils.log import get_task_logger
 from beat import reconcile
 from coordinator import config
 from coordinator.state.metadata import PENDING, Metadata, NodeRecord
-from smoltorrent.errors import SmoltorrentError
+from smoltorrent.errors import CopyBeingTrimmedError, SmoltorrentError
 from tasks.app import app
 from tasks.context import metadata, node_client
 from tasks.enqueue import settle
@@ -76,7 +76,10 @@ def checksum_sync(found: dict[str, list[InFlight]], registered: dict[str, NodeRe
             continue
         for vkey, shard, replica, digest in items:
             if digest not in bad:
-                settle(vkey, shard, replica, node_id, digest)
+                try:
+                    settle(vkey, shard, replica, node_id, digest)
+                except CopyBeingTrimmedError:
+                    continue  # a trim is deleting it: the resumed transfer sends it again
                 settled += 1
     return settled
 

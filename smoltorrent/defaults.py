@@ -197,6 +197,10 @@ REPAIR_BACKOFF_MAX_S = 3600.0
 # seconds a trim (re-hash the copies kept, delete the surplus) may take before the sweep
 # may send it again; a trim is rare (a dead node came back) and each step is idempotent
 TRIM_TIME_LIMIT_S = 3600
+# seconds a trim's mark on the copy it deletes lives (coordinator/state/trim_marks.py): as
+# long as the trim task's hard time limit, so the mark cannot expire while its delete may
+# still reach the node; the trim clears it as soon as the delete is answered
+TRIM_MARK_TTL_S = TRIM_TIME_LIMIT_S
 SWEEP_LOCK_TTL_S = 600  # seconds; a sweep's lock expires if its holder died mid-sweep
 SWEEP_RUNS_KEPT = 100  # runs of each sweep kept on record (start, end, by whom)
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve

@@ -33,6 +33,10 @@ class NodeUnavailableError(SmoltorrentError):
     """A node could not be reached or stopped answering."""
 
 
+class CopyBeingTrimmedError(NodeUnavailableError):
+    """A node's copy of a blob is being trimmed: a transfer there sends it again later."""
+
+
 class NodeError(SmoltorrentError):
     """A node answered a request with a typed error frame."""
 

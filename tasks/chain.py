@@ -19,6 +19,7 @@ from coordinator import config
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
 from coordinator.plan.manifest import blob_prefixes
 from coordinator.plan.source_file import SourceIdentity
+from coordinator.state import trim_marks
 from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -70,10 +71,14 @@ def chain_transfer(
         for r, n in zip(replicas, node_ids, strict=True)
         if (plan[r] if r < len(plan) else n) not in holding
     ]
+    if trim_marks.marked(md, digest, {n for _, n in todo}):
+        # A trim is deleting a target's copy: a put now could land before that delete.
+        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     for r, n in zip(replicas, node_ids, strict=True):
         node = plan[r] if r < len(plan) else n
         if node in holding:  # placed by an earlier try that died before settling it
-            settle(vkey, shard, r, node, digest, name)
+            # held: refused if a trim took it out of the placement since the read above
+            settle(vkey, shard, r, node, digest, name, held=True)
     if not todo:
         return {"how": "exists", "nodes": {}}
     keep_off = set(plan) | holding | {n for _, n in todo}

@@ -206,11 +206,13 @@ def settle(
     node_id: str | None,
     digest: str,
     name: str | None = None,
+    held: bool = False,
 ) -> None:
     """Record a finished transfer; the one that completes the set enqueues the commit and
-    only then marks it enqueued (a crash in between is found by the reconcile sweep)."""
+    only then marks it enqueued (a crash in between is found by the reconcile sweep).
+    `held`: counted from the placement, not sent (see Metadata.settle)."""
     md = metadata()
-    if md.settle(vkey, shard, replica, node_id, digest):
+    if md.settle(vkey, shard, replica, node_id, digest, held):
         send_commit(vkey, name)
         md.mark_commit_enqueued(vkey)
 

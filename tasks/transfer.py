@@ -13,6 +13,7 @@ from coordinator.dataplane.chain_engine import pick_spare, replaceable
 from coordinator.dataplane.store_engine import send_shard
 from coordinator.plan.manifest import blob_prefixes
 from coordinator.plan.source_file import SourceIdentity
+from coordinator.state import trim_marks
 from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -43,6 +44,9 @@ def transfer(
     if md.blob_deleting(digest):
         # A remove is deleting this very blob from the nodes: a copy found there now may
         # vanish, so send it afresh once the remove is done with it.
+        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
+    if trim_marks.marked(md, digest, [node_id]):
+        # A trim is deleting the node's copy: a put now could land before that delete.
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     manifest = md.manifest(vkey)
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}

@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 
 from coordinator.dataplane.node_client import NodeClient
-from coordinator.state import repairs
+from coordinator.state import repairs, trim_marks
 from coordinator.state.metadata import Metadata, NodeRecord
 from smoltorrent.errors import (
     DigestMismatchError,
     NodeError,
     NodeUnavailableError,
-    NotFoundError,
 )
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,8 @@ def trim_blob(
     re-hashed first (a bad one is quarantined there and replaced by the next holder): a
     copy is deleted only while `replicas` verified copies stay, and only while more
     copies stay than any version using the blob asks for now (a store that began using
-    it after the sweep decided, maybe at a higher R, is counted right before each delete)."""
+    it after the sweep decided, maybe at a higher R, is counted as each copy is marked for
+    its delete: coordinator/state/trim_marks.py)."""
     holders = sorted(
         md.placement(digest) & set(up) & set(nodes),
         key=lambda n: (-int(up[n].get("free_bytes", 0)), n),
@@ -105,31 +105,29 @@ def trim_blob(
         return {"kept": keep, "deleted": []}
     deleted = []
     for node_id in spare:
-        # Asked again at each delete: a store that started using the blob since the sweep
-        # decided (at a higher R, its copies settled on these very nodes) keeps them.
-        if len(md.placement(digest) & set(up)) <= max(replicas, copies_wanted(md, digest)):
+        # Marked and out of the placement in one step, only if still surplus: a store that
+        # started using the blob since the sweep decided (at a higher R, its copies settled
+        # on these very nodes) keeps them; one that starts later sends the blob here again
+        # once the delete is done (trim_marks explains every order).
+        outcome = trim_marks.mark(md, digest, node_id, replicas, up)
+        if outcome == 0:
             break
+        if outcome < 0:
+            continue  # no longer listed (found bad, or trimmed by another run)
         try:
             NodeClient(nodes[node_id].address, cluster_key=cluster_key).delete(digest)
         except UNREACHABLE:
-            continue  # still holds it and still counts: the next pass trims it
-        md.remove_placement(digest, node_id)
+            # Whether the delete happened (or will) is unknown: the copy stays out of the
+            # placement (the crosscheck lists it again if it is still there) and the mark
+            # stands until it expires, so no store counts it meanwhile.
+            log.warning("trim of %s on %s: the delete was not answered", digest, node_id)
+            continue
+        trim_marks.clear(md, digest, node_id)
         deleted.append(node_id)
         log.info("trimmed the surplus copy of %s on %s", digest, node_id)
     if deleted:
         repairs.count(md, "trimmed", len(deleted))
     return {"kept": keep, "deleted": deleted}
-
-
-def copies_wanted(md: Metadata, digest: str) -> int:
-    """The most copies any version using `digest` asks for now, pending ones included."""
-    most = 0
-    for vkey in md.blob_refs(digest):
-        try:
-            most = max(most, md.manifest(vkey).replicas)
-        except NotFoundError:
-            continue  # removed since the read
-    return most
 
 
 def settle_quarantined(

@@ -19,7 +19,7 @@ from coordinator.dataplane.node_client import NodeAddress
 from coordinator.plan.manifest import Manifest
 from coordinator.state import redis_keys as K
 from smoltorrent import defaults
-from smoltorrent.errors import MetadataError, NotFoundError
+from smoltorrent.errors import CopyBeingTrimmedError, MetadataError, NotFoundError
 
 PENDING, COMMITTED, ABORTED = "pending", "committed", "aborted"
 _HEX = re.compile("[0-9a-f]+")
@@ -93,12 +93,19 @@ return 'created'
 # one for a removing, removed or unknown version records nothing. The caller enqueues the
 # commit and only then marks commit_enqueued, so a crash in between leaves a complete
 # barrier without the mark, which the reconcile sweep finds and commits.
-# KEYS: settled, ready, version hash, blob placement
+# A replica on a copy a trim is deleting (its mark stands), or one the caller counted from
+# the placement without sending (held) on a node no longer in it, is refused (-1): the
+# caller sends the blob there again (why every order is safe: coordinator/state/trim_marks.py).
+# KEYS: settled, ready, version hash, blob placement, trim mark of (blob, node)
 # ARGV: "shard:replica", shard index ("" when the transfer failed), node id,
-#       number of transfers, number of shards
+#       number of transfers, number of shards, "1" if held
 _BARRIER = """
 local state = redis.call('HGET', KEYS[3], 'state')
 if state ~= 'pending' and state ~= 'committed' and state ~= 'aborted' then return 0 end
+if ARGV[2] ~= '' and (redis.call('EXISTS', KEYS[5]) == 1
+    or (ARGV[6] == '1' and redis.call('SISMEMBER', KEYS[4], ARGV[3]) == 0)) then
+  return -1
+end
 if ARGV[2] ~= '' then redis.call('SADD', KEYS[4], ARGV[3]) end
 if state ~= 'pending' then return 0 end
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -704,28 +711,43 @@ class Metadata:
     def attempts(self, vkey: str) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(K.ATTEMPTS.format(vkey=vkey), 0, -1)]
 
-    def settle(self, vkey: str, shard: int, replica: int, node_id: str | None, digest: str) -> bool:
+    def settle(
+        self,
+        vkey: str,
+        shard: int,
+        replica: int,
+        node_id: str | None,
+        digest: str,
+        held: bool = False,
+    ) -> bool:
         """Record a finished transfer (node_id None when it failed for good); True when the
         set is complete and no commit was enqueued yet: the caller enqueues the commit, then
-        calls mark_commit_enqueued."""
+        calls mark_commit_enqueued. `held`: the caller counted the node from the placement
+        without sending. CopyBeingTrimmedError if the replica cannot count (see _BARRIER)."""
         v = self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
-        return bool(
-            self._barrier(
-                keys=[
-                    K.SETTLED.format(vkey=vkey),
-                    K.READY.format(vkey=vkey),
-                    K.VERSION.format(vkey=vkey),
-                    K.PLACEMENT.format(digest=digest),
-                ],
-                args=[
-                    f"{shard}:{replica}",
-                    "" if node_id is None else str(shard),
-                    node_id or "",
-                    v[0] or 0,
-                    v[1] or 0,
-                ],
-            )
+        done = self._barrier(
+            keys=[
+                K.SETTLED.format(vkey=vkey),
+                K.READY.format(vkey=vkey),
+                K.VERSION.format(vkey=vkey),
+                K.PLACEMENT.format(digest=digest),
+                K.TRIM_MARK.format(digest=digest, node_id=node_id or ""),
+            ],
+            args=[
+                f"{shard}:{replica}",
+                "" if node_id is None else str(shard),
+                node_id or "",
+                v[0] or 0,
+                v[1] or 0,
+                "1" if held else "",
+            ],
         )
+        if done == -1:
+            raise CopyBeingTrimmedError(
+                f"the copy of {digest} on node {node_id} is being trimmed (or was, since it"
+                " was counted): it is sent there again"
+            )
+        return bool(done)
 
     def mark_commit_enqueued(self, vkey: str) -> None:
         """Record that the commit is queued (only after it is: see _BARRIER)."""

@@ -82,6 +82,9 @@ PLACEMENT = PREFIX + "blob:{digest}:nodes"
 BLOB_REFS = PREFIX + "blob:{digest}:refs"
 # tombstone: a remove is deleting this unreferenced blob from the nodes right now
 BLOB_DELETING = PREFIX + "blob:{digest}:deleting"
+# mark on one node's copy of a blob that a trim is deleting right now (expires on its own,
+# defaults.TRIM_MARK_TTL_S): no transfer may count a copy there until it is cleared
+TRIM_MARK = PREFIX + "trim:{digest}:{node_id}"
 # set of blob digests a removing version left unreferenced, still to delete from nodes
 REMOVE_BLOBS = PREFIX + "version:{vkey}:remove_blobs"
 # hash "digest:node_id" -> when (Redis clock, s) the crosscheck first found that node holding

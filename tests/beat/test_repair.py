@@ -294,3 +294,79 @@ def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluste
     finally:
         for p in proxies:
             p.stop()
+
+
+def connected_to(port: int) -> bool:
+    """Whether a client holds an open TCP connection to 127.0.0.1:`port` (the kernel
+    accepts it into the backlog even while the process listening there is stopped)."""
+    out = subprocess.run(
+        ["ss", "-Htn", "state", "established", f"( dport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return bool(out.strip())
+
+
+def test_a_store_created_while_a_trim_deletes_its_copy_ends_with_every_copy_on_disk(
+    make_cluster, tmp_path
+):
+    """The trim of a surplus copy is held at its delete (only the link of the node whose
+    copy it deletes is frozen: SIGSTOP on that node's proxy, the last holder by free space
+    then node id, as trim_blob orders them). A store of the same bytes at R=3 created in
+    that moment must end committed with 3 copies really on the nodes' disks: the trimmed
+    copy is sent again once the delete is done, never counted while it is being deleted."""
+    c = make_cluster(3, SMOLTORRENT_SOCKET_TIMEOUT_S="300")
+    src = make_ckpt(tmp_path / "shared.safetensors")
+    c.cli("store", str(src), "--name", "old", "--shards", "1")
+    (blob,) = [s.blob_sha256 for s in c.md.manifest(c.md.current("old")).shards]
+    ids = {n.client().ping(): n for n in c.node_procs}
+    holder = ids[min(c.md.placement(blob))]
+    (back_id,) = set(ids) - c.md.placement(blob)
+    holder.client().replicate(blob, ids[back_id].address)
+    c.md.add_placement(blob, back_id)
+    proxies = {n: start_proxy(str(p.address), tmp_path / "proxies") for n, p in ids.items()}
+    try:
+        c.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies.values()))
+        run_sweep(c, "health")  # fresh liveness through the proxies
+        up = c.md.alive(c.md.nodes())
+        trimmed = sorted(ids, key=lambda n: (-int(up[n].get("free_bytes", 0)), n))[-1]
+        frozen = proxies[trimmed]
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        assert run_sweep(c, "repair")["trims"] == 1
+        # The trim kept the two others (re-hashed through their live links) and now waits
+        # on its delete: the one connection ever opened to the frozen node's proxy.
+        wait_until(lambda: connected_to(frozen.port), 120, what="the trim at its delete")
+        store = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "new"]
+            + ["--replicas", "3", "--shards", "1"],
+            env=c.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        vkey = wait_until(lambda: next(iter(c.md.versions("new")), None), 60, what="new")
+
+        def chain_ran() -> bool:
+            retried = any(
+                f"smoltorrent.chain[chain-{vkey}-" in line and " retry" in line
+                for line in c.worker_log().splitlines()
+            )
+            return retried or c.md.barrier_complete(vkey)
+
+        # Its chain task has run once (settled, or is waiting for the delete) before the
+        # delete goes through.
+        wait_until(chain_ran, 120, what="the new store's chain to run once")
+    finally:
+        for p in proxies.values():
+            os.kill(p.process.pid, signal.SIGCONT)
+    try:
+        assert store.wait(timeout=300) == 0, store.stdout.read()
+        wait_until(lambda: c.md.r.hlen("smoltorrent:repairs") == 0, 120, what="the trim done")
+        assert c.md.state(vkey) == COMMITTED
+        assert copies_on_disk(c.node_procs)[blob] == 3
+        assert c.md.placement(blob) == set(ids)
+        assert c.md.r.hget("smoltorrent:repairs:counts", "trimmed") == "1"
+    finally:
+        for p in proxies.values():
+            p.stop()

@@ -1,0 +1,94 @@
+"""The mark a trim puts on the one copy it is deleting, so no store counts that copy.
+
+A trim (coordinator/state/healing.py trim_blob) deletes a surplus copy in three steps:
+  M  one script: count again the copies the blob needs (the most any version using it
+     asks for, pending ones included, and the sweep's R) against its holders on up nodes;
+     only if this copy is still surplus, mark it (TRIM_MARK, expiring) and take the node
+     out of the placement;
+  D  the node deletes its copy;
+  C  the trim clears the mark.
+Every transfer and chain task checks the mark of its target before sending (waits while
+it stands), and the commit barrier (metadata.py _BARRIER) refuses to count a replica on a
+marked copy. Why no order of a store S (its version V) against M, D, C leaves V short:
+- V created before M: M counts V's R, and marks only if the copies left without this one
+  are at least that many, so V is at R without it. A task of V that read the placement
+  with this node (before M) and settles it without sending ("held") is refused unless the
+  node is still in the placement: after M it is not, so the task retries and sends the
+  blob again (below). A settle during the mark is refused whatever the path.
+- V created after M: its tasks read the placement after M, without this node, so they
+  send the blob there. Their check before sending sees the mark (M < check < C: they wait
+  and try again) or comes after C > D: the put then reaches the node after its delete and
+  stores a fresh copy. A put never reaches the node before D unless it was checked before
+  M (so its version was created before M, counted above), and its settle during the mark
+  is refused.
+- A put that reached the node before D with its settle after C (a task of a version
+  created before M, whose target was added to the placement by someone else between its
+  read and M) is the one order left: V has its R without that copy (M counted it), the
+  placement lists one copy too many until the crosscheck finds it missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from coordinator.state import redis_keys as K
+from coordinator.state.metadata import Metadata
+from smoltorrent import defaults
+
+# KEYS: blob placement, blob refs, trim mark of (digest, node)
+# ARGV: node id, copies the sweep keeps, mark TTL (s), version hash key prefix, manifest
+#       key suffix, then the up nodes' ids
+# Returns 1 (marked, out of the placement), 0 (no longer surplus), -1 (not a holder).
+_MARK = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return -1 end
+local up = {}
+for i = 6, #ARGV do up[ARGV[i]] = true end
+local held = 0
+for _, n in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if up[n] then held = held + 1 end
+end
+local keep = tonumber(ARGV[2])
+for _, vkey in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local want = redis.call('HGET', ARGV[4] .. vkey, 'replicas')
+  if not want then
+    local raw = redis.call('GET', ARGV[4] .. vkey .. ARGV[5])
+    if raw then want = cjson.decode(raw)['replicas'] end
+  end
+  if want and tonumber(want) > keep then keep = tonumber(want) end
+end
+if held - 1 < keep then return 0 end
+redis.call('SET', KEYS[3], '1', 'EX', ARGV[3])
+redis.call('SREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def mark(md: Metadata, digest: str, node_id: str, replicas: int, up: Iterable[str]) -> int:
+    """Step M (module doc): 1 if `node_id`'s copy is marked and out of the placement, 0 if
+    it is no longer surplus (keep it), -1 if the node no longer holds it."""
+    prefix = K.VERSION.format(vkey="")
+    suffix = K.MANIFEST.format(vkey="")[len(prefix) :]
+    return int(
+        md.r.register_script(_MARK)(
+            keys=[
+                K.PLACEMENT.format(digest=digest),
+                K.BLOB_REFS.format(digest=digest),
+                K.TRIM_MARK.format(digest=digest, node_id=node_id),
+            ],
+            args=[node_id, replicas, defaults.TRIM_MARK_TTL_S, prefix, suffix, *up],
+        )
+    )
+
+
+def clear(md: Metadata, digest: str, node_id: str) -> None:
+    """Step C: the delete is done, a store may send the blob to this node again."""
+    md.r.delete(K.TRIM_MARK.format(digest=digest, node_id=node_id))
+
+
+def marked(md: Metadata, digest: str, node_ids: Iterable[str]) -> set[str]:
+    """Those of `node_ids` whose copy of `digest` a trim is deleting right now."""
+    ids = list(node_ids)
+    if not ids:
+        return set()
+    keys = [K.TRIM_MARK.format(digest=digest, node_id=n) for n in ids]
+    return {n for n, v in zip(ids, md.r.mget(keys), strict=True) if v is not None}
