@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 from smoltorrent import defaults
-from worker_server.server import run_from_args
 
 
 def tcp_port(text: str) -> int:
@@ -66,6 +65,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the shard server the parsed options describe, in the foreground."""
+    # Imported here, not at the top: every other CLI command parses these options too,
+    # and the server (with http.server for its metrics) costs each of them ~75 ms.
+    from worker_server.server import run_from_args
+
     return run_from_args(
         args.data_dir,
         args.host,

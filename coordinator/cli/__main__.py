@@ -2,6 +2,6 @@
 
 import sys
 
-from coordinator.cli.main import main
+from coordinator.cli.main import run
 
-sys.exit(main())
+sys.exit(run())

@@ -1,0 +1,29 @@
+"""The CLI's process entry point: what a command imports, and what run() hands back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_a_cli_command_does_not_import_the_node_server() -> None:
+    # Every command parses `serve`'s options; only `serve` needs the server itself (and
+    # http.server for its metrics), which would add its import time to every store.
+    code = (
+        "import sys; from coordinator.cli.main import build_parser;"
+        " build_parser().parse_args(['ls', '--json']);"
+        " print('worker_server.server' in sys.modules, 'worker_server.options' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "True"]
+
+
+def test_the_entry_point_exits_with_mains_code_and_its_output_arrives_whole() -> None:
+    # run() freezes the garbage collector before the exit; the output is still flushed.
+    argv = [sys.executable, "-m", "coordinator.cli", "--version"]
+    script = subprocess.run(argv, capture_output=True, text=True, check=True)
+    assert script.stdout.strip() and script.stdout.endswith("\n")
+    bad = subprocess.run([*argv[:3], "no-such-command"], capture_output=True, text=True)
+    assert bad.returncode == 2
