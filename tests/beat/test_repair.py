@@ -247,6 +247,20 @@ def run_sweep(c, name: str) -> dict:
         app.close()
 
 
+def stored_with_a_surplus_copy(c, src) -> tuple[str, dict]:
+    """`src` stored as "old" in one shard at R=2 on a 3-node cluster, then copied to the
+    third node and counted there, as when a dead node comes back: a surplus the repair
+    sweep trims. Returns the blob and the nodes by id."""
+    c.cli("store", str(src), "--name", "old", "--shards", "1")
+    (blob,) = [s.blob_sha256 for s in c.md.manifest(c.md.current("old")).shards]
+    ids = {n.client().ping(): n for n in c.node_procs}
+    holder = ids[min(c.md.placement(blob))]
+    (back_id,) = set(ids) - c.md.placement(blob)
+    holder.client().replicate(blob, ids[back_id].address)
+    c.md.add_placement(blob, back_id)
+    return blob, ids
+
+
 def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluster, tmp_path):
     """A blob has a surplus copy (3 copies at R=2: a dead node came back) and its trim is
     on its way when a new store of the same bytes at R=3 settles on all three copies. The
@@ -255,14 +269,7 @@ def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluste
     proxies the nodes are registered through) until the new store has settled."""
     c = make_cluster(3, SMOLTORRENT_SOCKET_TIMEOUT_S="300")
     src = make_ckpt(tmp_path / "shared.safetensors")
-    c.cli("store", str(src), "--name", "old", "--shards", "1")
-    (blob,) = [s.blob_sha256 for s in c.md.manifest(c.md.current("old")).shards]
-    ids = {n.client().ping(): n for n in c.node_procs}
-    holder = ids[min(c.md.placement(blob))]
-    (back_id,) = set(ids) - c.md.placement(blob)
-    # The node that came back holds a good copy, counted: a surplus the sweep trims.
-    holder.client().replicate(blob, ids[back_id].address)
-    c.md.add_placement(blob, back_id)
+    blob, ids = stored_with_a_surplus_copy(c, src)
     proxies = [start_proxy(str(n.address), tmp_path / "proxies") for n in c.node_procs]
     try:
         c.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies))
@@ -318,13 +325,7 @@ def test_a_store_created_while_a_trim_deletes_its_copy_ends_with_every_copy_on_d
     copy is sent again once the delete is done, never counted while it is being deleted."""
     c = make_cluster(3, SMOLTORRENT_SOCKET_TIMEOUT_S="300")
     src = make_ckpt(tmp_path / "shared.safetensors")
-    c.cli("store", str(src), "--name", "old", "--shards", "1")
-    (blob,) = [s.blob_sha256 for s in c.md.manifest(c.md.current("old")).shards]
-    ids = {n.client().ping(): n for n in c.node_procs}
-    holder = ids[min(c.md.placement(blob))]
-    (back_id,) = set(ids) - c.md.placement(blob)
-    holder.client().replicate(blob, ids[back_id].address)
-    c.md.add_placement(blob, back_id)
+    blob, ids = stored_with_a_surplus_copy(c, src)
     proxies = {n: start_proxy(str(p.address), tmp_path / "proxies") for n, p in ids.items()}
     try:
         c.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies.values()))

@@ -48,6 +48,11 @@ def whole(node, digest: str) -> bool:
     return path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == digest
 
 
+def two_verified(c, digest: str) -> bool:
+    """The placement lists two copies and two nodes hold the blob's exact bytes."""
+    return len(c.md.placement(digest)) == 2 and sum(whole(n, digest) for n in c.node_procs) == 2
+
+
 def test_a_flipped_byte_on_a_two_node_cluster_is_repaired_onto_the_same_node(
     make_cluster, beat, tmp_path
 ):
@@ -97,11 +102,7 @@ def test_a_reported_bad_copy_left_on_record_is_rehashed_and_repaired(make_cluste
     c.md.record_bad_copy(digests[0], bad_on, "sha256 mismatch")
     beat(c)
     wait_until(
-        lambda: (
-            all(len(c.md.placement(d)) == 2 for d in digests)
-            and not c.md.reported_bad_copies()
-            and all(sum(whole(n, d) for n in c.node_procs) == 2 for d in digests)
-        ),
+        lambda: all(two_verified(c, d) for d in digests) and not c.md.reported_bad_copies(),
         timeout=120,
         what="every blob back at 2 verified copies",
     )
@@ -120,11 +121,7 @@ def test_a_copy_a_gather_found_corrupt_is_repaired_at_once_with_no_sweep(make_cl
     assert sha(out) == sha(src)
     assert [b["shard"] for b in report["bad_copies"]] == [0]  # the gather met it
     wait_until(
-        lambda: (
-            len(c.md.placement(digests[0])) == 2
-            and sum(whole(n, digests[0]) for n in c.node_procs) == 2
-            and not c.md.reported_bad_copies()
-        ),
+        lambda: two_verified(c, digests[0]) and not c.md.reported_bad_copies(),
         timeout=60,
         what="the bad copy repaired with no sweep running",
     )
@@ -144,10 +141,7 @@ def test_a_bad_copy_a_scrub_reports_is_repaired_in_the_same_sweep(make_cluster, 
     flip_byte(victim, digests[0], 4321)
     beat(c)
     wait_until(
-        lambda: (
-            len(c.md.placement(digests[0])) == 2
-            and sum(whole(n, digests[0]) for n in c.node_procs) == 2
-        ),
+        lambda: two_verified(c, digests[0]),
         timeout=60,
         what="2 verified copies with no repair sweep",
     )
@@ -169,10 +163,9 @@ def test_a_flipped_byte_and_a_deleted_blob_are_healed_by_beat_alone(make_cluster
     beat(c)
 
     def healed() -> bool:
-        return all(
-            len(c.md.placement(d)) == 2 and sum(whole(n, d) for n in c.node_procs) == 2
-            for d in digests
-        ) and not any(n.client().scrub(start=False)["quarantined"] for n in c.node_procs)
+        return all(two_verified(c, d) for d in digests) and not any(
+            n.client().scrub(start=False)["quarantined"] for n in c.node_procs
+        )
 
     wait_until(healed, timeout=180, what="every blob at 2 verified copies")
     out = tmp_path / "out.safetensors"
@@ -196,10 +189,7 @@ def test_a_bad_copy_a_node_finds_mid_pass_is_repaired_before_the_next_scrub_swee
     beat(c)
     victim.client().scrub()  # the pass an earlier scrub sweep started
     wait_until(
-        lambda: (
-            len(c.md.placement(digests[0])) == 2
-            and sum(whole(n, digests[0]) for n in c.node_procs) == 2
-        ),
+        lambda: two_verified(c, digests[0]),
         timeout=60,
         what="2 verified copies before any scrub or repair sweep came round",
     )
