@@ -20,6 +20,11 @@ SOCKET_TIMEOUT_S = 30.0  # seconds without progress before a peer counts as stal
 CONNECT_TIMEOUT_S = 3.0  # seconds; a LAN node that needs longer is down for our purposes
 VERIFY_TIMEOUT_S = 3600.0  # seconds; re-hashing a full node is slow on an SD card
 NONCE_BYTES = 32  # bytes; HMAC challenge size, as long as the SHA-256 output
+# bytes a received blob or gathered file grows by before their writeback is started
+# (worker_server/writeback.py): small enough that the final fsync finds little left to
+# write, large enough that the kernel gets long sequential runs (16 MiB measured on the
+# loopback bench: fsync of 400 MB after writing it, 0.34 s alone, 0.02-0.11 s this way)
+WRITEBACK_CHUNK_BYTES = 16 * 1024 * 1024
 SENDFILE_MAX_BYTES = 1 << 30  # bytes per sendfile call; Linux moves at most ~2 GiB per call
 MAX_KEY_CHARS = 128  # characters in a manifest key; one file name on every file system we meet
 VERIFY_BATCH_DIGESTS = 512  # digests per verify request; ~35 KB of JSON, under MAX_HEADER_BYTES

@@ -35,7 +35,7 @@ from smoltorrent.errors import (
     ProtocolError,
     SmoltorrentError,
 )
-from worker_server import protocol
+from worker_server import protocol, writeback
 
 log = logging.getLogger(__name__)
 
@@ -405,6 +405,8 @@ class IncomingBlob:
         self._hasher = hashlib.sha256()
         self._written = 0
         self._write_error: OSError | None = None
+        # The disk writes while the rest arrives: the fsync in commit() finds little left.
+        self._writeback = writeback.Trail(fd)
 
     def write(self, chunk: memoryview) -> None:
         """Hash and append a chunk; after a write error, keep accepting (and dropping) bytes so
@@ -417,6 +419,7 @@ class IncomingBlob:
                 written = os.write(self._fd, chunk)
                 chunk = chunk[written:]
                 self._written += written
+            self._writeback.wrote(self._written)
         except OSError as exc:
             self._write_error = exc
             self.abort()

@@ -31,7 +31,7 @@ from smoltorrent.errors import (
     ProtocolError,
     SmoltorrentError,
 )
-from worker_server import protocol
+from worker_server import protocol, writeback
 
 
 class FrameAuth:
@@ -346,6 +346,8 @@ def recv_to_file(
     """
     hasher = hashlib.sha256()
     position = 0  # bytes of the body seen so far
+    # The disk writes while the rest arrives: the caller's fsync finds little left.
+    trail = writeback.Trail(fd, offset)
 
     def write(chunk: memoryview) -> None:
         nonlocal position
@@ -363,6 +365,7 @@ def recv_to_file(
                 raise SmoltorrentError(
                     f"cannot write the received data to the output file: {exc}"
                 ) from exc
+            trail.wrote(offset + position + len(chunk) - skip)
         position += len(chunk)
         if progress is not None:
             progress(len(chunk))
