@@ -126,7 +126,7 @@ class Link:
         if not self.streaming or self.broken is not None:
             return
         try:
-            self.sock.sendall(chunk)
+            wire.send_all(self.sock, chunk)
             self.sent += len(chunk)
         except OSError as exc:
             self._break(f"the link to {self.peer} broke after {self.sent} bytes ({exc})")

@@ -19,6 +19,7 @@ import os
 import secrets
 import selectors
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -400,8 +401,7 @@ def send_file_range(
                 sent = os.sendfile(sock.fileno(), fd, offset + sent_total, chunk)
             except BlockingIOError:
                 # A socket with a timeout is non-blocking underneath: wait until it drains.
-                if not selector.select(timeout):
-                    raise TimeoutError(f"peer stopped reading for {timeout} s") from None
+                wait_writable(sock, selector, timeout)
                 continue
             if sent == 0:
                 raise ProtocolError(
@@ -410,6 +410,63 @@ def send_file_range(
             sent_total += sent
             if progress is not None:
                 progress(sent_total)
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
+    """sock.sendall(data), giving up on a peer whose host stopped acknowledging after
+    STALL_S rather than after the whole socket timeout (see wait_writable)."""
+    view = memoryview(data)
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_WRITE)
+        while view:
+            try:
+                # A socket with a timeout is non-blocking underneath; its own send() would
+                # wait out the timeout inside, so the fd is written directly.
+                view = view[os.write(sock.fileno(), view) :]
+            except BlockingIOError:
+                wait_writable(sock, selector, sock.gettimeout())
+
+
+def wait_writable(
+    sock: socket.socket, selector: selectors.BaseSelector, timeout: float | None
+) -> None:
+    """Until sock can take more bytes: at most `timeout` seconds for a peer that reads
+    slowly (a busy node; a chain whose next node is slow), but only about STALL_S once its
+    host stops acknowledging at all (unplugged, powered off: packets vanish, no reset), so
+    a lost node's replica moves to another node in seconds, not a whole socket timeout."""
+    step = defaults.STALL_CHECK_S if timeout is None else min(timeout, defaults.STALL_CHECK_S)
+    waited = 0.0
+    while not selector.select(step):
+        waited += step
+        if timeout is not None and waited >= timeout:
+            raise TimeoutError(f"peer stopped reading for {timeout} s")
+        if peer_unacknowledging(sock):
+            raise TimeoutError(
+                f"peer acknowledged nothing for {defaults.STALL_S:g} s: its host or link is down"
+            )
+
+
+# struct tcp_info (linux/tcp.h): tcpi_retransmits and tcpi_probes are bytes 2 and 3,
+# tcpi_last_ack_recv (ms) the u32 at byte 56; stable since Linux 2.6.
+_TCP_INFO_BYTES = 104
+_LAST_ACK_RECV_AT = 56
+
+
+def peer_unacknowledging(sock: socket.socket) -> bool:
+    """True when the kernel says the peer's host stopped acknowledging what we send: our
+    retransmissions or window probes go unanswered and no ACK came for STALL_S. A peer that
+    is alive but not reading still answers window probes, so it is not. False wherever the
+    kernel does not tell (not Linux): there only the socket timeout applies."""
+    option = getattr(socket, "TCP_INFO", None)
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_BYTES) if option else b""
+    except OSError:
+        return False
+    if len(info) < _LAST_ACK_RECV_AT + 4:
+        return False
+    unanswered = info[2] + info[3]  # retransmissions, then zero-window probes, in a row
+    (since_last_ack_ms,) = struct.unpack_from("=I", info, _LAST_ACK_RECV_AT)
+    return unanswered >= defaults.STALL_UNANSWERED and since_last_ack_ms >= defaults.STALL_S * 1000
 
 
 def close_after_error(sock: socket.socket) -> None:

@@ -1,0 +1,91 @@
+"""A send to a peer whose host stopped acknowledging gives up after STALL_S, not the whole
+socket timeout, while a peer that is alive but not reading gets the whole timeout. The
+sender and the receiver are real processes; the unplugged host is a network namespace
+whose switch port goes down (made and removed here; root and iproute2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from coordinator.local.netns import Lan, unavailable
+from smoltorrent import defaults
+
+# Sends up to 200 MB to HOST:PORT with wire.send_all under a socket timeout of TIMEOUT s and
+# prints how it ended; the receiver never reads, so the send always waits at some point.
+SENDER = """
+import socket, sys, time
+from worker_server import wire
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+sock = wire.connect(host, port, timeout)
+print("connected", flush=True)
+sys.stdin.readline()  # the test cuts the link (or not), then lets us send
+try:
+    wire.send_all(sock, bytes(200_000_000))
+    print("sent")
+except TimeoutError as exc:
+    print("timeout:", exc)
+"""
+
+# Accepts one connection and holds it without reading: alive, with a full window.
+RECEIVER = """
+import socket, sys, time
+srv = socket.create_server((sys.argv[1], 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+time.sleep(600)
+"""
+
+LONG_TIMEOUT_S = 120  # the socket timeout: far longer than the test may wait for the stall
+
+
+def _spawn(prefix: list[str], code: str, *args: str) -> subprocess.Popen[str]:
+    argv = [*prefix, sys.executable, "-c", code, *args]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _send(sender_prefix, receiver_prefix, host, timeout_s, before_send=lambda: None):
+    receiver = _spawn(receiver_prefix, RECEIVER, host)
+    sender = None
+    try:
+        port = receiver.stdout.readline().strip()
+        sender = _spawn(sender_prefix, SENDER, host, port, str(timeout_s))
+        assert sender.stdout.readline().strip() == "connected"
+        before_send()
+        started = time.monotonic()
+        out, _ = sender.communicate("go\n", timeout=timeout_s + 60)
+        return out.strip(), time.monotonic() - started
+    finally:
+        for proc in (sender, receiver):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_peer_alive_but_not_reading_gets_the_whole_socket_timeout():
+    timeout_s = defaults.STALL_S + 3  # past the stall deadline: it must not fire here
+    out, _ = _send([], [], "127.0.0.1", timeout_s)
+    assert out == f"timeout: peer stopped reading for {timeout_s} s"
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"network namespaces: {unavailable()}")
+def test_a_peer_whose_host_is_unplugged_is_given_up_after_the_stall_deadline():
+    lan = Lan(["a", "b"], prefix=f"ststall{os.getpid() % 10000}").open()
+    try:
+        out, waited = _send(
+            lan.exec_prefix("a"),
+            lan.exec_prefix("b"),
+            lan.address("b"),
+            LONG_TIMEOUT_S,
+            before_send=lambda: lan.cut("b"),
+        )
+    finally:
+        left = lan.close()
+    assert out.startswith(f"timeout: peer acknowledged nothing for {defaults.STALL_S:g} s")
+    assert waited < LONG_TIMEOUT_S  # the mechanism above, not a speed: the timeout never came
+    assert left == []
