@@ -416,14 +416,14 @@ def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
     """sock.sendall(data), giving up on a peer whose host stopped acknowledging after
     STALL_S rather than after the whole socket timeout (see wait_writable)."""
     view = memoryview(data)
-    with selectors.DefaultSelector() as selector:
-        selector.register(sock, selectors.EVENT_WRITE)
-        while view:
-            try:
-                # A socket with a timeout is non-blocking underneath; its own send() would
-                # wait out the timeout inside, so the fd is written directly.
-                view = view[os.write(sock.fileno(), view) :]
-            except BlockingIOError:
+    while view:
+        try:
+            # A socket with a timeout is non-blocking underneath; its own send() would wait
+            # out the timeout inside, so the fd is written directly.
+            view = view[os.write(sock.fileno(), view) :]
+        except BlockingIOError:
+            with selectors.DefaultSelector() as selector:  # only once the buffer is full
+                selector.register(sock, selectors.EVENT_WRITE)
                 wait_writable(sock, selector, sock.gettimeout())
 
 
