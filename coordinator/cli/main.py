@@ -404,6 +404,10 @@ def dispatch(args: argparse.Namespace) -> int:
 
         # The demo drives this same entry point; passing it in keeps local/ free of cli/.
         return cmd_demo(args, run_command=main)
+    if args.command in ("worker", "beat"):
+        from coordinator.cli import services
+
+        return getattr(services, f"cmd_{args.command}")(args)
     from coordinator.cli import commands
 
     return getattr(commands, f"cmd_{args.command}")(args)
