@@ -5,13 +5,21 @@ starts as a copy of the worker, so a module left out is left out once per proces
 from __future__ import annotations
 
 import argparse
+import gc
 
 from coordinator import config
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from celery.signals import worker_init
+
     from tasks.app import app
     from worker_server.server import metrics_port_from
+
+    # Every object made so far goes where the collector never looks, before the pool
+    # forks: a child's collections would otherwise write to (and so copy) every page
+    # they visit. Smaller private memory per child (PSS), same code.
+    worker_init.connect(lambda **_: gc.freeze(), weak=False)
 
     host = config.host_id()
     metrics_port = metrics_port_from(args.metrics_port)
