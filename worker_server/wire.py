@@ -85,7 +85,28 @@ class SessionSocket(socket.socket):
             if remaining <= 0:
                 raise TimeoutError("the peer did not finish in time")
             self.settimeout(min(remaining, self._timeout_outside_deadline))
-        return super().recv_into(buffer, nbytes, flags)
+        limit = self.gettimeout()
+        if limit is None or limit <= defaults.STALL_CHECK_S:
+            return super().recv_into(buffer, nbytes, flags)
+        # Waited in steps: between them the kernel says whether the peer's host still
+        # acknowledges what we sent it (a handshake, a body's tail): an unplugged node is
+        # given up after STALL_S, while a node that took every byte and is still working
+        # (an fsync, a re-hash) keeps the whole timeout, as it owes us nothing yet.
+        waited = 0.0
+        try:
+            while True:
+                step = min(defaults.STALL_CHECK_S, limit - waited)
+                self.settimeout(step)
+                try:
+                    return super().recv_into(buffer, nbytes, flags)
+                except TimeoutError:
+                    waited += step
+                    if waited >= limit:
+                        raise
+                    if peer_unacknowledging(self):
+                        raise TimeoutError(_STALLED) from None
+        finally:
+            self.settimeout(limit)
 
     _timeout_outside_deadline: float = defaults.SOCKET_TIMEOUT_S
 
@@ -441,10 +462,10 @@ def wait_writable(
         if timeout is not None and waited >= timeout:
             raise TimeoutError(f"peer stopped reading for {timeout} s")
         if peer_unacknowledging(sock):
-            raise TimeoutError(
-                f"peer acknowledged nothing for {defaults.STALL_S:g} s: its host or link is down"
-            )
+            raise TimeoutError(_STALLED)
 
+
+_STALLED = f"peer acknowledged nothing for {defaults.STALL_S:g} s: its host or link is down"
 
 # struct tcp_info (linux/tcp.h): tcpi_retransmits and tcpi_probes are bytes 2 and 3,
 # tcpi_last_ack_recv (ms) the u32 at byte 56; stable since Linux 2.6.

@@ -15,8 +15,9 @@ import pytest
 from coordinator.local.netns import Lan, unavailable
 from smoltorrent import defaults
 
-# Sends up to 200 MB to HOST:PORT with wire.send_all under a socket timeout of TIMEOUT s and
-# prints how it ended; the receiver never reads, so the send always waits at some point.
+# Sends up to 200 MB to HOST:PORT with wire.send_all under a socket timeout of TIMEOUT s (or
+# a short request and waits for an answer) and prints how it ended; the receiver never
+# reads or answers, so the sender always waits at some point.
 SENDER = """
 import socket, sys, time
 from worker_server import wire
@@ -25,8 +26,12 @@ sock = wire.connect(host, port, timeout)
 print("connected", flush=True)
 sys.stdin.readline()  # the test cuts the link (or not), then lets us send
 try:
-    wire.send_all(sock, bytes(200_000_000))
-    print("sent")
+    if sys.argv[4] == "send":
+        wire.send_all(sock, bytes(200_000_000))
+    else:  # a short request, then its answer awaited
+        sock.sendall(bytes(1000))
+        wire.recv_exact(sock, 1)
+    print("done")
 except TimeoutError as exc:
     print("timeout:", exc)
 """
@@ -49,12 +54,12 @@ def _spawn(prefix: list[str], code: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def _send(sender_prefix, receiver_prefix, host, timeout_s, before_send=lambda: None):
+def _send(sender_prefix, receiver_prefix, host, timeout_s, before_send=lambda: None, how="send"):
     receiver = _spawn(receiver_prefix, RECEIVER, host)
     sender = None
     try:
         port = receiver.stdout.readline().strip()
-        sender = _spawn(sender_prefix, SENDER, host, port, str(timeout_s))
+        sender = _spawn(sender_prefix, SENDER, host, port, str(timeout_s), how)
         assert sender.stdout.readline().strip() == "connected"
         before_send()
         started = time.monotonic()
@@ -67,14 +72,23 @@ def _send(sender_prefix, receiver_prefix, host, timeout_s, before_send=lambda: N
                 proc.wait()
 
 
-def test_a_peer_alive_but_not_reading_gets_the_whole_socket_timeout():
+@pytest.mark.parametrize(
+    ("how", "ended"),
+    [("send", "peer stopped reading for {} s"), ("ask", "timed out")],
+)
+def test_a_peer_alive_but_not_reading_gets_the_whole_socket_timeout(how, ended):
+    """Its host acknowledges everything (window probes included), so however long it keeps
+    us waiting, as a node busy with an fsync or a re-hash would, only the timeout ends it."""
     timeout_s = defaults.STALL_S + 3  # past the stall deadline: it must not fire here
-    out, _ = _send([], [], "127.0.0.1", timeout_s)
-    assert out == f"timeout: peer stopped reading for {timeout_s} s"
+    out, _ = _send([], [], "127.0.0.1", timeout_s, how=how)
+    assert out == "timeout: " + ended.format(timeout_s)
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"network namespaces: {unavailable()}")
-def test_a_peer_whose_host_is_unplugged_is_given_up_after_the_stall_deadline():
+@pytest.mark.parametrize("how", ["send", "ask"])
+def test_a_peer_whose_host_is_unplugged_is_given_up_after_the_stall_deadline(how):
+    """Sending into a full buffer, or waiting for the answer to a request the host never
+    acknowledged (a handshake, the tail of a body): both end at the stall deadline."""
     lan = Lan(["a", "b"], prefix=f"ststall{os.getpid() % 10000}").open()
     try:
         out, waited = _send(
@@ -83,6 +97,7 @@ def test_a_peer_whose_host_is_unplugged_is_given_up_after_the_stall_deadline():
             lan.address("b"),
             LONG_TIMEOUT_S,
             before_send=lambda: lan.cut("b"),
+            how=how,
         )
     finally:
         left = lan.close()
