@@ -21,7 +21,7 @@ emulation.
 --cut-node-after S takes one node's switch port down S seconds into each
 store (a Pi unplugged: packets vanish, no reset) and reports where the store
 ended: time, copies per shard, dead letters. A node whose host stops acknowledging
-while bytes wait for it is given up after STALL_S (5 s) and its replicas move to the
+while bytes wait for it is given up after STALL_S (3 s) and its replicas move to the
 others; a node silent otherwise waits out the socket timeout: --socket-timeout sets
 SMOLTORRENT_SOCKET_TIMEOUT_S for the nodes and the worker (default 30 s).
 --no-chain stores with SMOLTORRENT_CHAIN=0 (every copy from the coordinator).
