@@ -22,19 +22,25 @@ def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
 
 
 def _versions(
-    md: Metadata, name: str | None = None, live: set[str] | None = None
+    md: Metadata,
+    name: str | None = None,
+    live: set[str] | None = None,
+    notable: set[str] | None = None,
 ) -> list[tuple[dict, list[str], list[int]]]:
-    """Every version as a listing row, with its shards' blobs and, when `live` is given
-    (for `status`), its live copies per shard. Read from the listing summaries in a few
-    round trips whatever the number of versions: no manifest is read."""
+    """Every version as a listing row (with `notable`, the blobs of repairs: only the rows
+    `status` reports, with their shards' blobs) and, when `live` is given (for `status`),
+    its live copies per shard. Read from the listing summaries in a few round trips whatever
+    the number of versions: no manifest is read."""
     registered = set(md.nodes())
     # With every registered node live, the live copies are the copies: not counted twice.
     live_differs = live is not None and not registered <= live
-    summaries = md.version_summaries(name, registered, live & registered if live_differs else None)
+    summaries = md.version_summaries(
+        name, registered, live & registered if live_differs else None, bool(notable), notable
+    )
     out = []
     for row in summaries:
-        digests, copies, live_copies = row.pop("digests"), row.pop("copies"), row.pop("live")
-        out.append((row, digests, live_copies if live_differs else copies))
+        blobs, copies, live_copies = row.pop("digests", []), row.pop("copies"), row.pop("live")
+        out.append((row, blobs, live_copies if live_differs else copies))
     return out
 
 
@@ -71,7 +77,13 @@ def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[
 
 def status(md: Metadata, cluster_key: bytes | None) -> dict:
     nodes, live = node_rows(md, cluster_key)
-    versions = _versions(md, live=live)
+    in_flight = sorted(repairs.in_flight(md), key=lambda r: (r.digest, r.target))
+    waiting = sorted(repairs.backing_off(md), key=lambda b: (b.until, b.digest))
+    # Only the versions reported below (pending, under R, or named by a repair) come back:
+    # a healthy cluster's thousands of versions are neither sent nor parsed.
+    versions = _versions(
+        md, live=live, notable={r.digest for r in in_flight} | {b.digest for b in waiting}
+    )
     ckpts = [row for row, _, _ in versions]
     names_of: dict[str, set[str]] = {}  # blob -> checkpoints using it, for the repairs
     for c, digests, _ in versions:
@@ -106,7 +118,7 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
                 "size": r.size,
                 "names": sorted(names_of.get(r.digest, ())),
             }
-            for r in sorted(repairs.in_flight(md), key=lambda r: (r.digest, r.target))
+            for r in in_flight
         ],
         "repairs_waiting": [
             {
@@ -117,7 +129,7 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
                 "error": b.error,
                 "names": sorted(names_of.get(b.digest, ())),
             }
-            for b in sorted(repairs.backing_off(md), key=lambda b: (b.until, b.digest))
+            for b in waiting
         ],
         "repairs_done": repairs.counts(md),
         "pending": [c for c in ckpts if c["state"] == "pending"],

@@ -96,9 +96,10 @@ return 'created'
 # A replica on a copy a trim is deleting (its mark stands), or one the caller counted from
 # the placement without sending (held) on a node no longer in it, is refused (-1): the
 # caller sends the blob there again (why every order is safe: coordinator/state/trim_marks.py).
-# KEYS: settled, ready, version hash, blob placement, trim mark of (blob, node)
+# KEYS: settled, ready, version hash, blob placement, trim mark of (blob, node), placements
+#       listed
 # ARGV: "shard:replica", shard index ("" when the transfer failed), node id,
-#       number of transfers, number of shards, "1" if held
+#       number of transfers, number of shards, "1" if held, digest
 _BARRIER = """
 local state = redis.call('HGET', KEYS[3], 'state')
 if state ~= 'pending' and state ~= 'committed' and state ~= 'aborted' then return 0 end
@@ -106,7 +107,9 @@ if ARGV[2] ~= '' and (redis.call('EXISTS', KEYS[5]) == 1
     or (ARGV[6] == '1' and redis.call('SISMEMBER', KEYS[4], ARGV[3]) == 0)) then
   return -1
 end
-if ARGV[2] ~= '' then redis.call('SADD', KEYS[4], ARGV[3]) end
+if ARGV[2] ~= '' and redis.call('SADD', KEYS[4], ARGV[3]) == 1 then
+  redis.call('HDEL', KEYS[6], ARGV[7])
+end
 if state ~= 'pending' then return 0 end
 redis.call('SADD', KEYS[1], ARGV[1])
 if ARGV[2] ~= '' then redis.call('SADD', KEYS[2], ARGV[2]) end
@@ -283,10 +286,12 @@ return 1
 # A blob deleted from the nodes `ARGV` by a remove: they leave its placement; with no
 # version using it any more, its placement goes entirely (Redis stays bounded). The
 # tombstone goes last, so a store waiting on it then sends the blob afresh.
-# KEYS: placement, reference set, tombstone, the remove's blobs-to-delete set
+# KEYS: placement, reference set, tombstone, the remove's blobs-to-delete set, placements
+#       listed
 # ARGV: digest, then the node ids it was deleted from
 _BLOB_DELETED = """
 for i = 2, #ARGV do redis.call('SREM', KEYS[1], ARGV[i]) end
+redis.call('HDEL', KEYS[5], ARGV[1])
 if redis.call('SCARD', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
 redis.call('DEL', KEYS[3])
 redis.call('SREM', KEYS[4], ARGV[1])
@@ -305,16 +310,19 @@ return 1
 
 # A copy found on a node that placement does not list: recorded only if a version uses
 # the blob (checked in the same step, so a remove emptying its references wins). 1 if added.
-# KEYS: placement, reference set; ARGV: node id
+# KEYS: placement, reference set, placements listed; ARGV: node id, digest
 _RECORD_COPY = """
 if redis.call('SCARD', KEYS[2]) == 0 then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[2])
 return redis.call('SADD', KEYS[1], ARGV[1])
 """
 
 # An orphan deleted from the nodes ARGV: they leave its placement (all of it, if still no
 # version uses it), its orphan marks go, and its tombstone, if this crosscheck set it.
-# KEYS: placement, reference set, tombstone, orphans hash; ARGV: owner, digest, node ids
+# KEYS: placement, reference set, tombstone, orphans hash, placements listed
+# ARGV: owner, digest, node ids
 _ORPHAN_DELETED = """
+redis.call('HDEL', KEYS[5], ARGV[2])
 for i = 3, #ARGV do
   redis.call('SREM', KEYS[1], ARGV[i])
   redis.call('HDEL', KEYS[4], ARGV[2] .. ':' .. ARGV[i])
@@ -375,72 +383,142 @@ return 1
 
 # One slice of a listing, as the text of a JSON list (one reply parses far faster than
 # thousands of small ones): for each version at ranks ARGV[1]..ARGV[2] of the zset KEYS[1]
-# that has a listing row, that row with "vkey", "state", "current", "transfers_settled"
+# that has a listing row (only the notable ones if ARGV[6] has "n": pending, committed with
+# a shard under its replicas, or using one of the blobs listed last), that row (with its
+# digests only if ARGV[6] has "d") with "vkey", "state", "current", "transfers_settled"
 # (not counted for a committed version, whose barrier fired: all of them), "reason"
 # (aborted only), "copies" (per shard, how many of the nodes `among` its placement lists),
 # "min_copies", "under_replicated" (shards with fewer copies than its replicas) and "live"
-# (copies per shard among the nodes `live`, if given) added: the row `ls` shows, built
-# here so the client only parses it.
-# KEYS: versions zset, listing rows, listing states, current
-# ARGV: start, stop, version-key prefix, placement key head and tail, number of nodes
-#       among, their ids, number of live nodes (-1: not asked), their ids
+# (copies per shard among the nodes `live`, if given) added: the row `ls` shows, built here
+# so the client only parses it. Placements are read from their listed copies (KEYS[5]) in
+# one request per slice, a missing one from its set (then kept there): one request per
+# blob made up most of a listing's time.
+# KEYS: versions zset, listing rows, listing states, current, placements listed
+# ARGV: start, stop, version-key prefix, placement key head and tail, options ("d", "n"),
+#       number of nodes among, their ids, number of live nodes (-1: not asked), their ids,
+#       then the blobs that make a version notable
 _LISTING = """
-local among, live = {}, nil
-local n = tonumber(ARGV[6])
-for i = 7, 6 + n do among[ARGV[i]] = true end
-local m = tonumber(ARGV[7 + n])
+local with_digests = string.find(ARGV[6], 'd', 1, true) ~= nil
+local notable_only = string.find(ARGV[6], 'n', 1, true) ~= nil
+local among, live, wanted = {}, nil, {}
+local n = tonumber(ARGV[7])
+for i = 8, 7 + n do among[ARGV[i]] = true end
+local m = tonumber(ARGV[8 + n])
 if m >= 0 then
   live = {}
-  for i = 8 + n, 7 + n + m do live[ARGV[i]] = true end
+  for i = 9 + n, 8 + n + m do live[ARGV[i]] = true end
 end
-local function counts(digests, nodes)
+for i = 9 + n + math.max(m, 0), #ARGV do wanted[ARGV[i]] = true end
+local function many(cmd, key, fields)  -- HMGET in chunks (Lua's unpack has a limit)
   local out = {}
-  for _, d in ipairs(digests) do
-    local c = 0
-    for _, node in ipairs(redis.call('SMEMBERS', ARGV[4] .. d .. ARGV[5])) do
-      if nodes[node] then c = c + 1 end
-    end
-    out[#out + 1] = c
+  for i = 1, #fields, 1000 do
+    local got = redis.call(cmd, key, unpack(fields, i, math.min(i + 999, #fields)))
+    for j = 1, #got do out[i + j - 1] = got[j] end
   end
   return out
 end
+local vkeys = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
+if #vkeys == 0 then return '[]' end
+local raws, states = many('HMGET', KEYS[2], vkeys), many('HMGET', KEYS[3], vkeys)
+local rows, blobs, seen = {}, {}, {}
+for k, vkey in ipairs(vkeys) do
+  local raw, state = raws[k], states[k]
+  if raw and state then
+    -- The row is written by _listing_row: name first, digests last, each digest 64 hex
+    -- digits in quotes. Plain finds, then matches anchored there: far cheaper than
+    -- decoding it, or than a pattern tried at every byte (a quote inside a name is escaped,
+    -- so cannot match).
+    local row = {raw = raw, state = state, vkey = vkey, digests = {}}
+    row.name = string.match(raw, '^{"name":(".-"),"version_id":')
+    local at = string.find(raw, ',"replicas":', 1, true)
+    row.replicas = tonumber(string.match(raw, '^%d+', at + 12))
+    at = string.find(raw, ',"transfers":', at, true)
+    row.settled = string.match(raw, '^%d+', at + 13)
+    row.at = string.find(raw, ',"digests":[', at, true)
+    for i = row.at + 13, #raw - 2, 67 do
+      local d = string.sub(raw, i, i + 63)
+      row.digests[#row.digests + 1] = d
+      if not seen[d] then seen[d] = true; blobs[#blobs + 1] = d end
+    end
+    rows[#rows + 1] = row
+  end
+end
+local holders = {}  -- digest -> its placement, node ids space-separated
+local listed = many('HMGET', KEYS[5], blobs)
+for i, d in ipairs(blobs) do
+  local h = listed[i]
+  if not h then
+    h = table.concat(redis.call('SMEMBERS', ARGV[4] .. d .. ARGV[5]), ' ')
+    if h ~= '' then redis.call('HSET', KEYS[5], d, h) end
+  end
+  holders[d] = h
+end
+-- Copies per shard among `nodes`; a placement's count is worked out once per distinct
+-- placement (a handful of node sets hold every blob).
+local function counter(nodes)
+  local memo = {}
+  return function(digests)
+    local out = {}
+    for i, d in ipairs(digests) do
+      local h = holders[d]
+      local c = memo[h]
+      if c == nil then
+        c = 0
+        for node in string.gmatch(h, '%S+') do
+          if nodes[node] then c = c + 1 end
+        end
+        memo[h] = c
+      end
+      out[i] = c
+    end
+    return out
+  end
+end
+local copies_among, copies_live = counter(among), live and counter(live)
+-- Whether a row is shown when only the notable ones are asked for.
+local function notable(row, copies, live_copies)
+  if not notable_only or row.state == 'pending' then return true end
+  if row.state == 'committed' then
+    for _, c in ipairs(live_copies or copies) do
+      if c < row.replicas then return true end
+    end
+  end
+  for _, d in ipairs(row.digests) do
+    if wanted[d] then return true end
+  end
+  return false
+end
 local current = {}  -- name (as JSON) -> its current vkey, read once per name
 local out = {}
-for _, vkey in ipairs(redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])) do
-  local raw = redis.call('HGET', KEYS[2], vkey)
-  local state = redis.call('HGET', KEYS[3], vkey)
-  if raw and state then
-    -- The row is written by _listing_row: name first, digests last. Matching its fields is
-    -- far cheaper than decoding it (a quote inside a name is escaped, so cannot match).
-    local name = string.match(raw, '^{"name":(".-"),"version_id":')
+for _, row in ipairs(rows) do
+  local copies = copies_among(row.digests)
+  local live_copies = live and copies_live(row.digests)
+  if notable(row, copies, live_copies) then
+    local name, state, vkey = row.name, row.state, row.vkey
     if current[name] == nil then
       current[name] = redis.call('HGET', KEYS[4], cjson.decode(name)) or false
     end
-    local replicas = tonumber(string.match(raw, ',"replicas":(%d+),'))
-    local digests = {}
-    for d in string.gmatch(string.match(raw, '"digests":%[([^%]]*)%]}$'), '%x+') do
-      digests[#digests + 1] = d
-    end
-    local settled, reason = string.match(raw, ',"transfers":(%d+),'), ''
+    local settled, reason = row.settled, '""'
     if state ~= 'committed' then
       settled = redis.call('SCARD', ARGV[3] .. vkey .. ':settled')
     end
     if state == 'aborted' then
-      reason = redis.call('HGET', ARGV[3] .. vkey, 'reason') or ''
+      reason = cjson.encode(redis.call('HGET', ARGV[3] .. vkey, 'reason') or '')
     end
-    local copies = counts(digests, among)
-    local least, under = replicas, {}
+    local least, under = row.replicas, {}
     for i, c in ipairs(copies) do
       if c < least then least = c end
-      if c < replicas then under[#under + 1] = i - 1 end
+      if c < row.replicas then under[#under + 1] = i - 1 end
     end
-    out[#out + 1] = string.sub(raw, 1, -2) .. ',"vkey":"' .. vkey .. '","state":"' .. state
+    local raw = row.raw
+    out[#out + 1] = (with_digests and string.sub(raw, 1, -2) or string.sub(raw, 1, row.at - 1))
+      .. ',"vkey":"' .. vkey .. '","state":"' .. state
       .. '","current":' .. tostring(current[name] == vkey)
-      .. ',"transfers_settled":' .. settled .. ',"reason":' .. cjson.encode(reason)
+      .. ',"transfers_settled":' .. settled .. ',"reason":' .. reason
       .. ',"copies":[' .. table.concat(copies, ',') .. ']'
       .. ',"min_copies":' .. least
       .. ',"under_replicated":[' .. table.concat(under, ',') .. ']'
-      .. ',"live":' .. (live and '[' .. table.concat(counts(digests, live), ',') .. ']' or 'null')
+      .. ',"live":' .. (live_copies and '[' .. table.concat(live_copies, ',') .. ']' or 'null')
       .. '}'
   end
 end
@@ -732,6 +810,7 @@ class Metadata:
                 K.VERSION.format(vkey=vkey),
                 K.PLACEMENT.format(digest=digest),
                 K.TRIM_MARK.format(digest=digest, node_id=node_id or ""),
+                K.PLACEMENTS_LISTED,
             ],
             args=[
                 f"{shard}:{replica}",
@@ -740,6 +819,7 @@ class Metadata:
                 v[0] or 0,
                 v[1] or 0,
                 "1" if held else "",
+                digest,
             ],
         )
         if done == -1:
@@ -833,10 +913,16 @@ class Metadata:
         return set(self.r.smembers(K.PLACEMENT.format(digest=digest)))
 
     def add_placement(self, digest: str, node_id: str) -> None:
-        self.r.sadd(K.PLACEMENT.format(digest=digest), node_id)
+        with self.r.pipeline() as p:  # MULTI: the listed copy goes with the change
+            p.sadd(K.PLACEMENT.format(digest=digest), node_id)
+            p.hdel(K.PLACEMENTS_LISTED, digest)
+            p.execute()
 
     def remove_placement(self, digest: str, node_id: str) -> None:
-        self.r.srem(K.PLACEMENT.format(digest=digest), node_id)
+        with self.r.pipeline() as p:
+            p.srem(K.PLACEMENT.format(digest=digest), node_id)
+            p.hdel(K.PLACEMENTS_LISTED, digest)
+            p.execute()
 
     def names(self) -> list[str]:
         return sorted(self.r.smembers(K.NAMES))
@@ -871,22 +957,31 @@ class Metadata:
         return bool(self.r.sismember(K.NAMES, name))
 
     def version_summaries(
-        self, name: str | None, among: Iterable[str], live: Iterable[str] | None = None
+        self,
+        name: str | None,
+        among: Iterable[str],
+        live: Iterable[str] | None = None,
+        digests: bool = False,
+        notable: Iterable[str] | None = None,
     ) -> list[dict]:
         """Every listed version (of `name` only, if given) as `ls` shows it, ordered by name,
-        then request: the fields of its listing row, plus vkey, state, current,
-        transfers_settled, reason, copies (per shard, how many of the nodes `among` hold
-        it), min_copies, under_replicated and live (the same as copies among the nodes
-        `live`, if given; else None). A few round trips and one
-        reply per slice of LISTING_BATCH_VERSIONS, whatever the number of versions: no version
-        hash or manifest is read."""
+        then request: the fields of its listing row (its shards' digests only if `digests`),
+        plus vkey, state, current, transfers_settled, reason, copies (per shard, how many of
+        the nodes `among` hold it), min_copies, under_replicated and live (the same as copies
+        among the nodes `live`, if given; else None). With `notable` (blob digests), only
+        the versions `status` reports: pending, committed with a shard under its replicas
+        (among `live` if given), or using one of those blobs. A few round trips and one reply
+        per slice of LISTING_BATCH_VERSIONS, whatever the number of versions: no version hash
+        or manifest is read."""
         self._fill_summaries()
         zset = K.ALL_VERSIONS if name is None else K.VERSIONS.format(name=name)
         count = self.r.zcard(zset)
         among = list(among)
         live = None if live is None else list(live)
         head, tail = K.PLACEMENT.split("{digest}")
+        options = ("d" if digests else "") + ("" if notable is None else "n")
         nodes = [len(among), *among, *([-1] if live is None else [len(live), *live])]
+        nodes.extend(notable or ())
         batch = defaults.LISTING_BATCH_VERSIONS
         starts = range(0, count, batch)
         # One MULTI block: the slices see one state (a remove between two would shift the
@@ -895,8 +990,8 @@ class Metadata:
             for start in starts:
                 stop = -1 if start == starts[-1] else start + batch - 1
                 self._listing(
-                    keys=[zset, K.VERSION_ROWS, K.VERSION_STATES, K.CURRENT],
-                    args=[start, stop, K.VERSION.format(vkey=""), head, tail, *nodes],
+                    keys=[zset, K.VERSION_ROWS, K.VERSION_STATES, K.CURRENT, K.PLACEMENTS_LISTED],
+                    args=[start, stop, K.VERSION.format(vkey=""), head, tail, options, *nodes],
                     client=p,
                 )
             replies = p.execute() if count else []
@@ -1083,6 +1178,7 @@ class Metadata:
                 K.BLOB_REFS.format(digest=digest),
                 K.BLOB_DELETING.format(digest=digest),
                 K.REMOVE_BLOBS.format(vkey=vkey),
+                K.PLACEMENTS_LISTED,
             ],
             args=[digest, *nodes],
         )
@@ -1165,8 +1261,12 @@ class Metadata:
     def record_copy(self, digest: str, node_id: str) -> bool:
         """Add a copy a node holds to the placement if a version uses the blob; True if it
         was not listed before."""
-        keys = [K.PLACEMENT.format(digest=digest), K.BLOB_REFS.format(digest=digest)]
-        return bool(self._record_copy(keys=keys, args=[node_id]))
+        keys = [
+            K.PLACEMENT.format(digest=digest),
+            K.BLOB_REFS.format(digest=digest),
+            K.PLACEMENTS_LISTED,
+        ]
+        return bool(self._record_copy(keys=keys, args=[node_id, digest]))
 
     def note_orphan(self, digest: str, node_id: str) -> float:
         """Record (once) that `node_id` holds `digest` with no version using it; seconds
@@ -1199,6 +1299,7 @@ class Metadata:
                 K.BLOB_REFS.format(digest=digest),
                 K.BLOB_DELETING.format(digest=digest),
                 K.ORPHANS,
+                K.PLACEMENTS_LISTED,
             ],
             args=[owner, digest, *nodes],
         )

@@ -78,6 +78,11 @@ READERS = PREFIX + "version:{vkey}:readers"
 
 # set of node ids holding a verified copy of a blob
 PLACEMENT = PREFIX + "blob:{digest}:nodes"
+# hash digest -> its placement's node ids, space-separated: a copy the listing keeps so `ls`
+# reads many placements in one request. Every script changing a placement drops the blob's
+# field in the same step, and the listing fills it again from the set (non-empty only), so
+# a field present always equals its set.
+PLACEMENTS_LISTED = PREFIX + "blobs:listed"
 # set of vkeys of the versions (not removing or removed) whose manifest uses a blob
 BLOB_REFS = PREFIX + "blob:{digest}:refs"
 # tombstone: a remove is deleting this unreferenced blob from the nodes right now

@@ -35,14 +35,14 @@ from coordinator.state import redis_keys as K
 from coordinator.state.metadata import Metadata
 from smoltorrent import defaults
 
-# KEYS: blob placement, blob refs, trim mark of (digest, node)
+# KEYS: blob placement, blob refs, trim mark of (digest, node), placements listed
 # ARGV: node id, copies the sweep keeps, mark TTL (s), version hash key prefix, manifest
-#       key suffix, then the up nodes' ids
+#       key suffix, digest, then the up nodes' ids
 # Returns 1 (marked, out of the placement), 0 (no longer surplus), -1 (not a holder).
 _MARK = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return -1 end
 local up = {}
-for i = 6, #ARGV do up[ARGV[i]] = true end
+for i = 7, #ARGV do up[ARGV[i]] = true end
 local held = 0
 for _, n in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if up[n] then held = held + 1 end
@@ -59,6 +59,7 @@ end
 if held - 1 < keep then return 0 end
 redis.call('SET', KEYS[3], '1', 'EX', ARGV[3])
 redis.call('SREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[6])
 return 1
 """
 
@@ -74,8 +75,9 @@ def mark(md: Metadata, digest: str, node_id: str, replicas: int, up: Iterable[st
                 K.PLACEMENT.format(digest=digest),
                 K.BLOB_REFS.format(digest=digest),
                 K.TRIM_MARK.format(digest=digest, node_id=node_id),
+                K.PLACEMENTS_LISTED,
             ],
-            args=[node_id, replicas, defaults.TRIM_MARK_TTL_S, prefix, suffix, *up],
+            args=[node_id, replicas, defaults.TRIM_MARK_TTL_S, prefix, suffix, digest, *up],
         )
     )
 
