@@ -5,7 +5,9 @@ starts as a copy of the worker, so a module left out is left out once per proces
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gc
+import sys
 
 from coordinator import config
 
@@ -53,6 +55,24 @@ def cmd_beat(args: argparse.Namespace) -> int:
 
     home = config.home()
     home.mkdir(parents=True, exist_ok=True)
-    # Beat keeps each entry's last run in this file, so a restart does not re-send them all.
-    app.start(["beat", "--schedule", str(home / "beat-schedule"), "--loglevel", args.loglevel])
+    # Beat keeps each entry's last run in this file, so a restart does not wait a whole
+    # interval again (a daily scrub would never run under a beat restarted more often). The
+    # file (a dbm.dumb shelf) has no lock of its own: two beats writing it corrupt it, and
+    # a corrupt entry can stop a sweep being sent. The first beat on a home holds the lock
+    # while it runs; another one keeps its schedule in memory (the sweeps' own lock makes
+    # two beats safe).
+    lock = open(home / "beat-schedule.lock", "a")  # noqa: SIM115  (held until exit)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        where = ["--schedule", str(home / "beat-schedule")]
+    except BlockingIOError:
+        print(
+            f"another beat on {home} keeps the schedule file; this one keeps its schedule in"
+            " memory (sweeps stay safe: each runs once at a time)",
+            file=sys.stderr,
+            flush=True,
+        )
+        where = ["--scheduler", "celery.beat:Scheduler"]
+    app.start(["beat", *where, "--loglevel", args.loglevel])
+    lock.close()
     return 0

@@ -45,3 +45,5 @@ def test_two_beats_never_run_a_sweep_twice_at_once(make_cluster, beat_process, t
         assert runs and overlapping(runs) == [], name
     logs = [p.read_text() for p in sorted(tmp_path.glob("beat*.log"))]
     assert all("smoltorrent.sweep.crosscheck" in log for log in logs)
+    # One schedule file, written by one beat only (two writers corrupt it).
+    assert sum("keeps its schedule in memory" in log for log in logs) == 1
