@@ -8,18 +8,24 @@ inherits a half-started browser.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from celery.signals import worker_ready, worker_shutdown
 from celery.utils.log import get_logger
 
 from coordinator import config
-from coordinator.discovery import Browser, Found, register
 from tasks.context import metadata
+
+if TYPE_CHECKING:
+    from coordinator.discovery import Browser, Found
 
 log = get_logger(__name__)
 _browser: list[Browser] = []
 
 
 def _register(found: Found) -> None:
+    from coordinator.discovery import register
+
     outcome, address = register(metadata(), found, config.cluster_key())
     if outcome != "known":
         where = "at" if outcome == "added" else "to"
@@ -29,6 +35,10 @@ def _register(found: Found) -> None:
 @worker_ready.connect
 def start_browsing(sender=None, **_) -> None:
     if config.discover_enabled() and not _browser:
+        # Imported here, after the pool forked: zeroconf (3 MB) is then in no pool child,
+        # and in no worker at all unless discovery is on.
+        from coordinator.discovery import Browser
+
         _browser.append(Browser(_register).start())
         log.warning("discovery: browsing for _smoltorrent._tcp.local. nodes")
 
