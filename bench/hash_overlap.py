@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 
 from bench.store_gather import child_env  # noqa: E402
 from coordinator.dataplane.chain_engine import Target, store_shard_chain  # noqa: E402
-from coordinator.dataplane.store_engine import _hash_shard, prepare_store  # noqa: E402
+from coordinator.dataplane.store_engine import hash_shard, prepare_store  # noqa: E402
 from coordinator.local.cluster import NodeProcess  # noqa: E402
 from coordinator.local.synthetic import write_checkpoint  # noqa: E402
 from coordinator.plan.chains import chain_order  # noqa: E402
@@ -63,7 +63,7 @@ def measure(size_gb: float, repeat: int, root: Path) -> dict:
         chains = chain_order(list(prepared.targets), [s.blob_size for s in manifest.shards])
 
         def hash_one(index: int) -> int:
-            _hash_shard(str(source), header, plans[index])
+            hash_shard(str(source), header, plans[index])
             return index
 
         def send_one(index: int) -> None:

@@ -68,7 +68,7 @@ class StoreResult:
         return [i for i, nodes in self.holders.items() if len(nodes) < self.manifest.replicas]
 
 
-def _hash_shard(
+def hash_shard(
     path: str, header: CheckpointHeader, plan: ShardPlan
 ) -> tuple[str, tuple[str, ...]]:
     """The blob's SHA-256 and each of its tensors' (manifest schema 2), in one read."""
@@ -178,7 +178,7 @@ def prepare_store(
     hashed_bytes = 0
     if hashed is None or len(hashed) != len(plans):
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            hashed = list(pool.map(lambda p: _hash_shard(path, header, p), plans))
+            hashed = list(pool.map(lambda p: hash_shard(path, header, p), plans))
         hashed_bytes = sum(p.data_size for p in plans)
         # Remembered only if the file is still the one whose stat made the key.
         if digest_cache and DigestCache.key(os.stat(path), plans) == key:
