@@ -68,9 +68,7 @@ class StoreResult:
         return [i for i, nodes in self.holders.items() if len(nodes) < self.manifest.replicas]
 
 
-def hash_shard(
-    path: str, header: CheckpointHeader, plan: ShardPlan
-) -> tuple[str, tuple[str, ...]]:
+def hash_shard(path: str, header: CheckpointHeader, plan: ShardPlan) -> tuple[str, tuple[str, ...]]:
     """The blob's SHA-256 and each of its tensors' (manifest schema 2), in one read."""
     by_name = {tensor.name: tensor for tensor in header.tensors}
     ends = [by_name[name].end - plan.data_start for name in plan.tensors]
