@@ -16,6 +16,7 @@ The metrics wrap the tasks through Celery signals: the tasks stay unaware of the
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -109,20 +110,14 @@ class ClusterCollector:
         registered.add_metric([], len(nodes))
         dead = GaugeMetricFamily("smoltorrent_dead_letters", "Tasks that failed for good.")
         dead.add_metric([], md.dead_letter_depth())
-        under, pending = 0, 0
-        for name in md.names():
-            for vkey in md.versions(name):
-                try:
-                    v = md.version(vkey)
-                    if v["state"] != COMMITTED:
-                        pending += v["state"] == PENDING
-                        continue
-                    manifest = md.manifest(vkey)
-                except NotFoundError:
-                    continue  # removed between the listing and the read
-                for shard in manifest.shards:
-                    if len(md.placement(shard.blob_sha256) & set(live)) < manifest.replicas:
-                        under += 1
+        # From the listing summaries, only the versions that count (pending, or committed
+        # with a shard under R by live copies): a few requests per scrape, no manifest read,
+        # whatever the number of versions.
+        rows = md.version_summaries(None, nodes, set(live) & set(nodes), notable=set())
+        pending = sum(r["state"] == PENDING for r in rows)
+        under = sum(
+            sum(c < r["replicas"] for c in r["live"]) for r in rows if r["state"] == COMMITTED
+        )
         under_g = GaugeMetricFamily(
             "smoltorrent_under_replicated_shards",
             "Shards of committed versions with fewer live copies than their replicas.",
@@ -177,6 +172,13 @@ def _healing_gauges(md) -> list:
     ]
 
 
+@functools.lru_cache(maxsize=8)
+def _blob_sizes(vkey: str) -> tuple[int, ...]:
+    """Each shard's blob size: fixed by the version's content (its key), so parsed once per
+    process, not once per transfer (a manifest of thousands of tensors is megabytes)."""
+    return tuple(s.blob_size for s in metadata().manifest(vkey).shards)
+
+
 def _on_prerun(task_id=None, **_) -> None:
     _started[task_id] = time.monotonic()
 
@@ -189,7 +191,7 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
         kwargs = kwargs or {}
         node = kwargs.get("node_id", "")
         try:
-            size = metadata().manifest(kwargs["vkey"]).shards[kwargs["shard"]].blob_size
+            size = _blob_sizes(kwargs["vkey"])[kwargs["shard"]]
         except (NotFoundError, KeyError, IndexError):
             return
         _m.transfer_bytes.labels(node=node).inc(size)
@@ -197,7 +199,7 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
     elif sender.name == "smoltorrent.chain" and isinstance(retval, dict) and started:
         kwargs = kwargs or {}
         try:
-            size = metadata().manifest(kwargs["vkey"]).shards[kwargs["shard"]].blob_size
+            size = _blob_sizes(kwargs["vkey"])[kwargs["shard"]]
         except (NotFoundError, KeyError, IndexError):
             return
         for node, how in (retval.get("nodes") or {}).items():

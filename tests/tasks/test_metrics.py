@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
+from coordinator.dataplane.node_client import NodeAddress
 from coordinator.local.prometheus import LocalPrometheus, dashboard_panels, prometheus_binary
-from coordinator.local.synthetic import write_checkpoint
+from coordinator.local.synthetic import synthetic_manifest, write_checkpoint
+from coordinator.plan.manifest import storage_key
+from coordinator.state.embedded_redis import start_redis, url_for
+from coordinator.state.metadata import Metadata
+from tests.nodeproc import start_node
 from tests.tasks.conftest import wait_until
 
 
@@ -129,3 +135,49 @@ def test_node_metrics_parse_as_prometheus_text(tmp_path):
     assert hist[("smoltorrent_node_request_seconds_bucket", "+Inf")] == 2
     assert hist[("smoltorrent_node_request_seconds_count", None)] == 2
     assert families["smoltorrent_node_blobs"].samples[0].value == 3
+
+
+def test_cluster_gauges_come_from_the_listing_not_from_every_manifest(tmp_path, monkeypatch):
+    """The worker's cluster gauges (read on every scrape) count under-replicated shards by
+    live copies and pending versions right, without reading one manifest per version: with
+    10,000 checkpoints a scrape must not parse 10,000 manifests."""
+    import tasks.context
+    from tasks.metrics import ClusterCollector
+
+    monkeypatch.delenv("SMOLTORRENT_CLUSTER_KEY", raising=False)
+    pid, port = start_redis(tmp_path / "redis")
+    nodes = [start_node(tmp_path / f"node{i}") for i in range(2)]
+    try:
+        url = url_for(tmp_path / "redis", port)
+        md = Metadata(url)
+        a, b = (n.client().stat().node_id for n in nodes)
+        down = "f" * 32  # registered, never answers: its copies are not live
+        md.add_node(a, nodes[0].address)
+        md.add_node(b, nodes[1].address)
+        md.add_node(down, NodeAddress("127.0.0.1", 9))
+        under = pending = 0
+        for i in range(30):
+            m = synthetic_manifest(f"run{i % 3}/m.safetensors", i, 2)
+            vkey = storage_key(m.name, m.version_id)
+            holders = [(a, b), (a, down) if i % 3 == 0 else (a, b)]
+            md.create_pending(m, vkey, {"path": "/x"}, holders)
+            if i % 5 == 4:
+                pending += 1
+                continue
+            for s, shard_nodes in enumerate(holders):
+                for r, node_id in enumerate(shard_nodes):
+                    md.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
+            md.commit(vkey, m.name)
+            under += i % 3 == 0
+        monkeypatch.setattr(tasks.context, "REDIS_URL", url)
+        md.r.config_resetstat()
+        gauges = {f.name: f.samples[0].value for f in ClusterCollector().collect() if f.samples}
+        stats = md.r.info("commandstats")
+        assert gauges["smoltorrent_nodes_up"] == 2
+        assert gauges["smoltorrent_under_replicated_shards"] == under > 0
+        assert gauges["smoltorrent_pending_versions"] == pending > 0
+        assert "cmdstat_get" not in stats, "a manifest was read"
+    finally:
+        for node in nodes:
+            node.stop()
+        os.kill(pid, signal.SIGTERM)
