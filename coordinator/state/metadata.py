@@ -749,6 +749,25 @@ class Metadata:
             )
         return Manifest.from_json(raw)
 
+    def manifests(self, vkeys: Iterable[str]) -> dict[str, Manifest]:
+        """vkey -> its manifest, for those of `vkeys` that have one (a version removed
+        meanwhile is left out): one round trip per LISTING_BATCH_VERSIONS, not per version."""
+        vkeys = list(vkeys)
+        out: dict[str, Manifest] = {}
+        batch = defaults.LISTING_BATCH_VERSIONS
+        for start in range(0, len(vkeys), batch):
+            chunk = vkeys[start : start + batch]
+            with self.r.pipeline(transaction=False) as p:
+                for vkey in chunk:
+                    p.get(K.MANIFEST.format(vkey=vkey))
+                raws = p.execute()
+            out.update(
+                (vkey, Manifest.from_json(raw))
+                for vkey, raw in zip(chunk, raws, strict=True)
+                if raw is not None
+            )
+        return out
+
     def plan(self, vkey: str) -> list[tuple[str, ...]]:
         raw = self.r.hgetall(K.PLAN.format(vkey=vkey))
         return [tuple(json.loads(raw[str(i)])) for i in range(len(raw))]

@@ -102,10 +102,10 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
             chosen.append((vkey, settled_shards(md, vkey)))
         except NotFoundError:
             continue  # committed, aborted or removed since the listing
+    manifests = md.manifests(vkey for vkey, _ in chosen)
     for vkey, done in chosen:
-        try:
-            manifest = md.manifest(vkey)
-        except NotFoundError:
+        manifest = manifests.get(vkey)
+        if manifest is None:
             continue  # removed since the listing
         for i, shard in enumerate(manifest.shards):
             d = shard.blob_sha256

@@ -7,12 +7,15 @@ import signal
 
 import pytest
 
+from bench.scale_metadata import CountedMetadata
 from coordinator.dataplane.store_engine import PreparedStore, prepare_store
-from coordinator.local.synthetic import write_checkpoint
+from coordinator.local.synthetic import synthetic_manifest, write_checkpoint
+from coordinator.plan.manifest import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state import repairs, trim_marks
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.repair_plan import wanted_blobs
 
 FREE = {"node-a": 10**12, "node-b": 10**12}
 
@@ -316,3 +319,26 @@ def test_status_reads_only_the_versions_it_reports(md, tmp_path):
     ]
     assert row["digests"] == [s.blob_sha256 for s in healthy.manifest.shards]
     assert len(md.version_summaries(None, among)) == 3
+
+
+def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path):
+    """wanted_blobs runs every 30 s over every committed version: its manifests come in
+    batches, not one request each."""
+    vkeys = []
+    for i in range(1500):  # over one batch of LISTING_BATCH_VERSIONS
+        m = synthetic_manifest("many", i)
+        vkey = storage_key(m.name, m.version_id)
+        md.create_pending(m, vkey, {}, [("node-a", "node-b") for _ in m.shards])
+        md.commit(vkey, m.name)
+        vkeys.append(vkey)
+    counted = CountedMetadata(md.url)
+    counted.r.ping()  # the connection's own handshake is not counted below
+    counted.sent = 0
+    got = counted.manifests([*vkeys, "0" * 32])  # one never recorded: left out
+    assert list(got) == vkeys
+    assert got[vkeys[7]] == md.manifest(vkeys[7])
+    assert counted.sent == 2  # 1,501 manifests asked: two batches
+    counted.sent = 0
+    blobs = wanted_blobs(counted)
+    assert len(blobs) == 2 * len(vkeys)
+    assert counted.sent <= 10
