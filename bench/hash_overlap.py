@@ -71,9 +71,7 @@ def measure(size_gb: float, repeat: int, root: Path) -> dict:
             out = store_shard_chain(
                 prepared.path,
                 prepared.identity,
-                manifest,
-                index,
-                prepared.prefixes[index],
+                prepared.spans()[index],
                 targets,
             )
             if out.failed:

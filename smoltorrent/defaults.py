@@ -121,6 +121,10 @@ MANIFEST_EXTRA_TIMEOUT_S = 5.0  # seconds a non-holder gets to take a manifest (
 LISTING_BATCH_VERSIONS = 1000
 ATTEMPTS_KEPT = 1000  # entries of a version's transfer attempt log kept (the latest ones)
 ATTEMPTS_TTL_S = 7 * 24 * 3600  # seconds a committed version's attempt log stays readable
+# seconds a pending version's blob spans (what each transfer reads instead of the whole
+# manifest) stay in Redis if no commit drops them first: a day covers a slow store; a
+# transfer after that (a replay) rebuilds its span from the manifest
+SPANS_TTL_S = 24 * 3600
 REQUEST_TTL_S = 7 * 24 * 3600  # seconds a finished request stays readable (CLI, API, audit)
 
 # --- Celery control plane (tasks/) ------------------------------------------

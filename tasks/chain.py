@@ -17,7 +17,6 @@ from celery.utils.log import get_task_logger
 
 from coordinator import config
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
-from coordinator.plan.manifest import blob_prefixes
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
 from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
@@ -59,7 +58,7 @@ def chain_transfer(
         return {"how": f"version {v['state']}", "nodes": {}}
     if md.blob_deleting(digest):
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
-    manifest = md.manifest(vkey)
+    span = md.span(vkey, shard)
     plan = md.plan(vkey)[shard]
     registered = md.nodes()
     holding = md.placement(digest)
@@ -82,7 +81,7 @@ def chain_transfer(
     if not todo:
         return {"how": "exists", "nodes": {}}
     keep_off = set(plan) | holding | {n for _, n in todo}
-    blob_size = manifest.shards[shard].blob_size
+    blob_size = span.size
 
     def spare(seen: set[str]) -> Target | None:
         return spare_for(registered, keep_off | seen, blob_size, md.plan(vkey), digest)
@@ -114,9 +113,7 @@ def chain_transfer(
         outcome = store_shard_chain(
             v["path"],
             SourceIdentity.from_dict(json.loads(v["identity"])),
-            manifest,
-            shard,
-            blob_prefixes(manifest)[shard],
+            span,
             targets,
             holders,
             spare,

@@ -16,7 +16,7 @@ The metrics wrap the tasks through Celery signals: the tasks stay unaware of the
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import shutil
 import sys
@@ -32,13 +32,14 @@ from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import COMMITTED, PENDING
 from coordinator.state.repair_plan import TRIM
 from smoltorrent import defaults
-from smoltorrent.errors import NotFoundError, SmoltorrentError
+from smoltorrent.errors import ManifestError, NotFoundError, SmoltorrentError
 from tasks.context import metadata
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _m = SimpleNamespace()
-_started: dict[str, float] = {}  # task id -> monotonic start, in the child running it
+# task id -> (monotonic start, its shard's blob size if a transfer), in the child running it
+_started: dict[str, tuple[float, int | None]] = {}
 
 
 def enable(port: int, directory: Path, host: str = "0.0.0.0") -> int:
@@ -172,37 +173,30 @@ def _healing_gauges(md) -> list:
     ]
 
 
-@functools.lru_cache(maxsize=8)
-def _blob_sizes(vkey: str) -> tuple[int, ...]:
-    """Each shard's blob size: fixed by the version's content (its key), so parsed once per
-    process, not once per transfer (a manifest of thousands of tensors is megabytes)."""
-    return tuple(s.blob_size for s in metadata().manifest(vkey).shards)
+_TRANSFERS = ("smoltorrent.transfer", "smoltorrent.chain")
 
 
-def _on_prerun(task_id=None, **_) -> None:
-    _started[task_id] = time.monotonic()
+def _on_prerun(sender=None, task_id=None, kwargs=None, **_) -> None:
+    # The shard's size is read now, while its version is pending and its span is kept in
+    # Redis (a commit racing the task's end drops it; the manifest would be megabytes).
+    size = None
+    if sender is not None and sender.name in _TRANSFERS:
+        with contextlib.suppress(NotFoundError, ManifestError, KeyError, IndexError, TypeError):
+            size = metadata().span(kwargs["vkey"], kwargs["shard"]).size
+    _started[task_id] = (time.monotonic(), size)
 
 
 def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, state=None, **_):
-    started = _started.pop(task_id, None)
+    started, size = _started.pop(task_id, (None, None))
     if state != "SUCCESS" or sender is None:
         return
-    if sender.name == "smoltorrent.transfer" and retval in ("sent", "replicated") and started:
+    if sender.name in _TRANSFERS and started is not None and size is not None:
         kwargs = kwargs or {}
-        node = kwargs.get("node_id", "")
-        try:
-            size = _blob_sizes(kwargs["vkey"])[kwargs["shard"]]
-        except (NotFoundError, KeyError, IndexError):
-            return
-        _m.transfer_bytes.labels(node=node).inc(size)
-        _m.transfer_seconds.labels(node=node).observe(time.monotonic() - started)
-    elif sender.name == "smoltorrent.chain" and isinstance(retval, dict) and started:
-        kwargs = kwargs or {}
-        try:
-            size = _blob_sizes(kwargs["vkey"])[kwargs["shard"]]
-        except (NotFoundError, KeyError, IndexError):
-            return
-        for node, how in (retval.get("nodes") or {}).items():
+        if sender.name == "smoltorrent.transfer":
+            nodes = {kwargs.get("node_id", ""): retval}
+        else:
+            nodes = (retval.get("nodes") or {}) if isinstance(retval, dict) else {}
+        for node, how in nodes.items():
             if how in ("sent", "replicated"):
                 _m.transfer_bytes.labels(node=node).inc(size)
                 _m.transfer_seconds.labels(node=node).observe(time.monotonic() - started)

@@ -96,6 +96,7 @@ def store(
     # A re-drive of this same request after a crash re-sends what may not have been sent.
     mine = md.version(vkey).get("request_id") == (request_id or self.request.id)
     if new or (found == PENDING and mine):
+        md.keep_spans(vkey, prepared.spans())
         send_transfers(vkey, manifest, targets, host)
     else:
         log.info("%s: version %s already %s", name, manifest.version_id[:12], found)

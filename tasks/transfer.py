@@ -11,7 +11,6 @@ from celery.utils.log import get_task_logger
 from coordinator import config
 from coordinator.dataplane.chain_engine import pick_spare, replaceable
 from coordinator.dataplane.store_engine import send_shard
-from coordinator.plan.manifest import blob_prefixes
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
 from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
@@ -48,7 +47,7 @@ def transfer(
     if trim_marks.marked(md, digest, [node_id]):
         # A trim is deleting the node's copy: a put now could land before that delete.
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
-    manifest = md.manifest(vkey)
+    span = md.span(vkey, shard)
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
     try:
         registered = md.nodes()
@@ -61,9 +60,7 @@ def transfer(
         how = send_shard(
             v["path"],
             SourceIdentity.from_dict(json.loads(v["identity"])),
-            manifest,
-            shard,
-            blob_prefixes(manifest)[shard],
+            span,
             target,
             holders,
             progress=partial(sent_recorder(md, vkey, shard), (replica,)),
@@ -74,7 +71,7 @@ def transfer(
         return "source changed"
     except RETRYABLE as exc:
         md.record_attempt(vkey, {**attempt, "error": str(exc)})
-        moved = move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc)
+        moved = move_to_spare(md, v, vkey, span, replica, node_id, exc)
         if moved is None:
             raise
         spare_id, how = moved
@@ -86,13 +83,13 @@ def transfer(
     return how
 
 
-def move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc):
+def move_to_spare(md, v, vkey, span, replica, node_id, exc):
     """A target that stops answering, is full or corrupts what it is sent loses this replica
     to another live node that does not hold the shard: (that node, how it got the shard),
     or None when no node can take it (the transfer then retries and dead-letters)."""
     if not replaceable(exc):
         return None
-    vkey = manifest.storage_key()
+    shard, digest = span.index, span.digest
     registered = md.nodes()
     holding = md.placement(digest)
     plan = md.plan(vkey)
@@ -100,7 +97,7 @@ def move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc):
     candidates = {n: rec.address for n, rec in registered.items() if n not in keep_off}
     spare_id = pick_spare(
         candidates,
-        manifest.shards[shard].blob_size,
+        span.size,
         config.cluster_key(),
         planned=Counter(n for nodes in plan for n in nodes),
         spread=digest,
@@ -112,9 +109,7 @@ def move_to_spare(md, v, manifest, shard, replica, node_id, digest, exc):
         how = send_shard(
             v["path"],
             SourceIdentity.from_dict(json.loads(v["identity"])),
-            manifest,
-            shard,
-            blob_prefixes(manifest)[shard],
+            span,
             node_client(spare_id, registered),
             holders,
         )

@@ -28,7 +28,7 @@ from functools import partial
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.store_engine import mismatch_cause
-from coordinator.plan.manifest import Manifest
+from coordinator.plan.manifest import BlobSpan
 from coordinator.plan.source_file import SourceIdentity
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -90,20 +90,17 @@ def _fate_error(target: Target, fate: dict) -> Exception:
 def store_shard_chain(
     path: str,
     identity: SourceIdentity,
-    manifest: Manifest,
-    shard_index: int,
-    prefix: bytes,
+    span: BlobSpan,
     targets: list[Target],
     holders: list[NodeClient] = (),
     spare: Callable[[set[str]], Target | None] | None = None,
     progress: Callable[[Sequence[int], int], None] | None = None,
 ) -> ChainOutcome:
-    """Make every target hold shard `shard_index`, by chain; see the module docstring.
+    """Make every target hold the shard of `span`, by chain; see the module docstring.
     progress(replicas, n) follows a send from the source: the chain feeding `replicas` has
     been sent n bytes of the shard's range (each node passes them on as they arrive)."""
-    shard = manifest.shards[shard_index]
-    digest = shard.blob_sha256
-    offset, length = manifest.data_start + shard.data_start, shard.data_end - shard.data_start
+    shard_index, digest, prefix = span.index, span.digest, span.prefix
+    offset, length = span.offset, span.length
     out = ChainOutcome()
     todo = list(targets)  # in chain order
     sources = list(holders)  # nodes holding a verified copy: they head the chain
@@ -133,8 +130,7 @@ def store_shard_chain(
 
     def source_changed_or_bad(target: Target, exc: Exception) -> Exception:
         """A head hashed other bytes than the plan: the source changed, or the head is bad."""
-        blob = (digest, prefix, offset, length)
-        cause = mismatch_cause(identity, path, shard_index, blob, target.client.address, exc)
+        cause = mismatch_cause(identity, path, span, target.client.address, exc)
         if isinstance(cause, SourceChangedError):
             raise cause from exc  # the whole version is abandoned, not one target
         return cause

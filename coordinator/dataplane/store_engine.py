@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.node_client import NodeAddress, NodeClient, NodeStat
-from coordinator.plan.manifest import Manifest, shard_entries, version_id_for
+from coordinator.plan.manifest import (
+    BlobSpan,
+    Manifest,
+    blob_spans,
+    shard_entries,
+    version_id_for,
+)
 from coordinator.plan.placement import place
 from coordinator.plan.planner import ShardPlan, plan_shards
 from coordinator.plan.safetensors_header import CheckpointHeader, read_header
@@ -55,6 +61,9 @@ class PreparedStore:
     def vkey(self) -> str:
         return self.manifest.storage_key()
 
+    def spans(self) -> tuple[BlobSpan, ...]:
+        return blob_spans(self.manifest, self.prefixes)
+
 
 @dataclass
 class StoreResult:
@@ -85,17 +94,16 @@ def hash_blob(path: str, index: int, prefix: bytes, offset: int, length: int) ->
 def mismatch_cause(
     identity: SourceIdentity,
     path: str,
-    shard_index: int,
-    blob: tuple[str, bytes, int, int],
+    span: BlobSpan,
     address: object,
     exc: Exception,
 ) -> SourceChangedError | BadTargetError:
-    """Whose fault a node's digest mismatch is, blob = (digest, prefix, offset, length):
-    the source's if its bytes changed since the plan (the version is abandoned), else the
-    node's (it corrupted what it was sent: another node takes the replica)."""
-    digest, prefix, offset, length = blob
+    """Whose fault a node's digest mismatch is: the source's if its bytes changed since the
+    plan (the version is abandoned), else the node's (it corrupted what it was sent:
+    another node takes the replica)."""
+    shard_index = span.index
     identity.check(path)
-    if hash_blob(path, shard_index, prefix, offset, length) != digest:
+    if hash_blob(path, shard_index, span.prefix, span.offset, span.length) != span.digest:
         cause: SourceChangedError | BadTargetError = SourceChangedError(
             f"{path} changed while shard {shard_index} was sent (the node hashed different"
             " bytes); the partial version was abandoned."
@@ -208,14 +216,12 @@ def prepare_store(
 def send_shard(
     prepared_path: str,
     identity: SourceIdentity,
-    manifest: Manifest,
-    shard_index: int,
-    prefix: bytes,
+    span: BlobSpan,
     target: NodeClient,
     holders: Sequence[NodeClient] = (),
     progress: Progress | None = None,
 ) -> str:
-    """Make `target` hold shard `shard_index`; returns how: exists, replicated or sent.
+    """Make `target` hold the shard of `span`; returns how: exists, replicated or sent.
     progress(n) follows a send from the source: n bytes of the shard's range sent so far.
 
     A node that already holds a verified copy pushes it node to node first
@@ -231,22 +237,19 @@ def send_shard(
     retries and finally dead-letters when none can take it; never a reason to
     abandon and re-store.
     """
-    shard = manifest.shards[shard_index]
     for holder in holders:
         try:
-            return "replicated" if holder.replicate(shard.blob_sha256, target.address) else "exists"
+            return "replicated" if holder.replicate(span.digest, target.address) else "exists"
         except (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError):
             continue
     identity.check(prepared_path)
-    offset, length = manifest.data_start + shard.data_start, shard.data_end - shard.data_start
     with open(prepared_path, "rb") as f:
         try:
             stored = target.put_blob(
-                shard.blob_sha256, prefix, f.fileno(), offset, length, progress
+                span.digest, span.prefix, f.fileno(), span.offset, span.length, progress
             )
         except DigestMismatchError as exc:
-            blob = (shard.blob_sha256, prefix, offset, length)
-            cause = mismatch_cause(identity, prepared_path, shard_index, blob, target.address, exc)
+            cause = mismatch_cause(identity, prepared_path, span, target.address, exc)
             raise cause from exc
     return "sent" if stored else "exists"
 
@@ -310,15 +313,14 @@ def store_checkpoint(
         return NodeClient(ids[node_id], cluster_key=cluster_key)
 
     targets = _prefer_holders(prepared, {n: client(n) for n in ids})
+    spans = prepared.spans()
 
     def send(index: int, node_id: str, holders: Sequence[str]) -> bool:
         try:
             how = send_shard(
                 path,
                 prepared.identity,
-                manifest,
-                index,
-                prepared.prefixes[index],
+                spans[index],
                 client(node_id),
                 [client(h) for h in holders],
             )

@@ -180,6 +180,76 @@ def blob_prefixes(manifest: Manifest) -> tuple[bytes, ...]:
     )
 
 
+@dataclass(frozen=True)
+class BlobSpan:
+    """What sending one shard's blob from its source takes, and nothing more: its digest and
+    size, its own header (prefix) and the byte range of the source after it. A transfer task
+    reads this for its shard alone, not the whole manifest (megabytes for thousands of
+    tensors), so its memory follows its shard, not the checkpoint."""
+
+    index: int
+    digest: str
+    size: int
+    prefix: bytes
+    offset: int  # in the source file
+    length: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "index": self.index,
+                "digest": self.digest,
+                "size": self.size,
+                "prefix": base64.b64encode(self.prefix).decode("ascii"),
+                "offset": self.offset,
+                "length": self.length,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> BlobSpan:
+        try:
+            document = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            _fail(f"a blob span is not JSON ({error})")
+        fields = _fields(
+            document, {"index", "digest", "size", "prefix", "offset", "length"}, "a span"
+        )
+        try:
+            prefix = base64.b64decode(fields["prefix"], validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            _fail("a blob span's prefix is not base64")
+        span = cls(
+            index=_count(fields, "index", "a span"),
+            digest=_sha256(fields, "digest", "a span"),
+            size=_count(fields, "size", "a span"),
+            prefix=prefix,
+            offset=_count(fields, "offset", "a span", LENGTH_PREFIX_BYTES),
+            length=_count(fields, "length", "a span"),
+        )
+        if span.size != len(span.prefix) + span.length:
+            _fail(f"blob span {span.index}: size {span.size} is not its prefix plus its range")
+        return span
+
+
+def blob_spans(manifest: Manifest, prefixes: Sequence[bytes] | None = None) -> tuple[BlobSpan, ...]:
+    """Every shard's span; `prefixes` when the caller has them (rebuilt from the manifest's
+    header otherwise)."""
+    prefixes = blob_prefixes(manifest) if prefixes is None else prefixes
+    return tuple(
+        BlobSpan(
+            index=shard.index,
+            digest=shard.blob_sha256,
+            size=shard.blob_size,
+            prefix=prefix,
+            offset=manifest.data_start + shard.data_start,
+            length=shard.data_end - shard.data_start,
+        )
+        for shard, prefix in zip(manifest.shards, prefixes, strict=True)
+    )
+
+
 def _source_header(manifest: Manifest) -> CheckpointHeader:
     length = struct.pack("<Q", len(manifest.header_bytes))
     source = f"manifest of {manifest.name}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import redis
 
 from coordinator.dataplane.node_client import NodeAddress
-from coordinator.plan.manifest import Manifest
+from coordinator.plan.manifest import BlobSpan, Manifest, blob_spans
 from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, MetadataError, NotFoundError
@@ -768,6 +768,24 @@ class Metadata:
             )
         return out
 
+    def keep_spans(self, vkey: str, spans: Iterable[BlobSpan]) -> None:
+        """Record each shard's blob span for the transfers about to run."""
+        mapping = {str(span.index): span.to_json() for span in spans}
+        if not mapping:
+            return
+        with self.r.pipeline() as p:
+            p.hset(K.SPANS.format(vkey=vkey), mapping=mapping)
+            p.expire(K.SPANS.format(vkey=vkey), defaults.SPANS_TTL_S)
+            p.execute()
+
+    def span(self, vkey: str, shard: int) -> BlobSpan:
+        """The blob span of one shard: read alone while the version's spans are kept, else
+        rebuilt from the manifest (a replay after the commit dropped them)."""
+        raw = self.r.hget(K.SPANS.format(vkey=vkey), str(shard))
+        if raw is not None:
+            return BlobSpan.from_json(raw)
+        return blob_spans(self.manifest(vkey))[shard]
+
     def plan(self, vkey: str) -> list[tuple[str, ...]]:
         raw = self.r.hgetall(K.PLAN.format(vkey=vkey))
         return [tuple(json.loads(raw[str(i)])) for i in range(len(raw))]
@@ -913,7 +931,10 @@ class Metadata:
             args=[name, vkey, time.time()],
         )
         if state == COMMITTED:  # its attempt log is history now: kept a while, then gone
-            self.r.expire(K.ATTEMPTS.format(vkey=vkey), defaults.ATTEMPTS_TTL_S)
+            with self.r.pipeline(transaction=False) as p:
+                p.expire(K.ATTEMPTS.format(vkey=vkey), defaults.ATTEMPTS_TTL_S)
+                p.delete(K.SPANS.format(vkey=vkey))
+                p.execute()
         return bool(current)
 
     def restore_committed(self, manifest: Manifest, vkey: str) -> bool:

@@ -63,6 +63,10 @@ VERSION = PREFIX + "version:{vkey}"
 MANIFEST = PREFIX + "version:{vkey}:manifest"
 # hash shard index -> JSON list of target node ids (the placement plan)
 PLAN = PREFIX + "version:{vkey}:plan"
+# hash shard index -> its blob span JSON (coordinator/plan/manifest.py): what a transfer of
+# that shard reads instead of the whole manifest; kept while the version is pending (TTL,
+# dropped at commit), rebuilt from the manifest when absent
+SPANS = PREFIX + "version:{vkey}:spans"
 # set of "shard:replica" transfers that finished, well or badly
 SETTLED = PREFIX + "version:{vkey}:settled"
 # set of shard indexes with at least one verified replica

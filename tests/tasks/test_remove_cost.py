@@ -43,7 +43,7 @@ def _store(md: Metadata, nodes, tmp_path, name: str) -> str:
     md.create_pending(p.manifest, p.vkey, {"host": "test"}, list(p.targets))
     for i, targets in enumerate(p.targets):
         for r, node_id in enumerate(targets):
-            send_shard(p.path, p.identity, p.manifest, i, p.prefixes[i], clients[node_id])
+            send_shard(p.path, p.identity, p.spans()[i], clients[node_id])
             md.settle(p.vkey, i, r, node_id, p.manifest.shards[i].blob_sha256)
     write_manifest(p.manifest, list(clients.values()))
     md.commit(p.vkey, name)

@@ -41,9 +41,7 @@ def target(node, replica: int) -> Target:
 
 
 def run(p: PreparedStore, targets, holders=(), spare=None):
-    return store_shard_chain(
-        p.path, p.identity, p.manifest, 0, p.prefixes[0], targets, list(holders), spare
-    )
+    return store_shard_chain(p.path, p.identity, p.spans()[0], targets, list(holders), spare)
 
 
 def held(node, digest: str) -> bool:

@@ -38,9 +38,7 @@ def prepared(path: Path, nodes) -> PreparedStore:
 
 
 def send(p: PreparedStore, index: int, target, holders=(), **kw) -> str:
-    return send_shard(
-        p.path, p.identity, p.manifest, index, p.prefixes[index], target, list(holders), **kw
-    )
+    return send_shard(p.path, p.identity, p.spans()[index], target, list(holders), **kw)
 
 
 def blob_file(node, digest: str) -> Path:

@@ -9,8 +9,10 @@ import json
 import pytest
 
 from coordinator.plan.manifest import (
+    BlobSpan,
     Manifest,
     blob_prefixes,
+    blob_spans,
     shard_entries,
     source_prefix,
     version_id_for,
@@ -88,6 +90,35 @@ def test_manifest_and_blobs_rebuild_the_source_byte_for_byte(stored):
 def test_blob_prefixes_are_rebuilt_from_the_manifest_alone(stored):
     _, manifest, _, plans = stored
     assert blob_prefixes(manifest) == tuple(plan.prefix for plan in plans)
+
+
+def test_a_blob_span_is_what_a_transfer_sends_and_survives_json(stored):
+    """A span alone (prefix + its range of the source) is the blob, byte for byte."""
+    path, manifest, blobs, plans = stored
+    source = path.read_bytes()
+    spans = blob_spans(manifest)
+    assert spans == blob_spans(manifest, [plan.prefix for plan in plans])
+    for span, blob in zip(spans, blobs, strict=True):
+        assert span.prefix + source[span.offset : span.offset + span.length] == blob
+        assert (span.size, span.digest) == (len(blob), hashlib.sha256(blob).hexdigest())
+        assert BlobSpan.from_json(span.to_json()) == span
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"size": 1},  # not its prefix plus its range
+        {"digest": "AB" * 32},
+        {"prefix": "not base64!"},
+        {"offset": -1},
+        {"extra": 1},
+    ],
+)
+def test_a_malformed_blob_span_is_refused(stored, change):
+    _, manifest, _, _ = stored
+    document = {**json.loads(blob_spans(manifest)[0].to_json()), **change}
+    with pytest.raises(ManifestError):
+        BlobSpan.from_json(json.dumps(document))
 
 
 def test_checkpoint_without_tensors_round_trips(tmp_path):

@@ -16,6 +16,7 @@ from coordinator.state import repairs, trim_marks
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import COMMITTED, Metadata
 from coordinator.state.repair_plan import wanted_blobs
+from smoltorrent import defaults
 
 FREE = {"node-a": 10**12, "node-b": 10**12}
 
@@ -342,3 +343,18 @@ def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path
     blobs = wanted_blobs(counted)
     assert len(blobs) == 2 * len(vkeys)
     assert counted.sent <= 10
+
+
+def test_a_transfer_reads_its_shards_span_alone_while_the_version_is_pending(md, tmp_path):
+    p = prepared(tmp_path, "spans", 60)
+    pending(md, p)
+    md.keep_spans(p.vkey, p.spans())
+    md.r.delete(K.MANIFEST.format(vkey=p.vkey))  # not read: the spans are enough
+    assert md.span(p.vkey, 1) == p.spans()[1]
+    md.r.set(K.MANIFEST.format(vkey=p.vkey), p.manifest.to_json())
+    assert 0 < md.r.ttl(K.SPANS.format(vkey=p.vkey)) <= defaults.SPANS_TTL_S
+    settle_all(md, p)
+    md.commit(p.vkey, "spans")
+    # Dropped at the commit; a replay after it rebuilds the same span from the manifest.
+    assert not md.r.exists(K.SPANS.format(vkey=p.vkey))
+    assert md.span(p.vkey, 1) == p.spans()[1]
