@@ -807,9 +807,12 @@ class Metadata:
 
     def abort(self, vkey: str, reason: str) -> bool:
         """pending -> aborted; True if this call aborted it (a committed version stays)."""
-        return bool(
+        aborted = bool(
             self._abort(keys=[K.VERSION.format(vkey=vkey), K.VERSION_STATES], args=[reason, vkey])
         )
+        if aborted:  # no transfer of it runs now (a store of it again keeps them afresh)
+            self.r.delete(K.SPANS.format(vkey=vkey))
+        return aborted
 
     def claim(self, vkey: str, flag: str) -> bool:
         """Set a one-time flag on a version; True for the single caller that set it."""
@@ -1236,7 +1239,7 @@ class Metadata:
         name = self.r.hget(K.VERSION.format(vkey=vkey), "name")
         if name is None:
             return False
-        return bool(
+        finished = bool(
             self._remove_finish(
                 keys=[
                     *self._version_keys(vkey),
@@ -1250,6 +1253,12 @@ class Metadata:
                 args=[name, vkey, time.time(), defaults.REMOVED_TOMBSTONE_TTL_S],
             )
         )
+        if finished:
+            # A pending version removed had its spans kept. They describe these very bytes:
+            # a store of them starting meanwhile loses nothing (its transfers read the
+            # manifest then).
+            self.r.delete(K.SPANS.format(vkey=vkey))
+        return finished
 
     # --- sweeps -------------------------------------------------------------------
 

@@ -358,3 +358,16 @@ def test_a_transfer_reads_its_shards_span_alone_while_the_version_is_pending(md,
     # Dropped at the commit; a replay after it rebuilds the same span from the manifest.
     assert not md.r.exists(K.SPANS.format(vkey=p.vkey))
     assert md.span(p.vkey, 1) == p.spans()[1]
+
+
+def test_spans_go_with_an_abort_and_a_remove(md, tmp_path):
+    for how in ("abort", "remove"):
+        p = prepared(tmp_path, f"gone-{how}", 61)
+        pending(md, p)
+        md.keep_spans(p.vkey, p.spans())
+        if how == "abort":
+            md.abort(p.vkey, "source changed")
+        else:
+            md.begin_remove(p.vkey)
+            md.finish_remove(p.vkey)
+        assert not md.r.exists(K.SPANS.format(vkey=p.vkey)), how
