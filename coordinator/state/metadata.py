@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import redis
 
 from coordinator.dataplane.node_client import NodeAddress
-from coordinator.plan.manifest import BlobSpan, Manifest, blob_spans
+from coordinator.plan.manifest import BlobSpan, Manifest, VersionBlobs, blob_spans
 from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, MetadataError, NotFoundError
@@ -749,11 +749,12 @@ class Metadata:
             )
         return Manifest.from_json(raw)
 
-    def manifests(self, vkeys: Iterable[str]) -> dict[str, Manifest]:
-        """vkey -> its manifest, for those of `vkeys` that have one (a version removed
-        meanwhile is left out): one round trip per LISTING_BATCH_VERSIONS, not per version."""
+    def version_blobs(self, vkeys: Iterable[str]) -> dict[str, VersionBlobs]:
+        """vkey -> its name, replicas and blobs (from its manifest), for those of `vkeys`
+        that have one (a version removed meanwhile is left out): one round trip per
+        LISTING_BATCH_VERSIONS, not per version."""
         vkeys = list(vkeys)
-        out: dict[str, Manifest] = {}
+        out: dict[str, VersionBlobs] = {}
         batch = defaults.LISTING_BATCH_VERSIONS
         for start in range(0, len(vkeys), batch):
             chunk = vkeys[start : start + batch]
@@ -762,7 +763,7 @@ class Metadata:
                     p.get(K.MANIFEST.format(vkey=vkey))
                 raws = p.execute()
             out.update(
-                (vkey, Manifest.from_json(raw))
+                (vkey, VersionBlobs.from_json(raw))
                 for vkey, raw in zip(chunk, raws, strict=True)
                 if raw is not None
             )
@@ -979,7 +980,7 @@ class Metadata:
     def versions_in(self, *states: str) -> list[tuple[str, dict[str, str]]]:
         """(vkey, version hash) of every listed version in one of `states`, in request order:
         the states of all come from one hash, and only the matching versions are read."""
-        vkeys = self._vkeys_in(states)
+        vkeys = self.vkeys_in(states)
         with self.r.pipeline(transaction=False) as p:
             for vkey in vkeys:
                 p.hgetall(K.VERSION.format(vkey=vkey))
@@ -988,7 +989,9 @@ class Metadata:
             (vkey, v) for vkey, v in zip(vkeys, hashes, strict=True) if v.get("state") in states
         ]
 
-    def _vkeys_in(self, states: Iterable[str]) -> list[str]:
+    def vkeys_in(self, states: Iterable[str]) -> list[str]:
+        """The vkeys of every listed version in one of `states`, in request order: two
+        requests whatever their number (no version hash read)."""
         self._fill_summaries()
         with self.r.pipeline(transaction=False) as p:
             p.zrange(K.ALL_VERSIONS, 0, -1)
@@ -1114,7 +1117,7 @@ class Metadata:
         return {h: boot for h, boot in zip(hosts, boots, strict=True) if boot is not None}
 
     def pending_versions(self) -> list[str]:
-        return self._vkeys_in((PENDING,))
+        return self.vkeys_in((PENDING,))
 
     def resolve(self, name: str, version: str | None = None) -> str:
         """vkey of `name` at `version` (a version-id prefix), or its current version."""

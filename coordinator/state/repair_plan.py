@@ -90,8 +90,8 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
     marked `placing` so no trim races the store either."""
     pending: list[str] = []
     if vkeys is None:
-        vkeys = [vkey for vkey, _ in md.versions_in(COMMITTED)]
-        pending = [vkey for vkey, _ in md.versions_in(PENDING)]
+        vkeys = md.vkeys_in((COMMITTED,))
+        pending = md.vkeys_in((PENDING,))
     sizes: dict[str, int] = {}
     replicas: dict[str, int] = {}
     names: dict[str, set[str]] = defaultdict(set)
@@ -102,19 +102,18 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
             chosen.append((vkey, settled_shards(md, vkey)))
         except NotFoundError:
             continue  # committed, aborted or removed since the listing
-    manifests = md.manifests(vkey for vkey, _ in chosen)
+    recorded = md.version_blobs(vkey for vkey, _ in chosen)
     for vkey, done in chosen:
-        manifest = manifests.get(vkey)
-        if manifest is None:
+        version = recorded.get(vkey)
+        if version is None:
             continue  # removed since the listing
-        for i, shard in enumerate(manifest.shards):
-            d = shard.blob_sha256
+        for i, (d, size) in enumerate(version.blobs):
             if done is not None and i not in done:
                 placing.add(d)
                 continue
-            sizes[d] = shard.blob_size
-            replicas[d] = max(replicas.get(d, 0), manifest.replicas)
-            names[d].add(manifest.name)
+            sizes[d] = size
+            replicas[d] = max(replicas.get(d, 0), version.replicas)
+            names[d].add(version.name)
     return {d: Blob(d, sizes[d], replicas[d], tuple(sorted(names[d])), d in placing) for d in sizes}
 
 

@@ -11,6 +11,7 @@ import pytest
 from coordinator.plan.manifest import (
     BlobSpan,
     Manifest,
+    VersionBlobs,
     blob_prefixes,
     blob_spans,
     shard_entries,
@@ -119,6 +120,21 @@ def test_a_malformed_blob_span_is_refused(stored, change):
     document = {**json.loads(blob_spans(manifest)[0].to_json()), **change}
     with pytest.raises(ManifestError):
         BlobSpan.from_json(json.dumps(document))
+
+
+def test_a_sweep_reads_a_manifests_blobs_alone_and_still_refuses_garbage(stored):
+    _, manifest, _, _ = stored
+    got = VersionBlobs.from_json(manifest.to_json())
+    assert got == VersionBlobs(
+        manifest.name,
+        manifest.replicas,
+        tuple((s.blob_sha256, s.blob_size) for s in manifest.shards),
+    )
+    document = json.loads(manifest.to_json())
+    document["shards"][1]["blob_size"] = -5
+    for bad in (json.dumps(document), "[]", "{", json.dumps({"name": "x"})):
+        with pytest.raises(ManifestError):
+            VersionBlobs.from_json(bad)
 
 
 def test_checkpoint_without_tensors_round_trips(tmp_path):

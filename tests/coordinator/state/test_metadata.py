@@ -10,7 +10,7 @@ import pytest
 from bench.scale_metadata import CountedMetadata
 from coordinator.dataplane.store_engine import PreparedStore, prepare_store
 from coordinator.local.synthetic import synthetic_manifest, write_checkpoint
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.manifest import VersionBlobs, storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state import repairs, trim_marks
 from coordinator.state.embedded_redis import start_redis, url_for
@@ -335,9 +335,12 @@ def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path
     counted = CountedMetadata(md.url)
     counted.r.ping()  # the connection's own handshake is not counted below
     counted.sent = 0
-    got = counted.manifests([*vkeys, "0" * 32])  # one never recorded: left out
+    got = counted.version_blobs([*vkeys, "0" * 32])  # one never recorded: left out
     assert list(got) == vkeys
-    assert got[vkeys[7]] == md.manifest(vkeys[7])
+    m = md.manifest(vkeys[7])
+    assert got[vkeys[7]] == VersionBlobs(
+        m.name, m.replicas, tuple((s.blob_sha256, s.blob_size) for s in m.shards)
+    )
     assert counted.sent == 2  # 1,501 manifests asked: two batches
     counted.sent = 0
     blobs = wanted_blobs(counted)
