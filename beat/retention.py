@@ -24,13 +24,13 @@ from tasks.enqueue import send_remove
 log = get_task_logger(__name__)
 
 
-def candidates(md: Metadata, name: str, keep: int) -> list[str]:
-    """Versions of `name` retention would remove: committed ones past the `keep` newest
-    committed, aborted ones older than a committed one. Pending and removing versions
-    are never candidates."""
+def candidates(md: Metadata, name: str, keep: int, states: dict[str, str]) -> list[str]:
+    """Versions of `name` retention would remove, by `states` (vkey -> state): committed
+    ones past the `keep` newest committed, aborted ones older than a committed one. Pending
+    and removing versions are never candidates (md.retire checks again, atomically)."""
     out, newer = [], 0
     for vkey in reversed(md.versions(name)):  # newest request first
-        state = md.state(vkey)
+        state = states.get(vkey)
         if state == COMMITTED:
             if newer >= keep:
                 out.append(vkey)
@@ -46,8 +46,9 @@ def run_pass(keep: int | None = None) -> dict[str, int]:
     md = metadata()
     keep = config.keep_last() if keep is None else keep
     outcomes: Counter[str] = Counter()
+    states = md.version_states()  # one request, not one per version
     for name in md.names():
-        for vkey in candidates(md, name, keep):
+        for vkey in candidates(md, name, keep, states):
             outcome = md.retire(vkey, keep)
             outcomes[outcome] += 1
             if outcome == "retired":

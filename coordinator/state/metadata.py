@@ -989,6 +989,11 @@ class Metadata:
             (vkey, v) for vkey, v in zip(vkeys, hashes, strict=True) if v.get("state") in states
         ]
 
+    def version_states(self) -> dict[str, str]:
+        """vkey -> state of every listed version, in one request."""
+        self._fill_summaries()
+        return self.r.hgetall(K.VERSION_STATES)
+
     def vkeys_in(self, states: Iterable[str]) -> list[str]:
         """The vkeys of every listed version in one of `states`, in request order: two
         requests whatever their number (no version hash read)."""
