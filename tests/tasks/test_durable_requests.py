@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from coordinator.state import redis_keys as K
 from coordinator.state.metadata import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import committed, make_ckpt, sha
@@ -127,7 +128,16 @@ def test_a_retry_the_worker_holds_when_redis_dies_is_sent_again(make_cluster, tm
         lambda: committed(c, "e.safetensors"), timeout=60, what="the store to commit itself"
     )
     assert c.worker.poll() is None  # the worker lived through the outage
-    assert rows[0]["min_copies"] == 2
+    # This failed once in CI (min_copies 1) and could not be reproduced since: say why.
+    vkey = rows[0]["vkey"]
+    digest = c.md.manifest(vkey).shards[0].blob_sha256
+    why = {
+        "placement": sorted(c.md.placement(digest)),
+        "listed": c.md.r.hget(K.PLACEMENTS_LISTED, digest),
+        "attempts": c.md.attempts(vkey),
+        "worker log": c.worker_log()[-4000:],
+    }
+    assert rows[0]["min_copies"] == 2, why
     assert c.cli_json("dlq", "ls") == []
     out = tmp_path / "out.safetensors"
     c.cli("gather", "e.safetensors", "-o", str(out))
