@@ -409,17 +409,17 @@ if m >= 0 then
   for i = 9 + n, 8 + n + m do live[ARGV[i]] = true end
 end
 for i = 9 + n + math.max(m, 0), #ARGV do wanted[ARGV[i]] = true end
-local function many(cmd, key, fields)  -- HMGET in chunks (Lua's unpack has a limit)
+local function many(key, fields)  -- HMGET in chunks (Lua's unpack has a limit)
   local out = {}
   for i = 1, #fields, 1000 do
-    local got = redis.call(cmd, key, unpack(fields, i, math.min(i + 999, #fields)))
+    local got = redis.call('HMGET', key, unpack(fields, i, math.min(i + 999, #fields)))
     for j = 1, #got do out[i + j - 1] = got[j] end
   end
   return out
 end
 local vkeys = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
 if #vkeys == 0 then return '[]' end
-local raws, states = many('HMGET', KEYS[2], vkeys), many('HMGET', KEYS[3], vkeys)
+local raws, states = many(KEYS[2], vkeys), many(KEYS[3], vkeys)
 local rows, blobs, seen = {}, {}, {}
 for k, vkey in ipairs(vkeys) do
   local raw, state = raws[k], states[k]
@@ -444,7 +444,7 @@ for k, vkey in ipairs(vkeys) do
   end
 end
 local holders = {}  -- digest -> its placement, node ids space-separated
-local listed = many('HMGET', KEYS[5], blobs)
+local listed = many(KEYS[5], blobs)
 for i, d in ipairs(blobs) do
   local h = listed[i]
   if not h then
@@ -994,14 +994,19 @@ class Metadata:
         self._fill_summaries()
         return self.r.hgetall(K.VERSION_STATES)
 
-    def vkeys_in(self, states: Iterable[str]) -> list[str]:
-        """The vkeys of every listed version in one of `states`, in request order: two
-        requests whatever their number (no version hash read)."""
+    def listed_states(self) -> tuple[list[str], dict[str, str]]:
+        """Every listed vkey in request order, and vkey -> state: one round trip whatever
+        their number (no version hash read)."""
         self._fill_summaries()
         with self.r.pipeline(transaction=False) as p:
             p.zrange(K.ALL_VERSIONS, 0, -1)
             p.hgetall(K.VERSION_STATES)
             vkeys, found = p.execute()
+        return vkeys, found
+
+    def vkeys_in(self, states: Iterable[str]) -> list[str]:
+        """The vkeys of every listed version in one of `states`, in request order."""
+        vkeys, found = self.listed_states()
         return [v for v in vkeys if found.get(v) in states]
 
     def has_name(self, name: str) -> bool:

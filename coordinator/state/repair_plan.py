@@ -90,8 +90,9 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
     marked `placing` so no trim races the store either."""
     pending: list[str] = []
     if vkeys is None:
-        vkeys = md.vkeys_in((COMMITTED,))
-        pending = md.vkeys_in((PENDING,))
+        listed, states = md.listed_states()
+        vkeys = [v for v in listed if states.get(v) == COMMITTED]
+        pending = [v for v in listed if states.get(v) == PENDING]
     sizes: dict[str, int] = {}
     replicas: dict[str, int] = {}
     names: dict[str, set[str]] = defaultdict(set)
