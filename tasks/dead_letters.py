@@ -5,24 +5,33 @@ loss past the retries alike (`on_failure` misses the last two), so the
 handler is a signal receiver. A dead transfer also settles in the commit
 barrier: the version commits under-replicated if every shard still has a
 copy, or stays pending until the replay succeeds.
+
+A task cut off from Redis (its retry, result or settle could not be written
+while redis-server restarted) did not fail: its failure can reach this
+receiver once Redis is back, and a dead letter then would settle replicas
+that a retry was about to place. It is left open instead, and sent again by
+the worker's reconnection check (beat/reconnect.py) or the reconcile sweep.
 """
 
 from __future__ import annotations
 
 from celery.signals import task_failure
 from celery.utils.log import get_task_logger
+from kombu.exceptions import OperationalError
 
 from coordinator import config
 from coordinator.state.metadata import FAILED
 from smoltorrent.errors import CheckpointFormatError, GatherError, NotFoundError
 from tasks.app import app
-from tasks.context import metadata
+from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import settle
 
 log = get_task_logger(__name__)
 
 # Failures a replay cannot fix: the caller sees them directly.
 NOT_DEAD_LETTERS = (CheckpointFormatError, GatherError, NotFoundError)
+# Redis lost under the task (kombu raises OperationalError for a publish that gave up).
+CUT_OFF = (*REDIS_TRANSIENT, OperationalError)
 
 
 @task_failure.connect
@@ -30,6 +39,11 @@ def record_dead_letter(
     sender=None, task_id=None, exception=None, args=None, kwargs=None, einfo=None, **_
 ) -> None:
     if sender is None or not sender.name.startswith("smoltorrent."):
+        return
+    if isinstance(exception, CUT_OFF):
+        log.warning(
+            "%s (%s) lost Redis (%s): left open, sent again", task_id, sender.name, exception
+        )
         return
     kwargs = kwargs or {}
     if not isinstance(exception, NOT_DEAD_LETTERS):
