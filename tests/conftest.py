@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +18,23 @@ REQUIRE_TMPFS_ENV = "SMOLTORRENT_REQUIRE_TMPFS"
 
 # Tests gather into their temp directories; workers and CLIs they start inherit this.
 os.environ.setdefault("SMOLTORRENT_GATHER_DIRS", tempfile.gettempdir())
+# Importing the task modules in a test process starts the embedded Redis when no URL is
+# set: in a home of the run's own (xdist workers inherit it), not the user's
+# ~/.smoltorrent, and stopped when the run ends.
+if "SMOLTORRENT_HOME" not in os.environ:
+    os.environ["SMOLTORRENT_HOME"] = tempfile.mkdtemp(prefix="smoltorrent-tests-home-")
+    _OWN_HOME = True
+else:
+    _OWN_HOME = False  # inherited: an xdist worker's, or the caller's own choice
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _OWN_HOME or os.environ.get("SMOLTORRENT_REDIS_URL"):
+        return
+    from coordinator.state.embedded_redis import stop_redis
+
+    stop_redis()
+    shutil.rmtree(os.environ["SMOLTORRENT_HOME"], ignore_errors=True)
 
 
 @pytest.fixture
