@@ -8,15 +8,6 @@ import sys
 import threading
 import time
 
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-
 from coordinator import config
 from coordinator.cli import reports
 from coordinator.cli.output import console, emit_json, human_bytes, table, warn
@@ -43,18 +34,44 @@ def _time_and_rate(size: int, seconds: float) -> str:
     return f"{seconds:.2f} s ({human_bytes(size / max(seconds, 1e-9))}/s)"
 
 
-def _progress(as_json: bool = False) -> Progress:
+class _NoBar:
+    """What `_progress` gives where no bar is drawn: rich.progress is not even imported."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *_) -> None:
+        pass
+
+    def add_task(self, *_, **__) -> int:
+        return 0
+
+    def update(self, *_, **__) -> None:
+        pass
+
+
+def _progress(as_json: bool = False):
     """A byte-level bar on a terminal; nothing in a pipe, a file or under --json (the
     summary line, or the JSON, says it all)."""
+    if as_json or not console.is_terminal:
+        return _NoBar()
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=console,
+        console=console.rich,
         transient=True,
-        disable=as_json or not console.is_terminal,
     )
 
 

@@ -384,13 +384,13 @@ def _hint(exc: SmoltorrentError) -> str | None:
 def _report(message: str, hint: str | None, as_json: bool) -> None:
     try:
         from coordinator.cli.output import error
+
+        error(message, hint, as_json=as_json)
     except ModuleNotFoundError:  # a node-only install has no rich: plain lines, same content
         if as_json:
             sys.stdout.write(json.dumps({"error": message, "hint": hint}, sort_keys=True) + "\n")
         else:
             sys.stderr.write(f"error: {message}\n")
-        return
-    error(message, hint, as_json=as_json)
 
 
 def dispatch(args: argparse.Namespace) -> int:
