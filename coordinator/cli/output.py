@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from functools import cached_property
 
+from smoltorrent import defaults
+
 
 class _Console:
     """A rich Console made at its first use: a command that writes only JSON never imports
@@ -24,7 +26,9 @@ class _Console:
     def rich(self):
         from rich.console import Console
 
-        return Console(soft_wrap=True, **self._options)
+        # No markup: names are the user's ("model[step=100].safetensors" would lose its
+        # brackets, and "[/]" in one would fail the command). Styles go in style=.
+        return Console(soft_wrap=True, markup=False, **self._options)
 
     def __getattr__(self, name: str):
         return getattr(self.rich, name)
@@ -53,6 +57,9 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) 
         for row in [columns, *rows]:
             sys.stdout.write("\t".join(str(cell).replace("\t", " ") for cell in row) + "\n")
         return
+    if len(rows) > defaults.CLI_DRAWN_TABLE_MAX_ROWS:
+        _aligned(title, columns, rows)
+        return
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
@@ -61,6 +68,20 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) 
     for row in rows:
         t.add_row(*(str(x) for x in row))
     console.print(t, soft_wrap=False)
+
+
+def _aligned(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A long table as plain columns, each as wide as its widest cell (the terminal folds
+    a line too long for it): the same content as the drawn table, written at once."""
+    lines = [[" ".join(str(cell).split()) for cell in row] for row in [columns, *rows]]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    text = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    ]
+    console.print(title, style="italic")
+    console.print(text[0], style="bold")
+    console.file.write("\n".join(text[1:]) + "\n")
 
 
 def error(message: str, hint: str | None = None, *, as_json: bool = False) -> None:

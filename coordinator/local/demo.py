@@ -56,7 +56,7 @@ def run_demo(
         return out
 
     try:
-        say(f"[bold]smoltorrent demo[/] in {root}")
+        say(f"smoltorrent demo in {root}")
         if checkpoint:
             source = Path(checkpoint).resolve()
         else:

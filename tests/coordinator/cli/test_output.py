@@ -1,0 +1,82 @@
+"""How the CLI writes to a terminal (a real rich Console forced into terminal mode, into
+a buffer): names exactly as stored, and long tables fast as plain columns."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from coordinator.cli import output
+from coordinator.local.synthetic import write_checkpoint
+from smoltorrent import defaults
+from tests.tasks.test_progress import run_on_a_terminal
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """The CLI's console as a 120-column terminal; what it showed, without colours."""
+    buf = io.StringIO()
+    monkeypatch.setattr(
+        output, "console", output._Console(file=buf, force_terminal=True, width=120)
+    )
+    return lambda: ANSI.sub("", buf.getvalue())
+
+
+NAMES = ["model[step=100].safetensors", "exp[/]/model.safetensors", "[bold]x[/bold]"]
+
+
+def test_names_with_brackets_print_as_they_are(terminal):
+    """rich reads "[...]" as markup: "model[step=100].safetensors" came out as
+    "model.safetensors", and a name with "[/]" made `ls` fail with a MarkupError."""
+    output.table("runs[/]", ["name", "version"], [(name, "abc") for name in NAMES])
+    for name in NAMES:
+        output.console.print(f"stored {name}")
+    shown = terminal()
+    assert "runs[/]" in shown
+    for name in NAMES:
+        assert name in shown
+        assert f"stored {name}" in shown
+
+
+def test_a_long_table_is_written_as_aligned_columns(terminal):
+    count = defaults.CLI_DRAWN_TABLE_MAX_ROWS + 1
+    rows = [(f"run{i}/model[1].safetensors", f"{i:012x}", "1.2 GB") for i in range(count)]
+    output.table("checkpoints", ["name", "version", "size"], rows)
+    title, header, *lines = terminal().splitlines()
+    assert title == "checkpoints" and header.split() == ["name", "version", "size"]
+    assert len(lines) == count
+    at = header.index("version")
+    for (name, version, size), line in zip(rows, lines, strict=True):
+        assert line.startswith(name) and line[at:].split("  ")[0] == version
+        assert line.endswith(size)
+
+
+def test_a_short_table_is_drawn(terminal):
+    output.table("nodes", ["node", "state"], [("a", "up"), ("b", "down")])
+    shown = terminal()
+    assert "┃" in shown or "│" in shown  # rich's box, not plain columns
+
+
+def test_a_bracketed_name_is_stored_listed_and_gathered_on_a_terminal(make_cluster, tmp_path):
+    """The same through the real commands on a pseudo-terminal (bars, tables and summary
+    lines all drawn by rich): each exits 0 and shows the name as it was given."""
+    c = make_cluster(2)
+    src = tmp_path / "m.safetensors"
+    write_checkpoint(src, 2_000_000, hidden=64)
+    os.utime(src, (time.time() - 60, time.time() - 60))
+    name = "run[/]/model[step=100].safetensors"
+    cli = [sys.executable, "-m", "coordinator.cli"]
+    screen = run_on_a_terminal([*cli, "store", str(src), "--name", name], c.env())
+    assert f"stored: {name} version" in screen
+    assert name in run_on_a_terminal([*cli, "ls"], c.env())
+    out = tmp_path / "out.safetensors"
+    screen = run_on_a_terminal([*cli, "gather", name, "-o", str(out)], c.env())
+    assert f"gathered {name} version" in screen
+    assert out.read_bytes() == src.read_bytes()
