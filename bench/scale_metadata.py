@@ -7,7 +7,8 @@ Records the versions straight through the metadata layer (made-up manifests of 2
 both copies placed on two real node processes, every version committed), then times in
 this process: the listing behind `ls` (reports.checkpoints), `ls NAME`, and `status`
 (reports.status, which also probes the nodes); and, once each, the whole CLI command
-(`smoltorrent ls --json`, `status --json`) as a user runs it, interpreter start included.
+(`smoltorrent ls --json`, `status --json`, and `ls` on a pseudo-terminal, where the table
+is drawn) as a user runs it, interpreter start included.
 Prints medians and the number of requests each sent to Redis.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pty
 import shutil
 import signal
 import statistics
@@ -65,6 +67,29 @@ class CountedMetadata(Metadata):
                 return super().send_packed_command(command, check_health)
 
         self.r.connection_pool.connection_class = Counting
+
+
+def _on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
+    """Seconds `argv` takes writing to a pseudo-terminal (as a user sees it: a table drawn
+    for the terminal, not the plain rows a pipe gets), and how many lines it showed."""
+    master, slave = pty.openpty()
+    t = time.perf_counter()
+    proc = subprocess.Popen(argv, env={**env, "COLUMNS": "150"}, stdout=slave, stderr=slave)
+    os.close(slave)
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        out += chunk
+    if proc.wait() != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {out[-2000:].decode(errors='replace')}")
+    seconds = time.perf_counter() - t
+    os.close(master)
+    return seconds, out.count(b"\n")
 
 
 def _time(fn, repeat: int) -> tuple[float, list[float]]:
@@ -134,6 +159,8 @@ def main() -> int:
                 f"(interpreter start and imports included), "
                 f"{len(shown) if isinstance(shown, list) else 'ok'}"
             )
+        seconds, lines = _on_a_terminal([sys.executable, "-m", "coordinator.cli", "ls"], env)
+        print(f"smoltorrent ls on a terminal: {seconds:.2f} s whole command, {lines} lines shown")
     finally:
         for node in nodes:
             node.stop()
