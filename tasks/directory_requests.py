@@ -29,6 +29,7 @@ from coordinator.plan.directory import (
     plan_directory,
     record_bytes,
 )
+from coordinator.plan.manifest import check_name
 from coordinator.state.directories import Directories, DirectoryVersion, Member
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError
@@ -61,6 +62,8 @@ def store_directory(
     """Store the directory at `path` as one version of `name` (default: its base name)."""
     plan = plan_directory(path)
     name = name or os.path.basename(plan.root.rstrip(os.sep))
+    for file in plan.files:  # every name first: a bad one queues none of the files
+        check_name(member_name(name, file))
     requests = [
         (file, submit_store(os.path.join(plan.root, file), member_name(name, file), replicas))
         for file in plan.files

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from coordinator import config
 from coordinator.dataplane.gather_engine import check_destination
+from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.selection import select
 from coordinator.state.metadata import (
@@ -98,6 +99,7 @@ def submit_store(
     if not os.path.isfile(path):
         raise SmoltorrentError(f"{path}: no such file")
     read_header(path)
+    name = check_name(name or os.path.basename(path))
     if complete:
         settled = time.time() - defaults.STABLE_AFTER_S - defaults.SETTLED_MARGIN_S
         os.utime(path, (settled, settled))
@@ -106,7 +108,6 @@ def submit_store(
     connected_metadata()
     host = config.host_id()
     require_worker(host)
-    name = name or os.path.basename(path)
     # send_store records the request (its sequence number orders the name's versions)
     # before queuing the task: from here on no crash loses it.
     request_id = send_store(path, name, replicas, shards, host)

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 from coordinator.plan.planner import ShardPlan, blob_prefix
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, CheckpointHeader, parse_header
-from smoltorrent.errors import CheckpointFormatError, ManifestError
+from smoltorrent.errors import CheckpointFormatError, ManifestError, UsageError
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # 1: before per-tensor digests
@@ -110,6 +110,18 @@ class Manifest:
     def from_json(cls, data: bytes | str) -> Manifest:
         """Parse and validate; ManifestError names the first problem found."""
         return _parse_manifest(data)
+
+
+def check_name(name: str) -> str:
+    """A checkpoint name as given, or UsageError if it holds a control character: a newline
+    or a tab would split or shift its row in `ls` (one line per version in a pipe, cells
+    split by tabs) and in every log line that names it."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise UsageError(
+            f"the checkpoint name {name!r} holds a control character (newline, tab, ...);"
+            " choose another (--name on the command line)"
+        )
+    return name
 
 
 def storage_key(name: str, version_id: str) -> str:

@@ -160,6 +160,7 @@ def test_bad_input_is_refused_before_anything_is_stored(make_cluster):
             "metadata": lambda: smoltorrent.save({"a": torch.ones(1)}, "bad", metadata={"k": 1}),
             "framework": lambda: smoltorrent.load("bad", framework="jax"),
             "missing": lambda: smoltorrent.load("never/stored"),
+            "name": lambda: smoltorrent.save({"a": torch.ones(1)}, "bad\\nname"),
         }.items():
             try:
                 call()
@@ -168,10 +169,11 @@ def test_bad_input_is_refused_before_anything_is_stored(make_cluster):
         print(json.dumps(errors))
         """,
     )
-    assert set(out) == {"not_tensor", "mixed", "metadata", "framework", "missing"}
+    assert set(out) == {"not_tensor", "mixed", "metadata", "framework", "missing", "name"}
     assert all(out[k][0] for k in ("not_tensor", "mixed", "metadata", "framework"))
     assert "'lr'" in out["not_tensor"][1] and "metadata=" in out["not_tensor"][1]
     assert "never/stored" in out["missing"][1]
+    assert "'bad\\nname' holds a control character" in out["name"][1]
     assert [v for v in c.cli_json("ls") if v["name"] == "bad"] == []
     assert list((c.root / "staging").glob("*.safetensors")) == []
 

@@ -157,3 +157,14 @@ def test_ls_in_a_pipe_is_tab_separated_and_cuts_nothing(tmp_path: Path) -> None:
         assert len(created.split()) == 2  # date and time on one line
     finally:
         cluster.stop()
+
+
+def test_a_name_with_control_characters_is_refused(tmp_path: Path, empty_cluster: LocalCluster):
+    """A newline or a tab in a name would split or shift its row in `ls` (a pipe gets one
+    line per version, cells split by tabs) and in every log line naming it."""
+    src = tmp_path / "m.safetensors"
+    write_checkpoint(src, 100_000, hidden=16)
+    for name in ("a\nb.safetensors", "tab\there.safetensors", "bell\x07.safetensors"):
+        result = run("store", str(src), "--name", name, env=empty_cluster.env())
+        assert result.returncode == 2, result.stderr
+        assert f"{name!r} holds a control character" in one_line_error(result)
