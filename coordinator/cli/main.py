@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a .safetensors file on this machine, or a directory of them with its"
         " *.safetensors.index.json (the Hugging Face layout), stored as one unit",
     )
-    st.add_argument("--name", help="checkpoint name (default: the file name)")
+    st.add_argument(
+        "--name", help="checkpoint name (default: the file name); any text but control characters"
+    )
     st.add_argument(
         "--replicas",
         type=_count(1),
