@@ -36,7 +36,7 @@ from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state.metadata import COMMITTED, PENDING, Metadata
 from smoltorrent import defaults
-from smoltorrent.errors import CheckpointFormatError, NotFoundError, SmoltorrentError
+from smoltorrent.errors import CheckpointFormatError, NotFoundError, SmoltorrentError, UsageError
 
 log = logging.getLogger("smoltorrent.watch")
 
@@ -244,7 +244,7 @@ class Watcher:
         name = checkpoint_name(self.root, path, self.name_prefix)
         try:
             task_id = self.submit(str(path), name)
-        except CheckpointFormatError as exc:
+        except (CheckpointFormatError, UsageError) as exc:  # a bad file, or a bad name
             self._say_once(path, identity, logging.WARNING, "not storing %s: %s", path, exc)
             return True
         except SmoltorrentError as exc:
@@ -295,6 +295,11 @@ class Watcher:
         name = checkpoint_name(self.root, unit, self.name_prefix)
         try:
             self.submit_directory(str(unit), name)
+        except UsageError as exc:  # a name no checkpoint may have: waiting will not fix it
+            self._say_once(
+                unit, ("name", str(exc)), logging.WARNING, "not storing %s: %s", unit, exc
+            )
+            return True
         except SmoltorrentError as exc:
             self._say_once(unit, ("submit", str(exc)), logging.WARNING, "%s", exc)
             return False

@@ -110,6 +110,7 @@ def test_watcher_stores_complete_checkpoints_only(make_cluster, tmp_path):  # no
         # 2. Meanwhile, junk and a file that is not a checkpoint at all.
         (root / "junk.safetensors").write_bytes(os.urandom(4096))
         (root / "notes.txt").write_text("lr=3e-4")
+        write_checkpoint(root / "tab\there.safetensors", MiB, hidden=128)  # a name refused
         assert writer.wait(timeout=120) == 0
         name = "run1/slow.safetensors"
         wait_until(lambda: [v for v in versions(c, name) if v["state"] == COMMITTED], 120)
@@ -142,6 +143,7 @@ def test_watcher_stores_complete_checkpoints_only(make_cluster, tmp_path):  # no
         assert w.log().count("not storing " + str(root / "junk.safetensors")) == 1
         assert w.log().count("ignoring " + str(root / "notes.txt")) == 1
         assert not versions(c, "run1/junk.safetensors")
+        assert w.log().count("not storing " + str(root / "tab\there.safetensors")) == 1
         assert w.proc.poll() is None
 
         # 6. The directory vanishes and comes back with a checkpoint in it.
