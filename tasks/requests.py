@@ -186,6 +186,8 @@ def submit_gather(
     if tensors is not None:
         size = select(md.manifest(vkey), tensors).size
     out = os.path.abspath(out)
+    if os.path.isdir(out):  # as cp does: into that directory, under the checkpoint's file name
+        out = os.path.join(out, os.path.basename(name))
     if not os.path.isdir(os.path.dirname(out)):
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
     check_destination(out, config.gather_dirs())  # fail here, before anything is queued

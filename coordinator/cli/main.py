@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--output",
         required=True,
-        help="destination file; for a directory checkpoint, a new or empty directory",
+        help="destination file, or an existing directory to write it into under the"
+        " checkpoint's file name; for a directory checkpoint, a new or empty directory",
     )
     g.add_argument("--version", help="a version id prefix (default: the current version)")
     g.add_argument(

@@ -43,3 +43,22 @@ def test_gather_outside_the_allowed_directories_is_refused(make_cluster, tmp_pat
     out = allowed / "out.safetensors"
     c.cli("gather", "g.safetensors", "-o", str(out))
     assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
+
+
+def test_gather_into_an_existing_directory_writes_the_file_by_its_name(make_cluster, tmp_path):
+    """`-o DIR` as cp takes it: the checkpoint lands in DIR under its file name. Before, a
+    directory was taken for the output file: "[Errno 21] Is a directory", or, for the
+    allowed directory itself, "gathers write only under" that same directory."""
+    c = make_cluster(2, SMOLTORRENT_GATHER_DIRS=str(tmp_path))
+    src = tmp_path / "g.safetensors"
+    write_checkpoint(src, 1_000_000, hidden=64)
+    past = time.time() - 60
+    os.utime(src, (past, past))
+    c.cli("store", str(src), "--name", "run1/model.safetensors")
+    out = tmp_path / "into"
+    out.mkdir()
+    report = c.cli_json("gather", "run1/model.safetensors", "-o", str(out))
+    assert report["path"] == str(out / "model.safetensors")
+    assert (out / "model.safetensors").read_bytes() == src.read_bytes()
+    c.cli("gather", "run1/model.safetensors", "-o", str(tmp_path))  # the allowed dir itself
+    assert (tmp_path / "model.safetensors").read_bytes() == src.read_bytes()
