@@ -22,11 +22,21 @@ def home() -> Path:
     return Path(os.environ.get("SMOLTORRENT_HOME", Path.home() / ".smoltorrent")).expanduser()
 
 
+def shown_url(url: str) -> str:
+    """`url` with its password masked, as Celery's banner shows it: what a command prints
+    ends up in logs and bug reports."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not (sep and at and ":" in userinfo):
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:**@{hostpart}"
+
+
 def redis_url_from_env() -> str | None:
     url = os.environ.get("SMOLTORRENT_REDIS_URL") or None
     if url is not None and not url.startswith(REDIS_SCHEMES):
         raise ConfigError(
-            f"SMOLTORRENT_REDIS_URL={url!r} is not a Redis URL: write it as"
+            f"SMOLTORRENT_REDIS_URL={shown_url(url)!r} is not a Redis URL: write it as"
             " redis://HOST:PORT/0 (e.g. redis://127.0.0.1:6379/0), or unset it to use the"
             " embedded Redis"
         )

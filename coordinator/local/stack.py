@@ -63,7 +63,7 @@ class Stack:
         status = redis_status()
         self.started_redis = bool(status["embedded"] and not status["running"])
         url = ensure_redis_url()
-        self.say(f"redis: {redis_status()['url'] if status['embedded'] else url}")
+        self.say(f"redis: {redis_status()['url'] if status['embedded'] else config.shown_url(url)}")
         md = Metadata(url)
         for i in range(self.nodes):
             if self._stop.is_set():

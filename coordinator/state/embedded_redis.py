@@ -234,7 +234,7 @@ def redis_status() -> dict:
     """What `smoltorrent redis status` reports about this host's Redis."""
     url = config.redis_url_from_env()
     if url:
-        return {"embedded": False, "url": url, "running": None}
+        return {"embedded": False, "url": config.shown_url(url), "running": None}
     directory = config.home() / "redis"
     port = _saved_port(directory)
     running = bool(port and _serves(port, directory))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
+from coordinator import config
 from coordinator.dataplane.node_client import NodeAddress
 from coordinator.plan.manifest import BlobSpan, Manifest, VersionBlobs, blob_spans
 from coordinator.state import redis_keys as K
@@ -598,7 +599,7 @@ class Metadata:
             self.r.ping()
         except redis.RedisError as exc:
             raise MetadataError(
-                f"cannot reach Redis at {self.url} ({exc}). Start it, or unset "
+                f"cannot reach Redis at {config.shown_url(self.url)} ({exc}). Start it, or unset "
                 "SMOLTORRENT_REDIS_URL to let smoltorrent run its own."
             ) from exc
 

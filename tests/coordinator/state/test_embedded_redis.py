@@ -169,3 +169,28 @@ def test_redis_stop_refuses_a_redis_it_did_not_start(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 1 and "did not start" in proc.stderr
+
+
+def test_a_redis_password_never_shows_in_what_a_command_prints(tmp_path):
+    """Errors and status lines get pasted into bug reports and land in logs: a Redis URL's
+    password is shown masked, as Celery's banner shows it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMOLTORRENT_")}
+    env["SMOLTORRENT_HOME"] = str(tmp_path / "home")
+    closed = 1  # nothing listens on port 1
+    runs = {
+        "unreachable": (f"redis://:s3cret@127.0.0.1:{closed}/0", ["ls"]),
+        "status": (f"redis://user:s3cret@127.0.0.1:{closed}/0", ["redis", "status"]),
+        "status json": (f"redis://:s3cret@127.0.0.1:{closed}/0", ["redis", "status", "--json"]),
+        "not redis": ("http://user:s3cret@127.0.0.1:6379/0", ["ls"]),
+    }
+    for what, (url, argv) in runs.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", *argv],
+            env={**env, "SMOLTORRENT_REDIS_URL": url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        shown = proc.stdout + proc.stderr
+        assert "s3cret" not in shown, (what, shown)
+        assert f"127.0.0.1:{closed}" in shown or "6379" in shown, (what, shown)
