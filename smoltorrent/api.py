@@ -24,8 +24,6 @@ the saves it still has in flight.
 from __future__ import annotations
 
 import concurrent.futures
-import fnmatch
-import glob
 import os
 import re
 import threading
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import config
+from coordinator.plan.selection import pick
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError, SmoltorrentError, StateDictError
 from smoltorrent.tensors import (
@@ -296,18 +295,16 @@ def _load_directory(
             f: [t for shard in md.manifest(m.vkey).shards for t in shard.tensors]
             for f, m in found.files.items()
         }
-        every = [t for file_names in names.values() for t in file_names]
-        for pattern in tensors:
-            if not any(fnmatch.fnmatchcase(t, pattern) for t in every):
-                raise NotFoundError(
-                    f"no tensor of {name} matches {pattern!r}; `smoltorrent show` on one of "
-                    "its files lists their tensors."
-                )
+        chosen, missing = pick([t for ts in names.values() for t in ts], tensors)
+        if missing:
+            raise NotFoundError(
+                f"no tensor of {name} matches {missing[0]!r}; `smoltorrent show` on one of "
+                "its files lists their tensors."
+            )
         wanted = {}
         for f, file_names in names.items():
-            chosen = [t for t in file_names if any(fnmatch.fnmatchcase(t, p) for p in tensors)]
-            if chosen:  # exact names, escaped: a name may hold glob characters
-                wanted[f] = [glob.escape(t) for t in chosen]
+            if mine := [t for t in file_names if t in chosen]:
+                wanted[f] = mine  # exact names: each selects just itself
     paths = {f: directory / f".load.{uuid.uuid4().hex}.safetensors" for f in wanted}
     try:
         requests = [

@@ -71,10 +71,23 @@ class Selection:
         return sum(p.length for read in self.reads for p in read.pieces)
 
 
+def pick(names: Sequence[str], patterns: Sequence[str]) -> tuple[set[str], list[str]]:
+    """The names that `patterns` select, and the patterns that select none. A pattern that
+    is one of the names selects just that one (even "w[0]", which fnmatch reads as "w0");
+    any other is a glob (fnmatch, case-sensitive)."""
+    exact = set(names).intersection(patterns)
+
+    def hit(name: str, pattern: str) -> bool:
+        return name == pattern if pattern in exact else fnmatch.fnmatchcase(name, pattern)
+
+    chosen = {n for n in names if any(hit(n, p) for p in patterns)}
+    return chosen, [p for p in patterns if not any(hit(n, p) for n in names)]
+
+
 def select(manifest: Manifest, patterns: Sequence[str]) -> Selection:
-    """The tensors of `manifest` whose name matches any glob of `patterns` (fnmatch,
-    case-sensitive). NotFoundError names a pattern that matches nothing: a typo would
-    otherwise load a state dict silently missing what it meant to load."""
+    """The tensors of `manifest` that `patterns` pick. NotFoundError names a pattern that
+    matches nothing: a typo would otherwise load a state dict silently missing what it
+    meant to load."""
     header = parse_header(
         struct.pack("<Q", len(manifest.header_bytes)),
         manifest.header_bytes,
@@ -82,14 +95,13 @@ def select(manifest: Manifest, patterns: Sequence[str]) -> Selection:
         source=f"manifest of {manifest.name}",
     )
     names = [t.name for t in header.tensors]
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            shown = ", ".join(names[:_SHOWN_NAMES]) + (", ..." if len(names) > _SHOWN_NAMES else "")
-            raise NotFoundError(
-                f"no tensor of {manifest.name} matches {pattern!r} (its tensors: {shown}); "
-                f"`smoltorrent show {manifest.name} --tensors` lists them all."
-            )
-    chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    chosen, missing = pick(names, patterns)
+    if missing:
+        shown = ", ".join(names[:_SHOWN_NAMES]) + (", ..." if len(names) > _SHOWN_NAMES else "")
+        raise NotFoundError(
+            f"no tensor of {manifest.name} matches {missing[0]!r} (its tensors: {shown}); "
+            f"`smoltorrent show {manifest.name} --tensors` lists them all."
+        )
     by_name = {t.name: t for t in header.tensors}
     picked = [t for t in header.tensors if t.name in chosen]
     prefix = _header(picked, header.metadata)

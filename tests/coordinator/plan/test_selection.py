@@ -77,3 +77,17 @@ def test_a_glob_matching_nothing_names_itself(stored):
     _, manifest, _ = stored
     with pytest.raises(NotFoundError, match=r"matches 'model\.layer\.\*'.*smoltorrent show"):
         select(manifest, ["model.norm.weight", "model.layer.*"])
+
+
+def test_a_tensor_name_selects_itself_even_where_it_reads_as_a_glob(tmp_path):
+    """fnmatch reads "w[0]" as "w0": a name holding brackets (or * or ?) selected another
+    tensor, or nothing, though it was given exactly. A pattern that is a tensor's name
+    selects that tensor; any other is a glob."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "b.safetensors"
+    save_file({"w[0]": torch.ones(2), "w0": torch.zeros(2), "x": torch.ones(1)}, str(path))
+    manifest, _, _ = store_in_memory(path, shards=1)
+    assert set(select(manifest, ["w[0]"]).names) == {"w[0]"}
+    assert set(select(manifest, ["w[01]"]).names) == {"w0"}  # not a name: a glob
+    assert set(select(manifest, ["w[0]", "x"]).names) == {"w[0]", "x"}
