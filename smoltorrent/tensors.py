@@ -110,7 +110,7 @@ def write_file(
         if framework == "torch":
             from safetensors.torch import save_file
 
-            save_file(dict(state_dict), path, metadata=metadata)
+            save_file(_own_memory_each(state_dict), path, metadata=metadata)
         elif framework == "numpy":
             from safetensors.numpy import save_file
 
@@ -121,6 +121,29 @@ def write_file(
             mx.save_safetensors(path, dict(state_dict), metadata=metadata)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise StateDictError(f"cannot write the state dict as safetensors: {exc}") from exc
+
+
+def _own_memory_each(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The torch tensors as safetensors can write them: each contiguous, none sharing memory
+    with another. Many LLMs tie weights (lm_head.weight is embed_tokens.weight) and some
+    hold transposed views; safetensors refuses both. Every name keeps its exact values: a
+    tied tensor is written once per name, a view as a contiguous copy."""
+    import torch
+
+    out: dict[str, Any] = {}
+    seen: set[tuple] = set()
+    for name, tensor in state_dict.items():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr(), storage.nbytes())
+            if key in seen:
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            elif not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            if storage.data_ptr() and storage.nbytes():  # what safetensors counts as shared
+                seen.add(key)
+        out[name] = tensor
+    return out
 
 
 def read_file(path: str, framework: str, device: str | None = None) -> dict[str, Any]:

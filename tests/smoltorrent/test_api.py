@@ -142,6 +142,31 @@ def test_async_save_returns_a_handle_and_saves_of_one_name_run_in_order(make_clu
     assert [v["version_id"] for v in current] == [second_id]
 
 
+def test_tied_and_transposed_weights_save_and_load_as_they_are(make_cluster):
+    """An LLM's state dict often ties lm_head.weight to the embeddings (one tensor under
+    two names), and may hold a transposed view: safetensors refuses both, so save() failed
+    on them. Each name now comes back with its exact values."""
+    c = make_cluster(2)
+    out = run_api(
+        c,
+        """
+        import json
+        import torch
+        import smoltorrent
+
+        embed = torch.randn(64, 16)
+        w = torch.randn(8, 4)
+        sd = {"embed.weight": embed, "lm_head.weight": embed, "proj.weight": w.t(),
+              "first_rows": embed[:2]}
+        smoltorrent.save(sd, "api/tied.safetensors")
+        back = smoltorrent.load("api/tied.safetensors")
+        print(json.dumps({k: torch.equal(back[k], v) for k, v in sd.items()}
+                         | {"keys": sorted(back) == sorted(sd)}))
+        """,
+    )
+    assert all(out.values()), out
+
+
 def test_bad_input_is_refused_before_anything_is_stored(make_cluster):
     c = make_cluster(2)
     out = run_api(
