@@ -112,9 +112,18 @@ def write_file(
 
             save_file(_own_memory_each(state_dict), path, metadata=metadata)
         elif framework == "numpy":
+            import numpy as np
             from safetensors.numpy import save_file
 
-            save_file(dict(state_dict), path, metadata=metadata)
+            # safetensors 0.8 writes any array's memory as if it were in C order (its
+            # issue 825): a transposed or strided one would come back silently reordered.
+            arrays = {
+                k: v
+                if not isinstance(v, np.ndarray) or v.flags.c_contiguous
+                else np.ascontiguousarray(v)
+                for k, v in state_dict.items()
+            }
+            save_file(arrays, path, metadata=metadata)
         else:
             import mlx.core as mx
 
