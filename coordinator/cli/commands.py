@@ -10,7 +10,7 @@ import time
 
 from coordinator import config
 from coordinator.cli import reports
-from coordinator.cli.output import console, emit_json, human_bytes, table, warn
+from coordinator.cli.output import console, emit_json, error, human_bytes, table, warn
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.state.metadata import COMMITTED, Metadata
 from smoltorrent import defaults
@@ -752,7 +752,9 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         )
         for line in summary["unreachable"]:
             warn(f"not read: {line}")
-    return 0
+        if not summary["nodes_read"]:
+            error("no node could be read, so nothing was rebuilt; check the addresses")
+    return 0 if summary["nodes_read"] else 1
 
 
 def cmd_demo(args: argparse.Namespace, run_command) -> int:

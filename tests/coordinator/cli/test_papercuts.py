@@ -168,3 +168,13 @@ def test_a_name_with_control_characters_is_refused(tmp_path: Path, empty_cluster
         result = run("store", str(src), "--name", name, env=empty_cluster.env())
         assert result.returncode == 2, result.stderr
         assert f"{name!r} holds a control character" in one_line_error(result)
+
+
+def test_a_rebuild_that_reads_no_node_fails(empty_cluster: LocalCluster):
+    """After losing Redis, a rebuild given only wrong addresses rebuilt nothing and exited 0:
+    a script would go on as if the metadata were back."""
+    result = run("rebuild", "127.0.0.1:1", env=empty_cluster.env())
+    assert result.returncode == 1
+    assert "not read: 127.0.0.1:1" in result.stderr and "nothing was rebuilt" in result.stderr
+    answer = run("rebuild", "127.0.0.1:1", "--json", env=empty_cluster.env())
+    assert answer.returncode == 1 and json.loads(answer.stdout)["nodes_read"] == 0
