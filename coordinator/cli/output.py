@@ -73,10 +73,17 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) 
 def _aligned(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A long table as plain columns, each as wide as its widest cell (the terminal folds
     a line too long for it): the same content as the drawn table, written at once."""
+    from rich.cells import cell_len
+
+    def width(cell: str) -> int:  # terminal columns: a CJK character takes two
+        return len(cell) if cell.isascii() else cell_len(cell)
+
     lines = [[" ".join(str(cell).split()) for cell in row] for row in [columns, *rows]]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    widths = [max(width(line[i]) for line in lines) for i in range(len(columns))]
     text = [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        "  ".join(
+            cell + " " * (w - width(cell)) for cell, w in zip(line, widths, strict=True)
+        ).rstrip()
         for line in lines
     ]
     console.print(title, style="italic")

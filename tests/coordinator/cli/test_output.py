@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from rich.cells import cell_len
 
 from coordinator.cli import output
 from coordinator.local.synthetic import write_checkpoint
@@ -48,14 +49,23 @@ def test_names_with_brackets_print_as_they_are(terminal):
 def test_a_long_table_is_written_as_aligned_columns(terminal):
     count = defaults.CLI_DRAWN_TABLE_MAX_ROWS + 1
     rows = [(f"run{i}/model[1].safetensors", f"{i:012x}", "1.2 GB") for i in range(count)]
+    rows[7] = ("実験/モデル.safetensors", rows[7][1], rows[7][2])  # two columns a character
     output.table("checkpoints", ["name", "version", "size"], rows)
     title, header, *lines = terminal().splitlines()
     assert title == "checkpoints" and header.split() == ["name", "version", "size"]
     assert len(lines) == count
-    at = header.index("version")
+    at = cell_len(header[: header.index("version")])
     for (name, version, size), line in zip(rows, lines, strict=True):
-        assert line.startswith(name) and line[at:].split("  ")[0] == version
+        assert line.startswith(name) and set_at(line, at).split("  ")[0] == version
         assert line.endswith(size)
+
+
+def set_at(line: str, column: int) -> str:
+    """What `line` shows from terminal column `column` on."""
+    for i in range(len(line) + 1):
+        if cell_len(line[:i]) >= column:
+            return line[i:]
+    return ""
 
 
 def test_a_short_table_is_drawn(terminal):
