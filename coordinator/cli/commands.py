@@ -706,7 +706,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                         r.get("checkpoint") or "-",
                         "-" if r.get("shard") is None else r["shard"],
                         (r.get("node") or "-")[:12],
-                        r["error"][:80],
+                        r["error"],  # whole: a terminal folds it, a pipe keeps it
                     )
                     for r in records
                 ],

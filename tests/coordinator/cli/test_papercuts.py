@@ -178,3 +178,16 @@ def test_a_rebuild_that_reads_no_node_fails(empty_cluster: LocalCluster):
     assert "not read: 127.0.0.1:1" in result.stderr and "nothing was rebuilt" in result.stderr
     answer = run("rebuild", "127.0.0.1:1", "--json", env=empty_cluster.env())
     assert answer.returncode == 1 and json.loads(answer.stdout)["nodes_read"] == 0
+
+
+def test_dlq_ls_in_a_pipe_shows_each_error_whole(empty_cluster: LocalCluster):
+    from coordinator.state.metadata import Metadata
+
+    error = "NodeUnavailableError: cannot reach node 10.0.0.7:7411 (timed out): " + "x" * 150
+    md = Metadata(empty_cluster.redis_url)
+    md.add_dead_letter("transfer-long-0-1", {"task": "smoltorrent.transfer", "error": error})
+    try:
+        result = run("dlq", "ls", env=empty_cluster.env())
+        assert result.returncode == 0 and error in result.stdout
+    finally:
+        md.remove_dead_letter("transfer-long-0-1")
