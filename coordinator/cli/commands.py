@@ -18,9 +18,14 @@ from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
 
 
 def _md() -> Metadata:
-    from tasks.requests import connected_metadata
+    """The metadata store, checked to answer. Made here rather than through the task
+    modules: a command that only reads Redis (ls, status, show, ...) does not import
+    Celery, a tenth of a second of its start."""
+    from coordinator.state.embedded_redis import ensure_redis_url
 
-    return connected_metadata()
+    md = Metadata(ensure_redis_url())
+    md.ping()
+    return md
 
 
 def _require_worker() -> None:

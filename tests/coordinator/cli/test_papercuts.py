@@ -191,3 +191,19 @@ def test_dlq_ls_in_a_pipe_shows_each_error_whole(empty_cluster: LocalCluster):
         assert result.returncode == 0 and error in result.stdout
     finally:
         md.remove_dead_letter("transfer-long-0-1")
+
+
+def test_commands_that_only_read_redis_never_import_celery(empty_cluster: LocalCluster):
+    """Celery's imports are a tenth of a second of a command's start: ls, status, nodes ls
+    and dlq ls read Redis (and probe nodes), and send no task."""
+    for argv in (["ls"], ["status"], ["nodes", "ls"], ["dlq", "ls"]):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "coordinator.cli", *argv, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env=empty_cluster.env(),
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
+        assert "celery" not in imported, argv
