@@ -235,6 +235,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
+    if not os.path.exists(args.path):  # said before the task modules start Redis
+        raise SmoltorrentError(f"{os.path.abspath(args.path)}: no such file")
     from tasks.requests import submit_store, wait_store
 
     if os.path.isdir(args.path):

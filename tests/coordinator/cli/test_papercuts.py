@@ -207,3 +207,12 @@ def test_commands_that_only_read_redis_never_import_celery(empty_cluster: LocalC
         assert result.returncode == 0, result.stderr[-2000:]
         imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
         assert "celery" not in imported, argv
+
+
+def test_a_store_of_a_missing_file_starts_nothing(tmp_path: Path):
+    """A typo in the path is said at once; it used to start the embedded Redis first."""
+    env = clean_env(tmp_path)
+    result = run("store", str(tmp_path / "nope.safetensors"), env=env)
+    assert result.returncode == 1
+    assert "nope.safetensors: no such file" in one_line_error(result)
+    assert not (tmp_path / "home" / "redis").exists()
