@@ -83,12 +83,20 @@ def _progress(as_json: bool = False):
 # --- nodes ---------------------------------------------------------------------
 
 
+def _addresses(texts: list[str], default_port: int | None = None) -> list[NodeAddress]:
+    """Every address given on the command line, all parsed before any is used: a malformed
+    one is a usage error, and nothing is done."""
+    try:
+        return [NodeAddress.parse(text, default_port) for text in texts]
+    except SmoltorrentError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def cmd_nodes(args: argparse.Namespace) -> int:
     md = _md()
     if args.nodes_command == "add":
         rows = []
-        for text in args.addresses:
-            address = NodeAddress.parse(text, default_port=defaults.DEFAULT_PORT)
+        for address in _addresses(args.addresses, defaults.DEFAULT_PORT):
             stat = NodeClient(
                 address, cluster_key=config.cluster_key(), timeout=defaults.CONNECT_TIMEOUT_S
             ).stat()
@@ -740,7 +748,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     md = _md()
     addresses = (
-        [NodeAddress.parse(a) for a in args.addresses]
+        _addresses(args.addresses)
         if args.addresses
         else [rec.address for rec in md.nodes().values()]
     )

@@ -216,3 +216,13 @@ def test_a_store_of_a_missing_file_starts_nothing(tmp_path: Path):
     assert result.returncode == 1
     assert "nope.safetensors: no such file" in one_line_error(result)
     assert not (tmp_path / "home" / "redis").exists()
+
+
+def test_a_malformed_node_address_is_a_usage_error_before_any_node_is_added(
+    empty_cluster: LocalCluster,
+):
+    result = run("nodes", "add", "127.0.0.1:1", "notaport:xyz", env=empty_cluster.env())
+    assert result.returncode == 2
+    error = one_line_error(result)
+    assert "'notaport:xyz' is not a node address" in error and "127.0.0.1:1" not in error
+    assert run("rebuild", "host:99999", env=empty_cluster.env()).returncode == 2
