@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import sys
@@ -396,6 +397,29 @@ def _report(message: str, hint: str | None, as_json: bool) -> None:
             sys.stderr.write(f"error: {message}\n")
 
 
+# The module of coordinator/cli/ that holds each command's cmd_<command>, imported only
+# when that command runs: a command pays for no other's imports.
+COMMAND_MODULES = {
+    "store": "transfer_commands",
+    "gather": "transfer_commands",
+    "ls": "listing_commands",
+    "show": "listing_commands",
+    "status": "listing_commands",
+    "nodes": "node_commands",
+    "discover": "node_commands",
+    "verify": "operation_commands",
+    "rm": "operation_commands",
+    "dlq": "operation_commands",
+    "rebuild": "operation_commands",
+    "redis": "operation_commands",
+    "watch": "daemon_commands",
+    "up": "daemon_commands",
+    "flower": "daemon_commands",
+    "worker": "services",
+    "beat": "services",
+}
+
+
 def dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return serve(args)
@@ -403,14 +427,9 @@ def dispatch(args: argparse.Namespace) -> int:
 
     config.check_environment()
     if args.command == "demo":
-        from coordinator.cli.commands import cmd_demo
+        from coordinator.cli.daemon_commands import cmd_demo
 
         # The demo drives this same entry point; passing it in keeps local/ free of cli/.
         return cmd_demo(args, run_command=main)
-    if args.command in ("worker", "beat"):
-        from coordinator.cli import services
-
-        return getattr(services, f"cmd_{args.command}")(args)
-    from coordinator.cli import commands
-
-    return getattr(commands, f"cmd_{args.command}")(args)
+    module = importlib.import_module(f"coordinator.cli.{COMMAND_MODULES[args.command]}")
+    return getattr(module, f"cmd_{args.command}")(args)

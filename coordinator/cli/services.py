@@ -1,4 +1,4 @@
-"""The long-lived commands, `worker` and `beat`: kept apart from commands.py so the CLI's
+"""The long-lived commands, `worker` and `beat`: kept apart from the other commands so the CLI's
 rendering (rich, the reports) is never imported into them. Every prefork pool child
 starts as a copy of the worker, so a module left out is left out once per process."""
 

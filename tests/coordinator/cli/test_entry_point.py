@@ -27,3 +27,17 @@ def test_the_entry_point_exits_with_mains_code_and_its_output_arrives_whole() ->
     assert script.stdout.strip() and script.stdout.endswith("\n")
     bad = subprocess.run([*argv[:3], "no-such-command"], capture_output=True, text=True)
     assert bad.returncode == 2
+
+
+def test_every_command_dispatches_to_a_function_of_its_module() -> None:
+    # A command added to the parser but not to COMMAND_MODULES would fail only when run.
+    import importlib
+
+    from coordinator.cli.main import COMMAND_MODULES, build_parser
+
+    choices = next(a.choices for a in build_parser()._actions if a.dest == "command")
+    assert set(choices) - set(COMMAND_MODULES) == {"serve", "demo"}
+    for command, module in COMMAND_MODULES.items():
+        assert callable(
+            getattr(importlib.import_module(f"coordinator.cli.{module}"), f"cmd_{command}")
+        )

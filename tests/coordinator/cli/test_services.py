@@ -8,7 +8,11 @@ import sys
 
 RENDERING = (
     "rich",
-    "coordinator.cli.commands",
+    "coordinator.cli.transfer_commands",
+    "coordinator.cli.listing_commands",
+    "coordinator.cli.node_commands",
+    "coordinator.cli.operation_commands",
+    "coordinator.cli.daemon_commands",
     "coordinator.cli.output",
     "coordinator.cli.reports",
 )
@@ -32,9 +36,9 @@ def test_the_worker_and_beat_commands_import_none_of_the_cli_rendering():
 # What a command under --json goes through: its imports, the no-bar and the JSON writers.
 JSON_PROBE = """
 import sys
-from coordinator.cli import commands, main
+from coordinator.cli import main, transfer_commands
 from coordinator.cli.output import emit_json, error
-with commands._progress(as_json=True) as bar:
+with transfer_commands._progress(as_json=True) as bar:
     bar.update(bar.add_task("gathering", total=1), completed=1)
 emit_json({"ok": True})
 error("a failure", "a hint", as_json=True)

@@ -1,0 +1,187 @@
+"""`ls`, `show` and `status`: what is stored and how the cluster is, read from Redis (and
+node probes). None of them sends a task, so none imports Celery."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from coordinator import config
+from coordinator.cli import reports
+from coordinator.cli.cluster import NODE_STATE, metadata
+from coordinator.cli.output import console, emit_json, human_bytes, table
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = reports.checkpoints(metadata(), args.name)
+    if args.json:
+        emit_json(rows)
+        return 0
+    if not rows:
+        console.print("no checkpoints stored yet; store one with `smoltorrent store PATH`.")
+        return 0
+    columns = ["name", "version", "state", "tensors", "size", "shards", "copies", "created"]
+    table(
+        args.name or "checkpoints",
+        columns[1:] if args.name else columns,
+        [
+            (
+                # The current marker goes on the first column: the name, or with one
+                # name listed, the version.
+                *(() if args.name else (r["name"] + (" *" if r["current"] else ""),)),
+                r["version_id"][:12] + (" *" if r["current"] and args.name else ""),
+                r["state"],
+                r["tensors"],
+                human_bytes(r["size"]),
+                r["shards"],
+                f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])),
+            )
+            for r in rows
+        ],
+    )
+    console.print("* current version   ! under-replicated")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    h = reports.header(metadata(), args.name, args.version)
+    if not args.tensors:
+        del h["tensors"]
+    if args.json:
+        emit_json(h)
+        return 0
+    console.print(
+        f"{h['name']} version {h['version_id'][:12]} ({h['state']}"
+        + (", current" if h["current"] else "")
+        + f"): {h['tensor_count']} tensors, {h['parameters']:,} parameters, "
+        f"{human_bytes(h['size'])} in {h['shards']} shards (header {h['header_bytes']} B)"
+    )
+    console.print("dtypes: " + ", ".join(f"{d} x{n}" for d, n in h["dtypes"].items()))
+    for key, value in sorted(h["metadata"].items()):
+        console.print(f"metadata {key}: {value}")
+    if args.tensors:
+        table(
+            "tensors",
+            ["name", "dtype", "shape", "size", "shard"],
+            [
+                (
+                    t["name"],
+                    t["dtype"],
+                    "x".join(map(str, t["shape"])) or "()",
+                    human_bytes(t["bytes"]),
+                    t["shard"],
+                )
+                for t in h["tensors"]
+            ],  # fmt: skip
+        )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    s = reports.status(metadata(), config.cluster_key())
+    if args.json:
+        emit_json(s)
+        return 0
+    if not s["nodes"]:
+        console.print(
+            "no storage nodes registered yet: run `smoltorrent serve --data-dir DIR` on each"
+            " storage node, then register them here with `smoltorrent nodes add HOST`"
+        )
+        return 0
+    now = time.time()
+    table(
+        "nodes",
+        ["id", "address", "state", "last seen", "free", "blobs", "last scrub", "bad copies"],
+        [
+            (
+                n["node_id"][:12],
+                n["address"],
+                NODE_STATE[n["state"]],
+                "now" if n["up"] else _ago(n["last_seen"], now),
+                human_bytes(n["free_bytes"]) if n["up"] else "-",
+                n["blobs"] if n["up"] else "-",
+                ("running, " if n["scrubbing"] else "") + _ago(n["last_scrub"], now),
+                f"{n['bad_copies_found']} found, {n['quarantined']} held"
+                if n["bad_copies_found"] or n["quarantined"]
+                else "0",
+            )
+            for n in s["nodes"]
+        ],
+    )
+    up = sum(n["up"] for n in s["nodes"])
+    dead = sum(n["state"] == "dead" for n in s["nodes"])
+    console.print(
+        f"{up}/{len(s['nodes'])} nodes up"
+        + (f", {dead} dead (their shards are copied to the others)" if dead else "")
+    )
+    if s["under_replicated"]:
+        table(
+            "under-replicated shards",
+            ["name", "version", "shard", "live copies"],
+            [
+                (u["name"], u["version_id"][:12], u["shard"], f"{u['live_copies']}/{u['replicas']}")
+                for u in s["under_replicated"]
+            ],
+        )
+    else:
+        console.print("every shard of every committed version has all its live copies")
+    copies = [r for r in s["repairs_in_flight"] if r["target"] != "trim"]
+    if copies:
+        console.print(
+            f"{len(copies)} repair copies in flight: "
+            + ", ".join(
+                f"{r['digest'][:12]} of {'/'.join(r['names']) or '?'}"
+                f" ({r['source'][:8]} -> {r['target'][:8]})"
+                for r in copies
+            )
+        )
+    if s["repairs_waiting"]:
+        table(
+            "repairs waiting out a backoff (their copy failed)",
+            ["blob", "checkpoints", "target", "failures", "until", "last error"],
+            [
+                (
+                    w["digest"][:12],
+                    ", ".join(w["names"]),
+                    w["target"][:8],
+                    w["failures"],
+                    time.strftime("%H:%M:%S", time.localtime(w["until"])),
+                    w["error"],
+                )
+                for w in s["repairs_waiting"]
+            ],
+        )
+    if s["unrepairable"]:
+        table(
+            "cannot repair now (retried every repair sweep)",
+            ["blob", "copies", "checkpoints", "why"],
+            [
+                (
+                    u["digest"][:12],
+                    f"{u['copies']}/{u['replicas']}",
+                    ", ".join(u["names"]),
+                    u["reason"],
+                )
+                for u in s["unrepairable"]
+            ],
+        )
+    if s["pending"]:
+        console.print(
+            f"{len(s['pending'])} version(s) pending: " + ", ".join(p["name"] for p in s["pending"])
+        )
+    console.print(
+        f"dead letters: {s['dead_letters']}"
+        + (" (see `smoltorrent dlq ls`)" if s["dead_letters"] else "")
+    )
+    return 0
+
+
+def _ago(t: float | None, now: float) -> str:
+    if t is None:
+        return "never"
+    seconds = max(0.0, now - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"

@@ -1,0 +1,217 @@
+"""The operator's commands: `verify` (scrub and repair now), `rm`, `dlq ls|replay`,
+`rebuild` (the metadata from the nodes' manifests) and `redis status|stop`."""
+
+from __future__ import annotations
+
+import argparse
+
+from coordinator import config
+from coordinator.cli.cluster import metadata, node_addresses
+from coordinator.cli.output import console, emit_json, error, table, warn
+from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
+
+
+def _require_worker() -> None:
+    from tasks.requests import require_worker
+
+    require_worker()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from coordinator.state.verify import verify_now
+
+    crosscheck = None
+    if not args.name:
+        # The whole cluster: the crosscheck first, so copies gone from a node leave the
+        # placement (and are repaired below), unknown ones are recorded, orphans past
+        # their grace collected and manifests of removed versions deleted.
+        from beat.crosscheck import run_pass
+
+        crosscheck = dict(run_pass())
+    r = verify_now(
+        metadata(),
+        config.cluster_key(),
+        dead_after=config.dead_after(),
+        per_node=config.repairs_per_node(),
+        name=args.name,
+    )
+    if crosscheck is not None:
+        r["crosscheck"] = crosscheck
+    if args.json:
+        emit_json(r)
+        return 1 if r["under_replicated"] else 0
+    if crosscheck:
+        console.print(
+            "crosscheck: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in crosscheck.items())
+        )
+    console.print(
+        f"checked {r['copies_checked']} copies of {r['blobs']} blobs on"
+        f" {len(r['nodes_checked'])} nodes"
+        + (f" ({len(r['nodes_unreachable'])} did not answer)" if r["nodes_unreachable"] else "")
+    )
+    if r["bad"]:
+        table(
+            "bad or missing copies",
+            ["blob", "node", "problem"],
+            [(b["digest"][:12], b["node"][:12], b["problem"]) for b in r["bad"]],
+        )
+    for item in r["repaired"]:
+        console.print(
+            f"repaired {item['digest'][:12]}: {item['source'][:12]} -> {item['target'][:12]}"
+        )
+    for item in r["failed"]:
+        warn(f"could not repair {item['digest'][:12]} onto {item['target'][:12]}: {item['error']}")
+    for item in r["discarded"]:
+        console.print(f"discarded the bad copy of {item['digest'][:12]} on {item['node'][:12]}")
+    for u in r["unrepairable"]:
+        warn(
+            f"{u['digest'][:12]} ({', '.join(u['names'])}): {u['copies']}/{u['replicas']}"
+            f" copies, {u['reason']}"
+        )
+    if r["under_replicated"]:
+        console.print(
+            f"{len(r['under_replicated'])} blobs have fewer verified copies than they need"
+            + (" (nodes that did not answer could not be checked)" * bool(r["nodes_unreachable"]))
+        )
+        return 1
+    console.print("every blob has all its copies, verified")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from tasks.directory_requests import directory_checkpoints, forget_directory, is_directory
+
+    md = metadata()
+    directory = is_directory(args.name)
+    if directory:
+        if args.version:
+            raise UsageError(
+                f"{args.name} is a directory checkpoint: remove it whole, or one version of"
+                f" one of its files (`smoltorrent rm {args.name}/FILE --version V`)"
+            )
+        # Every version of every file it ever held, and its records.
+        vkeys = [v for n in directory_checkpoints(args.name) for v in md.versions(n)]
+    elif args.version:
+        vkeys = [md.resolve(args.name, args.version)]
+    else:
+        vkeys = md.versions(args.name)
+        if not vkeys:
+            raise NotFoundError(f"no checkpoint named {args.name}; see `smoltorrent ls`.")
+    _require_worker()
+    from tasks.remove import remove
+
+    results = [
+        remove.apply_async(args=(v,), queue=config.CONTROL_QUEUE, argsrepr=args.name).get()
+        for v in vkeys
+    ]
+    if directory:
+        forget_directory(args.name)  # last: until here a gather still finds what is left
+    if args.json:
+        emit_json(results)
+    else:
+        deleted = sum(r["blobs_deleted"] for r in results)
+        console.print(
+            f"removed {len(results)} version(s) of {args.name}; {deleted} blob copies deleted"
+        )
+        for r in results:
+            for line in r.get("left_behind", []):
+                warn(f"left behind (collected later): {line}")
+    return 0
+
+
+def cmd_redis(args: argparse.Namespace) -> int:
+    # Not through metadata(): asking about the embedded Redis must not start it.
+    from coordinator.state.embedded_redis import redis_status, stop_redis
+
+    if args.redis_command == "stop":
+        stopped = stop_redis()
+        console.print(
+            "stopped the embedded Redis; its data stays for the next start"
+            if stopped
+            else "the embedded Redis was not running"
+        )
+        return 0
+    status = redis_status()
+    if args.json:
+        emit_json(status)
+    elif not status["embedded"]:
+        console.print(f"using the Redis at {status['url']} (SMOLTORRENT_REDIS_URL)")
+    elif status["running"]:
+        console.print(
+            f"embedded Redis running: pid {status['pid']}, {status['url']}, data in {status['dir']}"
+        )
+    else:
+        console.print(
+            f"embedded Redis not running (data in {status['dir']}); the next command starts it"
+        )
+    return 0
+
+
+def cmd_dlq(args: argparse.Namespace) -> int:
+    md = metadata()
+    if args.dlq_command == "ls":
+        records = md.dead_letters()
+        if args.json:
+            emit_json(records)
+        elif not records:
+            console.print("no dead letters")
+        else:
+            table(
+                "dead letters",
+                ["task id", "task", "checkpoint", "shard", "node", "error"],
+                [
+                    (
+                        r["task_id"],
+                        r["task"],
+                        r.get("checkpoint") or "-",
+                        "-" if r.get("shard") is None else r["shard"],
+                        (r.get("node") or "-")[:12],
+                        r["error"],  # whole: a terminal folds it, a pipe keeps it
+                    )
+                    for r in records
+                ],
+            )
+        return 0
+    from tasks.dead_letters import replay
+
+    if args.all == bool(args.task_id):
+        raise UsageError(
+            "give one dead letter's task id or --all (not both): `smoltorrent dlq ls` lists them"
+        )
+    ids = [r["task_id"] for r in md.dead_letters()] if args.all else [args.task_id]
+    for task_id in ids:
+        replay(task_id)
+    if args.json:
+        emit_json({"replayed": ids})
+    else:
+        console.print(f"replayed {len(ids)} dead letter(s)")
+    return 0
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    from coordinator.state.rebuild import rebuild_metadata
+
+    md = metadata()
+    addresses = (
+        node_addresses(args.addresses)
+        if args.addresses
+        else [rec.address for rec in md.nodes().values()]
+    )
+    if not addresses:
+        raise SmoltorrentError(
+            "no nodes to read: give their addresses, `smoltorrent rebuild HOST:PORT ...`"
+        )
+    summary = rebuild_metadata(md, addresses, config.cluster_key())
+    if args.json:
+        emit_json(summary)
+    else:
+        console.print(
+            f"rebuilt from {summary['nodes_read']} node(s): "
+            f"{summary['versions']} versions of {summary['names']} checkpoints, "
+            f"{summary['placements']} blob copies"
+        )
+        for line in summary["unreachable"]:
+            warn(f"not read: {line}")
+        if not summary["nodes_read"]:
+            error("no node could be read, so nothing was rebuilt; check the addresses")
+    return 0 if summary["nodes_read"] else 1

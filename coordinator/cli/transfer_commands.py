@@ -1,0 +1,208 @@
+"""`store` and `gather`: checkpoints (a file, or a directory of them) in and out of the
+cluster, through the worker."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from coordinator.cli import reports
+from coordinator.cli.cluster import metadata
+from coordinator.cli.output import console, emit_json, human_bytes, warn
+from coordinator.state.metadata import COMMITTED
+from smoltorrent.errors import SmoltorrentError, UsageError
+
+
+def _time_and_rate(size: int, seconds: float) -> str:
+    """How long a summary line's transfer took and its rate: "0.31 s (85.9 MB/s)"."""
+    return f"{seconds:.2f} s ({human_bytes(size / max(seconds, 1e-9))}/s)"
+
+
+class _NoBar:
+    """What `_progress` gives where no bar is drawn: rich.progress is not even imported."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *_) -> None:
+        pass
+
+    def add_task(self, *_, **__) -> int:
+        return 0
+
+    def update(self, *_, **__) -> None:
+        pass
+
+
+def _progress(as_json: bool = False):
+    """A byte-level bar on a terminal; nothing in a pipe, a file or under --json (the
+    summary line, or the JSON, says it all)."""
+    if as_json or not console.is_terminal:
+        return _NoBar()
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}", markup=False),  # the name, as it is
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console.rich,
+        transient=True,
+    )
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    if not os.path.exists(args.path):  # said before the task modules start Redis
+        raise SmoltorrentError(f"{os.path.abspath(args.path)}: no such file")
+    from tasks.requests import submit_store, wait_store
+
+    if os.path.isdir(args.path):
+        return _store_directory(args)
+
+    request = submit_store(args.path, args.name, args.replicas, args.shards)
+    name = request.name
+    if args.no_wait:
+        if args.json:
+            emit_json({"task_id": request.task_id, "name": name})
+        else:
+            console.print(f"queued store of {name} (task {request.task_id})")
+        return 0
+    started = time.monotonic()
+    with _progress(args.json) as bar:
+        task = bar.add_task(f"storing {name}", total=1)
+
+        def show(p) -> None:
+            bar.update(
+                task,
+                total=p.total_bytes or 1,
+                completed=p.done_bytes,
+                description=f"storing {name} ({p.ready_shards}/{p.shards} shards)",
+            )
+
+        out = wait_store(request, show)
+    seconds = time.monotonic() - started
+    md = metadata()
+    vkey = out["vkey"]
+    row = next(c for c in reports.checkpoints(md, name) if c["vkey"] == vkey)
+    if args.json:
+        emit_json({**row, "new": out["new"], "hashed_bytes": out["hashed_bytes"]})
+    else:
+        verb = "stored" if out["new"] else "already stored (no bytes moved)"
+        console.print(
+            f"{verb}: {name} version {row['version_id'][:12]}, "
+            f"{human_bytes(row['size'])} in {row['shards']} shards x "
+            f"{row['replicas']} replicas, {_time_and_rate(row['size'], seconds)}"
+        )
+        if row["under_replicated"]:
+            warn(
+                f"shards {row['under_replicated']} have fewer than {row['replicas']} copies; "
+                "see `smoltorrent status`."
+            )
+    return 0 if out["state"] == COMMITTED else 1
+
+
+def _store_directory(args: argparse.Namespace) -> int:
+    """A directory of safetensors files (the Hugging Face layout) as one unit."""
+    from tasks.directory_requests import store_directory
+
+    if args.no_wait or args.shards:
+        raise UsageError("--no-wait and --shards apply to a single file, not to a directory")
+    started = time.monotonic()
+    stored = store_directory(args.path, args.name, args.replicas)
+    seconds = time.monotonic() - started
+    v = stored.version
+    row = {
+        "name": v.name,
+        "version_id": v.version_id,
+        "files": {f: m.version_id for f, m in v.files.items()},
+        "index": v.index_name,
+        "size": sum(m.size for m in v.files.values()),
+        "new_files": stored.new_files,
+        "ignored": list(stored.plan.ignored),
+    }
+    if args.json:
+        emit_json(row)
+        return 0
+    console.print(
+        f"stored directory {v.name} version {v.version_id[:12]}: {len(v.files)} files"
+        + (f" and {v.index_name}" if v.index_name else "")
+        + f", {human_bytes(row['size'])} ({len(stored.new_files)} new), "
+        + _time_and_rate(row["size"], seconds)
+    )
+    if stored.plan.ignored:
+        warn(
+            "not stored (only .safetensors files and their index are): "
+            + ", ".join(stored.plan.ignored)
+        )
+    return 0
+
+
+def _gather_directory(args: argparse.Namespace) -> int:
+    from tasks.directory_requests import gather_directory
+
+    if args.tensors:
+        raise UsageError(
+            f"{args.name} is a directory checkpoint: gather it whole, or gather --tensors from"
+            f" one of its files ({args.name}/FILE)"
+        )
+    started = time.monotonic()
+    v = gather_directory(args.name, args.output, args.version)
+    seconds = time.monotonic() - started
+    out = os.path.abspath(args.output)
+    size = sum(m.size for m in v.files.values())
+    if args.json:
+        emit_json({"path": out, "name": v.name, "version_id": v.version_id,
+                   "files": sorted(v.files), "index": v.index_name})  # fmt: skip
+    else:
+        console.print(
+            f"gathered directory {v.name} version {v.version_id[:12]} -> {out} "
+            f"({len(v.files)} files"
+            + (f" and {v.index_name}" if v.index_name else "")
+            + f", {human_bytes(size)}, {_time_and_rate(size, seconds)})"
+        )
+    return 0
+
+
+def cmd_gather(args: argparse.Namespace) -> int:
+    from tasks.directory_requests import is_directory
+    from tasks.requests import submit_gather, wait_gather
+
+    if is_directory(args.name):
+        return _gather_directory(args)
+
+    request = submit_gather(args.name, args.output, args.version, args.tensors)
+    with _progress(args.json) as bar:
+        task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
+        report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
+    if args.json:
+        emit_json(report)
+    else:
+        rate = report["size"] / max(report["seconds"], 1e-9)
+        console.print(
+            f"gathered {args.name} version {report['version_id'][:12]} -> {request.out} "
+            f"({human_bytes(report['size'])} in {report['seconds']:.2f} s, "
+            f"{human_bytes(rate)}/s)"
+        )
+        if args.tensors:
+            console.print(
+                f"{len(report['tensors'])} tensors, {human_bytes(report['bytes_fetched'])} read"
+                " from the nodes"
+                + (
+                    f" (shards {report['whole_shards']} read whole: their manifest predates"
+                    " per-tensor digests)"
+                    if report["whole_shards"]
+                    else ""
+                )
+            )
+        for line in report["fallbacks"]:
+            warn(f"fell back to another replica: {line}")
+    return 0
