@@ -1,0 +1,98 @@
+"""The chaos checker on made-up histories: each promise it checks is broken once, and it
+says so; a history that keeps them all passes. No cluster: the checker is pure."""
+
+from __future__ import annotations
+
+import json
+
+from coordinator.local.chaos import FAULT_KINDS, Final, Op, check, draw_schedule
+
+A, B = "a" * 64, "b" * 64
+NAME = "run/latest.safetensors"
+
+
+def store(path: str, content: str, *, exit: int | None = 0, vkey: str = "va", t: float = 1) -> Op:
+    out = json.dumps({"vkey": vkey}) if exit == 0 else ""
+    return Op(0, "store", NAME, content, path, t, t + 1, exit, out, "")
+
+
+def request(path: str, seq: int, vkey: str, state: str = "done") -> dict[str, str]:
+    args = json.dumps({"path": path, "name": NAME})
+    return {"kind": "store", "args": args, "seq": str(seq), "state": state, "vkey": vkey}
+
+
+def final(**changes) -> Final:
+    base = {
+        "requests": {"r1": request("/a1", 1, "va"), "r2": request("/b1", 2, "vb")},
+        "versions": [
+            {"vkey": "va", "state": "committed", "name": NAME, "content": A},
+            {"vkey": "vb", "state": "committed", "name": NAME, "content": B},
+        ],
+        "gathered": {"va": A, "vb": B},
+        "current": {NAME: B},
+        "open_requests": [],
+        "unsettled": [],
+        "under_replicated": [],
+    }
+    return Final(**(base | changes))
+
+
+OPS = [store("/a1", A, vkey="va"), store("/b1", B, vkey="vb", t=2)]
+NAMES = {NAME: {A, B}}
+
+
+def test_a_history_that_keeps_every_promise_passes():
+    assert check(OPS, final(), NAMES) == []
+
+
+def test_an_acknowledged_store_that_does_not_gather_identical_is_a_violation():
+    [v] = check(OPS, final(gathered={"va": B, "vb": B}), NAMES)
+    assert "acknowledged" in v and "va" in v
+
+
+def test_an_acknowledged_store_with_no_request_is_lost():
+    ops = [*OPS, store("/a2", A, vkey="va", t=3)]
+    [v] = check(ops, final(), NAMES)
+    assert "no request" in v
+
+
+def test_a_name_serving_an_older_request_is_a_violation():
+    [v] = check(OPS, final(current={NAME: A}), NAMES)
+    assert "latest accepted request (seq 2" in v
+
+
+def test_a_failed_exit_for_a_store_that_committed_is_a_violation():
+    ops = [OPS[0], store("/b1", B, exit=1, t=2)]
+    [v] = check(ops, final(), NAMES)
+    assert "exited 1 (failed)" in v
+
+
+def test_a_gather_of_bytes_never_stored_is_a_violation(tmp_path):
+    gather = Op(1, "gather", NAME, "c" * 64, str(tmp_path / "out"), 3, 4, 0, "", "")
+    [v] = check([*OPS, gather], final(), NAMES)
+    assert "bytes no store" in v
+
+
+def test_a_failed_gather_that_left_a_file_is_a_violation(tmp_path):
+    out = tmp_path / "out"
+    out.write_bytes(b"partial")
+    gather = Op(1, "gather", NAME, None, str(out), 3, 4, 1, "", "error")
+    [v] = check([*OPS, gather], final(), NAMES)
+    assert "left a file" in v
+
+
+def test_what_stays_open_or_under_r_after_healing_is_a_violation():
+    got = check(
+        OPS,
+        final(open_requests=["r9"], unsettled=["vc"], under_replicated=[{"shard": 0}]),
+        NAMES,
+    )
+    assert len(got) == 3
+
+
+def test_a_seed_draws_the_same_schedule_every_time():
+    first = draw_schedule(5, 60, 4)
+    assert first == draw_schedule(5, 60, 4) and first != draw_schedule(6, 60, 4)
+    assert {f.kind for f in first.faults} <= set(FAULT_KINDS)
+    assert all(f.at_s < 60 for f in first.faults)
+    assert "seed 5" in first.describe()
