@@ -1,4 +1,4 @@
-"""The Python API for training loops: save and load state dicts through the cluster.
+"""The Python API for training loops: save and load training state through the cluster.
 
     import smoltorrent
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import struct
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -34,16 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import config
+from coordinator.plan.safetensors_header import parse_header, read_header
 from coordinator.plan.selection import pick
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError, SmoltorrentError, StateDictError
-from smoltorrent.tensors import (
-    check_framework,
-    check_metadata,
-    framework_of,
-    read_file,
-    write_file,
-)
+from smoltorrent.keypaths import STATE_KEY, flatten, parse_structure, paths, unflatten
+from smoltorrent.tensors import check_framework, check_metadata, read_file, write_file
 from tasks.directory_requests import directory_version, is_directory
 from tasks.requests import (
     StoreRequest,
@@ -100,7 +97,7 @@ _latest: dict[str, SaveHandle] = {}  # per name, the save every new one queues b
 
 
 def save(
-    state_dict: Mapping[str, Any],
+    state: Mapping[str, Any],
     name: str,
     *,
     replicas: int = defaults.DEFAULT_REPLICAS,
@@ -108,15 +105,17 @@ def save(
     metadata: Mapping[str, str] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
 ) -> SavedVersion | SaveHandle:
-    """Store a state dict of torch tensors, numpy arrays or MLX arrays as a version of
-    `name`. With wait=True, return the committed version; with wait=False, return a
-    SaveHandle as soon as the local file is written."""
-    handle = start_save(state_dict, name, replicas, metadata, staging_dir)
+    """Store a state as a version of `name`: a state dict of torch tensors, numpy arrays
+    or MLX arrays, or a training run's whole state (dicts, lists and tuples of them and
+    of plain values: model, optimizer, scheduler, RNG states, step; smoltorrent/
+    keypaths.py). With wait=True, return the committed version; with wait=False, return
+    a SaveHandle as soon as the local file is written."""
+    handle = start_save(state, name, replicas, metadata, staging_dir)
     return handle.result() if wait else handle
 
 
 def start_save(
-    state_dict: Mapping[str, Any],
+    state: Mapping[str, Any],
     name: str,
     replicas: int,
     metadata: Mapping[str, str] | None,
@@ -129,8 +128,11 @@ def start_save(
         raise SmoltorrentError(f"a checkpoint name must be a non-empty string, not {name!r}")
     if replicas < 1:
         raise SmoltorrentError(f"replicas must be at least 1, not {replicas}")
-    framework = framework_of(state_dict)
-    path = _write_staged(state_dict, name, framework, check_metadata(metadata), staging_dir)
+    flat = flatten(state)
+    header = check_metadata(metadata, STATE_KEY)
+    if flat.structure is not None:
+        header = {**(header or {}), STATE_KEY: flat.structure}
+    path = _write_staged(flat.tensors, name, flat.framework, header, staging_dir)
     handle = SaveHandle(name, path)
     with _lock:
         previous = _latest.get(name)
@@ -245,15 +247,17 @@ def load(
     tensors: Sequence[str] | None = None,
     device: str | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
-) -> dict[str, Any]:
-    """The state dict of `name` (its current version, or a version id prefix) as
-    `framework` tensors, gathered and verified byte for byte.
+) -> Any:
+    """The state of `name` (its current version, or a version id prefix) as it was saved,
+    with `framework` tensors, gathered and verified byte for byte: a flat state dict as a
+    dict, a nested state as the same dicts, lists, tuples and plain values.
 
-    With `tensors` (names or globs, e.g. ["model.layers.0.*", "lm_head.weight"]), only
-    the tensors they match: their byte ranges alone are read from the shards holding
-    them, in parallel, each checked against the SHA-256 recorded for it at store time
-    (versions stored before those digests existed have their needed shards read whole
-    and checked against the shard's digest). A glob matching nothing is an error."""
+    With `tensors` (names or globs, e.g. ["model.layers.0.*", "lm_head.weight"]; for a
+    nested state, key paths such as ["model/*", "optim/*"]), only what they match: the
+    tensors' byte ranges alone are read from the shards holding them, in parallel, each
+    checked against the SHA-256 recorded for it at store time (versions stored before
+    those digests existed have their needed shards read whole and checked against the
+    shard's digest). A glob matching nothing is an error."""
     check_framework(framework)
     if device is not None and framework != "torch":
         raise StateDictError(f"device= applies to framework='torch' only, not {framework!r}")
@@ -269,12 +273,56 @@ def load(
     directory = _staging_dir(staging_dir)
     if is_directory(name):
         return _load_directory(name, version, framework, tensors, device, directory)
+    tree, chosen = None, None
+    if tensors is not None:
+        tree, version, tensors, chosen = _select(name, version, tensors)
     out = directory / f".load.{uuid.uuid4().hex}.safetensors"
     try:
-        wait_gather(submit_gather(name, str(out), version, tensors))
-        return read_file(str(out), framework, device)
+        if tensors is None or tensors:
+            wait_gather(submit_gather(name, str(out), version, tensors))
+            loaded = read_file(str(out), framework, device)
+            if tree is None:
+                tree = parse_structure(read_header(str(out)).metadata)
+        else:  # only plain values selected: no tensor to gather
+            loaded = {}
+        return loaded if tree is None else unflatten(tree, loaded, chosen)
     finally:
         out.unlink(missing_ok=True)
+
+
+def _select(
+    name: str, version: str | None, patterns: list[str]
+) -> tuple[Any, str | None, list[str], set[str] | None]:
+    """What a partial load reads: (structure or None, the version id to read, the tensor
+    names or globs to gather, the key paths chosen). A saved state's globs match key
+    paths of tensors, plain values and containers alike (a container comes whole); a
+    flat state dict's go to the gather as they are."""
+    md = connected_metadata()
+    vkey = md.resolve(name, version)
+    manifest = md.manifest(vkey)
+    header = parse_header(
+        struct.pack("<Q", len(manifest.header_bytes)),
+        manifest.header_bytes,
+        manifest.source_size,
+        source=f"manifest of {manifest.name}",
+    )
+    tree = parse_structure(header.metadata)
+    version_id = md.version(vkey)["version_id"]
+    if tree is None:
+        return None, version_id, patterns, None
+    found = list(paths(tree))
+    chosen, missing = pick([p for p, _, _ in found], patterns)
+    if missing:
+        raise NotFoundError(
+            f"no key path of {name} matches {missing[0]!r} (its first: "
+            f"{', '.join(p for p, _, _ in found[:5])}); `smoltorrent show {name} --tensors` "
+            "lists its tensors."
+        )
+    under = tuple(f"{p}/" for p in chosen)
+    wanted = sorted(
+        {t for p, _, t in found if t is not None and (p in chosen or p.startswith(under))}
+    )
+    return tree, version_id, wanted, chosen
 
 
 def _load_directory(

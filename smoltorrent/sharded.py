@@ -144,9 +144,9 @@ def load_sharded(
     tensors: Sequence[str] | None = None,
     device: str | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
-) -> dict[str, Any]:
-    """This rank's state dict of a committed step, refusing loudly a world-size change, a
-    partial step or a missing rank."""
+) -> Any:
+    """This rank's state (as it was saved) of a committed step, refusing loudly a
+    world-size change, a partial step or a missing rank."""
     _check(step, rank, world_size)
     md = connected_metadata()
     found = Steps(md.r).get(name, step)

@@ -53,33 +53,8 @@ def check_framework(framework: str) -> None:
         )
 
 
-def framework_of(state_dict: Mapping[str, Any]) -> str:
-    """Which framework's tensors a state dict holds; StateDictError for a mix or a non-tensor."""
-    if not isinstance(state_dict, Mapping):
-        raise StateDictError(
-            f"a state dict must be a mapping of names to tensors, not {type(state_dict).__name__}"
-        )
-    found: set[str] = set()
-    for key, value in state_dict.items():
-        if not isinstance(key, str):
-            raise StateDictError(f"tensor names must be strings; {key!r} is not")
-        kind = _kind(value)
-        if kind is None:
-            raise StateDictError(
-                f"{key!r} is a {type(value).__module__}.{type(value).__name__}, not a torch "
-                "tensor, numpy array or MLX array; keep only tensors in the state dict (put "
-                "plain values in metadata=, as strings)"
-            )
-        found.add(kind)
-    if len(found) > 1:
-        raise StateDictError(
-            f"the state dict mixes {' and '.join(sorted(found))} tensors; convert them to one "
-            "framework before saving"
-        )
-    return found.pop() if found else "numpy"
-
-
-def _kind(value: Any) -> str | None:
+def kind_of(value: Any) -> str | None:
+    """ "torch", "numpy" or "mlx" for a tensor of that framework, None for anything else."""
     module = type(value).__module__.split(".")[0]
     if module == "torch" and type(value).__name__ in ("Tensor", "Parameter"):
         return "torch"
@@ -90,13 +65,20 @@ def _kind(value: Any) -> str | None:
     return None
 
 
-def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None:
+def check_metadata(
+    metadata: Mapping[str, str] | None, reserved: str | None = None
+) -> dict[str, str] | None:
     if metadata is None:
         return None
     bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
     if bad:
         raise StateDictError(
             f"metadata must map strings to strings; {bad[0]!r} does not (json.dumps the value)"
+        )
+    if reserved is not None and reserved in metadata:
+        raise StateDictError(
+            f"the metadata key {reserved!r} is smoltorrent's own (it holds the saved state's "
+            "structure); name yours otherwise"
         )
     return dict(metadata)
 
