@@ -417,6 +417,8 @@ def send_file_range(
     with selectors.DefaultSelector() as selector:
         selector.register(sock, selectors.EVENT_WRITE)
         while sent_total < count:
+            # Never 0: macOS's sendfile reads a count of 0 as "to the end of the file". A
+            # partial send there (EAGAIN after some bytes) returns its count, as on Linux.
             chunk = min(count - sent_total, defaults.SENDFILE_MAX_BYTES)
             try:
                 sent = os.sendfile(sock.fileno(), fd, offset + sent_total, chunk)

@@ -293,5 +293,17 @@ def _not_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
+    except IndexError:
         return False
+    except OSError:
+        pass  # no /proc (macOS), or the process is gone: ps tells either way
+    try:
+        state = subprocess.run(
+            ["ps", "-o", "stat=", "-p", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=defaults.LOCAL_STOP_TIMEOUT_S,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return bool(state) and not state.startswith("Z")
