@@ -102,6 +102,22 @@ TRANSFER_THREADS = 8  # parallel transfers per store/gather; saturates a few lin
 DIGEST_CACHE_ENTRIES = 4096  # files; plan digests kept per source identity (a few KiB each)
 HASH_THREADS = 2  # threads hashing shards at plan time; hashlib releases the GIL, 2 cores here
 
+# --- encoded chunks (coordinator/dataplane/codec.py) ----------------------------
+
+# raw bytes per frame: the encoder's and decoder's buffers are a few of these, whatever the
+# chunk's size; zstd's blocks are 128 KiB, so a bigger frame gains nothing in ratio, and
+# a smaller one adds per-frame Python work (decode of 1 MiB frames: see bench/RESULTS.md)
+CODEC_FRAME_BYTES = 1024 * 1024
+# raw bytes a decoder accepts in one frame: bounds what a corrupt header makes it allocate
+CODEC_MAX_FRAME_BYTES = 64 * 1024 * 1024
+# zstd level 1: on the sign-and-exponent plane of N(0, 0.02) bf16 it gives the best ratio
+# of levels -5..5 (2.72x; level 3 2.39x) and is the fastest to decode (bench/codec.py)
+CODEC_ZSTD_LEVEL = 1
+# a plane is kept zstd-coded, and a chunk framed, only if that saves this share of its
+# bytes: a smaller gain does not pay for the decoding (random mantissa bytes gain ~0%,
+# the bf16 exponent plane ~63%), and a RAW chunk is sent with sendfile, no copy
+CODEC_MIN_GAIN = 0.05
+
 # --- metadata (coordinator/state/metadata.py) -------------------------------------
 
 REDIS_TIMEOUT_S = 10.0  # seconds; a local or LAN Redis answers in milliseconds

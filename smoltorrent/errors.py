@@ -130,3 +130,7 @@ class PartialStepError(ShardedCheckpointError):
 
 class MissingRankError(ShardedCheckpointError):
     """A committed step lacks a rank's part (removed, or its version is not committed)."""
+
+
+class ChunkFormatError(SmoltorrentError):
+    """An encoded chunk is corrupt or in a format this version cannot decode."""
