@@ -110,8 +110,9 @@ HASH_THREADS = 2  # threads hashing shards at plan time; hashlib releases the GI
 CODEC_FRAME_BYTES = 1024 * 1024
 # raw bytes a decoder accepts in one frame: bounds what a corrupt header makes it allocate
 CODEC_MAX_FRAME_BYTES = 64 * 1024 * 1024
-# zstd level 1: on the sign-and-exponent plane of N(0, 0.02) bf16 it gives the best ratio
-# of levels -5..5 (2.72x; level 3 2.39x) and is the fastest to decode (bench/codec.py)
+# zstd level 1: of levels -5..5 it gives byte-grouped N(0, 0.02) bf16 the best ratio
+# (1.46x; level 3 1.41x, level -1 1.20x) and decodes faster than any level above it
+# (`python -m bench.codec --levels`, bench/RESULTS.md)
 CODEC_ZSTD_LEVEL = 1
 # a plane is kept zstd-coded, and a chunk framed, only if that saves this share of its
 # bytes: a smaller gain does not pay for the decoding (random mantissa bytes gain ~0%,
