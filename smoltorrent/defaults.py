@@ -169,6 +169,11 @@ STORE_PROGRESS_INTERVAL_S = 0.5  # seconds between a transfer's writes of its by
 # flight for progress bars, so it goes by itself once nothing moves
 SENT_PROGRESS_TTL_S = 3600
 CLI_POLL_INTERVAL_S = 0.1  # seconds between CLI polls of a task's progress
+# seconds a CLI or API call that is waiting on an operation goes on trying an unreachable
+# Redis (metadata and broker) before saying the outcome is unknown: a restart from its
+# AOF takes seconds, and a wait cut short by one would report a failure that then succeeds
+CLIENT_OUTAGE_S = 60.0
+CLIENT_OUTAGE_POLL_S = 0.5  # seconds between its tries: reconnecting costs milliseconds
 # rows above which a terminal gets a table as plain aligned columns: rich lays out about
 # 2,000 rows a second (`ls` of 10,000 versions took 6.5 s), plain columns take milliseconds
 CLI_DRAWN_TABLE_MAX_ROWS = 500

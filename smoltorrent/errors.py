@@ -108,6 +108,11 @@ class UsageError(SmoltorrentError):
     """A command's arguments do not fit together."""
 
 
+class OutcomeUnknownError(SmoltorrentError):
+    """Redis stayed unreachable while waiting on an operation that was already recorded:
+    it may still complete (the CLI exits 3, not 1, so a script does not retry a success)."""
+
+
 class ManifestNotDurableError(SmoltorrentError):
     """A commit could not put the manifest on every holder (at least min(R, live nodes))."""
 

@@ -11,6 +11,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+import kombu.exceptions
 
 from coordinator import config
 from coordinator.dataplane.gather_engine import check_destination
@@ -27,10 +30,15 @@ from coordinator.state.metadata import (
     Metadata,
 )
 from smoltorrent import defaults
-from smoltorrent.errors import SmoltorrentError
+from smoltorrent.errors import OutcomeUnknownError, SmoltorrentError
 from tasks.app import app
-from tasks.context import metadata
+from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import new_request_id, send_gather, send_remove, send_store
+
+T = TypeVar("T")
+# What an unreachable Redis raises: the metadata client's errors and the broker's (kombu
+# wraps a failed publish in OperationalError).
+OUTAGE = (*REDIS_TRANSIENT, kombu.exceptions.OperationalError)
 
 
 @dataclass(frozen=True)
@@ -108,10 +116,35 @@ def submit_store(
     connected_metadata()
     host = config.host_id()
     require_worker(host)
-    # send_store records the request (its sequence number orders the name's versions)
-    # before queuing the task: from here on no crash loses it.
-    request_id = send_store(path, name, replicas, shards, host)
+    # The request is recorded (its sequence number orders the name's versions) before its
+    # task is queued: from here on no crash loses it, and a queue that cannot be reached
+    # for a while is waited out, since the store is already accepted.
+    request_id = new_request_id()
+    args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
+    metadata().open_request(request_id, "store", host, args)
+    _ride_out(
+        lambda: send_store(path, name, replicas, shards, host, request_id=request_id),
+        f"queuing the store of {name} (request {request_id})",
+    )
     return StoreRequest(task_id=request_id, name=name, path=path)
+
+
+def _ride_out(call: Callable[[], T], what: str) -> T:
+    """call(), tried again while Redis is unreachable, for up to CLIENT_OUTAGE_S: a Redis
+    restart of a few seconds must not turn an accepted operation into a reported failure.
+    Past that, OutcomeUnknownError: the operation is recorded and may still complete."""
+    deadline = time.monotonic() + defaults.CLIENT_OUTAGE_S
+    while True:
+        try:
+            return call()
+        except OUTAGE as exc:
+            if time.monotonic() > deadline:
+                raise OutcomeUnknownError(
+                    f"Redis was unreachable for {defaults.CLIENT_OUTAGE_S:.0f} s while "
+                    f"{what} ({exc}). It is recorded and may still complete once Redis is "
+                    "back: check with `smoltorrent ls` before trying again."
+                ) from exc
+            time.sleep(defaults.CLIENT_OUTAGE_POLL_S)
 
 
 def wait_store(
@@ -120,12 +153,15 @@ def wait_store(
     """Follow a store to its commit: {"vkey", "state", "new", "hashed_bytes"};
     SmoltorrentError when it is abandoned, stuck on dead letters, or its task failed."""
     md = metadata()
-    while (record := md.request(request.task_id))["state"] not in (DONE, FAILED):
+    what = f"waiting for the store of {request.name} (request {request.task_id})"
+    while (record := _ride_out(lambda: md.request(request.task_id), what))["state"] not in (
+        DONE, FAILED
+    ):  # fmt: skip
         time.sleep(defaults.CLI_POLL_INTERVAL_S)
     if record["state"] == FAILED:
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
     vkey = record["vkey"]
-    state = _wait_commit(md, vkey, request.name, on_progress)
+    state = _ride_out(lambda: _wait_commit(md, vkey, request.name, on_progress), what)
     return {
         "vkey": vkey,
         "state": state,
@@ -196,7 +232,10 @@ def submit_gather(
     request_id = new_request_id()
     args = {"vkey": vkey, "out": out} | ({} if tensors is None else {"tensors": tensors})
     md.open_request(request_id, "gather", host, args)
-    send_gather(vkey, out, host, request_id, name, tensors)
+    _ride_out(
+        lambda: send_gather(vkey, out, host, request_id, name, tensors),
+        f"queuing the gather of {name} (request {request_id})",
+    )
     return GatherRequest(task_id=request_id, name=name, vkey=vkey, out=out, size=size)
 
 
@@ -206,9 +245,16 @@ def wait_gather(
     """Follow a gather to its end; its report, or SmoltorrentError naming what failed.
     on_progress(done_bytes, total_bytes) is called as bytes arrive."""
     res = app.AsyncResult(request.task_id)
-    while not res.ready():
+    what = f"waiting for the gather of {request.name} (request {request.task_id})"
+
+    def look() -> bool:
+        if res.ready():
+            return True
         if on_progress and res.state == "PROGRESS" and isinstance(res.info, dict):
             on_progress(res.info.get("done", 0), request.size)
+        return False
+
+    while not _ride_out(look, what):
         time.sleep(defaults.CLI_POLL_INTERVAL_S)
     if res.failed():
         raise SmoltorrentError(str(res.result))

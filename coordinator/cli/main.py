@@ -19,6 +19,7 @@ from smoltorrent.errors import (
     MetadataError,
     NodeUnavailableError,
     NotFoundError,
+    OutcomeUnknownError,
     SmoltorrentError,
     UsageError,
 )
@@ -347,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError) as exc:
         _report(str(exc), _hint(exc), as_json)
         return 2
+    except OutcomeUnknownError as exc:  # recorded, may still complete: not a failure
+        _report(str(exc), _hint(exc), as_json)
+        return 3
     except SmoltorrentError as exc:
         _report(str(exc), _hint(exc), as_json)
         return 1
