@@ -1,10 +1,11 @@
 """Store and gather a directory checkpoint (the Hugging Face layout) as one unit, through
 the same durable requests as single files (tasks/requests.py).
 
-Store: every file is submitted at once (so the worker stores them in parallel), each a
-version of `NAME/<file>`; once all are committed, the directory's record (their
-version ids and the index, coordinator/plan/directory.py) is stored as a checkpoint of
-its own, and its version is recorded and made current in one Redis write. A crash
+Store: a sequence number is taken, then every file is submitted at once (so the worker
+stores them in parallel), each a version of `NAME/<file>`; once all are committed, the
+directory's record (their version ids and the index, coordinator/plan/directory.py) is
+stored as a checkpoint of its own, and its version is recorded and made current in one
+Redis step, unless a store of the directory accepted later is current already. A crash
 before that leaves the files stored and the directory at its previous version: store
 it again (no byte moves twice). Gather: every file into a temp directory beside the
 destination, all at once, then the index, fsync, and one rename onto the destination,
@@ -64,6 +65,9 @@ def store_directory(
     name = name or os.path.basename(plan.root.rstrip(os.sep))
     for file in plan.files:  # every name first: a bad one queues none of the files
         check_name(member_name(name, file))
+    # Its place among the directory's stores: whichever finishes first, the one accepted
+    # last is current.
+    seq = Directories(connected_metadata().r).accept()
     requests = [
         (file, submit_store(os.path.join(plan.root, file), member_name(name, file), replicas))
         for file in plan.files
@@ -90,7 +94,7 @@ def store_directory(
         index=plan.index_bytes,
         created_at=time.time(),
     )
-    Directories(md.r).commit(version)
+    Directories(md.r).commit(version, seq)
     return StoredDirectory(version, new_files, plan)
 
 

@@ -2,9 +2,12 @@
 each version of a directory, and which version is current.
 
 A directory version is recorded only once every one of its files is committed, and it
-becomes current in the same write (one HSET of two fields), so a reader sees the new
-directory whole or the old one. Each file stays an ordinary checkpoint, `NAME/<file>`,
-whose manifest the nodes keep; the index bytes live here.
+becomes current in the same step, so a reader sees the new directory whole or the old
+one. Current is the latest accepted store of the directory, not the last to finish: a
+store takes its sequence number from the one request counter before it submits any file,
+and a version becomes current only over one of a lower number. Each file stays an
+ordinary checkpoint, `NAME/<file>`, whose manifest the nodes keep; the index bytes live
+here.
 """
 
 from __future__ import annotations
@@ -19,6 +22,20 @@ from coordinator.state import redis_keys as K
 from smoltorrent.errors import NotFoundError
 
 _VERSION = "version:"
+
+# Record a directory version; make it current if its store was accepted after the
+# current one's (a directory recorded before sequence numbers has none: any wins).
+# KEYS: directory hash; ARGV: version field, record JSON, version id, sequence number.
+# 1 if it became current.
+_COMMIT = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local current = tonumber(redis.call('HGET', KEYS[1], 'current_seq') or '-1')
+if tonumber(ARGV[4]) > current then
+  redis.call('HSET', KEYS[1], 'current', ARGV[3], 'current_seq', ARGV[4])
+  return 1
+end
+return 0
+"""
 
 
 @dataclass(frozen=True)
@@ -42,22 +59,25 @@ class DirectoryVersion:
 class Directories:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
+        self._commit = r.register_script(_COMMIT)
 
-    def commit(self, version: DirectoryVersion) -> None:
-        """Record a version whose every file is committed, and make it current."""
+    def accept(self) -> int:
+        """A sequence number for a directory store, from the one request counter: taken
+        before its files are submitted, it orders it among every other request."""
+        return int(self.r.incr(K.SEQ))
+
+    def commit(self, version: DirectoryVersion, seq: int) -> bool:
+        """Record a version whose every file is committed; it becomes current unless a
+        store accepted after its own (a higher `seq`) is current already. Whether it did."""
         record = {
             "files": {f: vars(m) for f, m in version.files.items()},
             "index_name": version.index_name,
             "index": None if version.index is None else version.index.decode("utf-8"),
             "created_at": version.created_at or time.time(),
         }
-        self.r.hset(
-            K.DIRECTORY.format(name=version.name),
-            mapping={
-                _VERSION + version.version_id: json.dumps(record, sort_keys=True),
-                "current": version.version_id,
-            },
-        )
+        field, raw = _VERSION + version.version_id, json.dumps(record, sort_keys=True)
+        key = K.DIRECTORY.format(name=version.name)
+        return bool(self._commit(keys=[key], args=[field, raw, version.version_id, seq]))
 
     def is_directory(self, name: str) -> bool:
         return bool(self.r.exists(K.DIRECTORY.format(name=name)))

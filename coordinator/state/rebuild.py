@@ -120,6 +120,7 @@ def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
             size = int(md.version(member)["size"])
             members[file] = Member(name, member, version_id, size)
         else:
+            # The record's own sequence number: later than its files', as its store was.
             directories.commit(
                 DirectoryVersion(
                     name=record.name,
@@ -128,7 +129,8 @@ def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
                     index_name=record.index_name,
                     index=record.index_bytes,
                     created_at=manifest.created_at,
-                )
+                ),
+                int(md.version(vkey).get("seq") or 0),
             )
             restored += 1
     return restored

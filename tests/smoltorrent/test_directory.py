@@ -4,10 +4,16 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+from coordinator.state import redis_keys as K
 from tests.checkpoints import write_hf_dir
 from tests.smoltorrent.conftest import run_api
+from tests.tasks.conftest import wait_until
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -81,3 +87,46 @@ def test_a_directory_with_an_hf_index_round_trips(make_cluster, tmp_path):
     assert not [r for r in c.cli_json("ls") if r["name"].startswith("hf/llama-tiny/")]
     gone = c.cli("gather", "hf/llama-tiny", "-o", str(tmp_path / "gone"), check=False)
     assert gone.returncode == 1 and "hf/llama-tiny" in gone.stderr
+
+
+def test_the_directory_store_accepted_last_is_current_whichever_finishes_first(
+    make_cluster, tmp_path
+):
+    """Directory A's store is accepted, then held (its command SIGSTOPped once its files
+    are recorded) while B's store of the same name runs to its end; A finishes last. The
+    name serves B, its latest accepted request: it served A, the last to write its record
+    (a plain HSET)."""
+    c = make_cluster(3)
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_hf_dir(a, seed=1)
+    write_hf_dir(b, seed=2)
+    store_a = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "store", str(a), "--name", "d", "--json"],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: len(file_requests(c, "d/")) >= 3, timeout=60, what="A's files recorded")
+        store_a.send_signal(signal.SIGSTOP)
+        b_row = c.cli_json("store", str(b), "--name", "d")
+    finally:
+        store_a.send_signal(signal.SIGCONT)
+    out, err = store_a.communicate(timeout=120)
+    assert store_a.returncode == 0, err
+    a_row = json.loads(out)
+    assert a_row["version_id"] != b_row["version_id"]
+    gathered = tmp_path / "out"
+    assert c.cli_json("gather", "d", "-o", str(gathered))["version_id"] == b_row["version_id"]
+    assert digests(gathered) == {k: v for k, v in digests(b).items() if k != "config.json"}
+
+
+def file_requests(c, prefix: str) -> list[dict]:
+    """Every store request recorded for a checkpoint name under `prefix`."""
+    found = []
+    for key in c.md.r.scan_iter(K.REQUEST.format(rid="*")):
+        record = c.md.r.hgetall(key)
+        if record.get("kind") == "store" and json.loads(record["args"])["name"].startswith(prefix):
+            found.append(record)
+    return found
