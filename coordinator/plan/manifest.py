@@ -14,6 +14,12 @@ in the order of `tensors`), computed in the same pass that hashes the blob at
 plan time, so a load of a few tensors can verify a byte range instead of
 fetching whole shards. Schema 1 manifests (no such digests) are still read; a
 partial load of one of them fetches and verifies the whole shards it needs.
+
+Schema 3 lists chunks instead of shards (coordinator/plan/chunks.py): per chunk its
+range of the data section, the SHA-256 of its raw bytes (its address, the same in every
+version that holds those bytes) and the size and SHA-256 of the encoded chunk a node
+keeps (coordinator/dataplane/codec.py). Every schema is read; the shard store path
+writes schema 2 until it moves to chunks.
 """
 
 from __future__ import annotations
@@ -29,13 +35,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from coordinator.plan.chunks import ChunkPlan
 from coordinator.plan.planner import ShardPlan, blob_prefix
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, CheckpointHeader, parse_header
 from smoltorrent.errors import CheckpointFormatError, ManifestError, UsageError
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # 1: before per-tensor digests
+SCHEMA_VERSION = 3  # the newest: chunks
+SHARD_SCHEMA_VERSION = 2  # the newest of whole shards
+READABLE_SCHEMAS = (1, 2, 3)  # 1: before per-tensor digests; 3: chunks
 _VERSION_ID_DOMAIN = b"smoltorrent version v1\0"  # keeps these digests apart from any other
+# A chunked version's id hashes raw chunk digests, never blob digests: another domain, so
+# it can never equal a whole-shard version's id
+_CHUNKED_VERSION_ID_DOMAIN = b"smoltorrent chunked version v1\0"
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -53,15 +64,40 @@ class ShardEntry:
 
 
 @dataclass(frozen=True)
+class ChunkEntry:
+    index: int  # its position in the manifest's chunks (not written: the order says it)
+    data_start: int  # relative to the source's data section
+    data_end: int
+    raw_sha256: str  # of the raw bytes: the chunk's address, the same in every version
+    blob_size: int  # of the encoded chunk a node keeps and verifies
+    blob_sha256: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str  # path relative to the watched root, e.g. "grpo/run1/step_100.safetensors"
-    version_id: str  # 64 hex, from version_id_for
+    version_id: str  # 64 hex, from version_id_for or chunked_version_id
     source_size: int
     header_bytes: bytes  # the source's N header bytes, verbatim
     replicas: int
-    shards: tuple[ShardEntry, ...]
+    shards: tuple[ShardEntry, ...]  # schemas 1 and 2; empty in schema 3
     created_at: float  # unix seconds
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = SHARD_SCHEMA_VERSION
+    chunks: tuple[ChunkEntry, ...] = ()  # schema 3
+
+    def __post_init__(self) -> None:
+        if (self.chunked and self.shards) or (not self.chunked and self.chunks):
+            raise ValueError(f"a schema {self.schema_version} manifest cannot hold that")
+
+    @property
+    def chunked(self) -> bool:
+        return self.schema_version >= 3
+
+    @property
+    def blobs(self) -> tuple[tuple[str, int], ...]:
+        """(SHA-256, size) of every blob a node keeps for this version, in order."""
+        entries = self.chunks if self.chunked else self.shards
+        return tuple((entry.blob_sha256, entry.blob_size) for entry in entries)
 
     @property
     def data_start(self) -> int:
@@ -86,7 +122,20 @@ class Manifest:
             "header_bytes": base64.b64encode(self.header_bytes).decode("ascii"),
             "replicas": self.replicas,
             "created_at": self.created_at,
-            "shards": [
+        }
+        if self.chunked:
+            document["chunks"] = [
+                {
+                    "data_start": chunk.data_start,
+                    "data_end": chunk.data_end,
+                    "raw_sha256": chunk.raw_sha256,
+                    "blob_size": chunk.blob_size,
+                    "blob_sha256": chunk.blob_sha256,
+                }
+                for chunk in self.chunks
+            ]
+        else:
+            document["shards"] = [
                 {
                     "index": shard.index,
                     "data_start": shard.data_start,
@@ -102,8 +151,7 @@ class Manifest:
                     else {"tensor_sha256": list(shard.tensor_sha256)}
                 )
                 for shard in self.shards
-            ],
-        }
+            ]
         return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("ascii")
 
     @classmethod
@@ -136,14 +184,24 @@ def version_id_for(header_bytes: bytes, blob_digests: Sequence[str]) -> str:
     ids mean equal content; the framing keeps two different (header,
     digests) pairs from hashing the same concatenation.
     """
-    digest = hashlib.sha256(_VERSION_ID_DOMAIN)
+    return _version_id(_VERSION_ID_DOMAIN, header_bytes, blob_digests)
+
+
+def chunked_version_id(header_bytes: bytes, raw_digests: Sequence[str]) -> str:
+    """A chunked version's id: as version_id_for, over the chunks' raw digests, so it does
+    not depend on how the chunks were encoded."""
+    return _version_id(_CHUNKED_VERSION_ID_DOMAIN, header_bytes, raw_digests)
+
+
+def _version_id(domain: bytes, header_bytes: bytes, digests: Sequence[str]) -> str:
+    digest = hashlib.sha256(domain)
     digest.update(struct.pack("<Q", len(header_bytes)))
     digest.update(header_bytes)
-    digest.update(struct.pack("<Q", len(blob_digests)))
-    for blob_digest in blob_digests:
-        if not _SHA256_HEX.fullmatch(blob_digest):
-            raise ValueError(f"blob digest must be 64 lowercase hex digits, got {blob_digest!r}")
-        digest.update(bytes.fromhex(blob_digest))
+    digest.update(struct.pack("<Q", len(digests)))
+    for one in digests:
+        if not _SHA256_HEX.fullmatch(one):
+            raise ValueError(f"a digest must be 64 lowercase hex digits, got {one!r}")
+        digest.update(bytes.fromhex(one))
     return digest.hexdigest()
 
 
@@ -175,6 +233,19 @@ def shard_entries(
             tensor_sha256=None if per_tensor is None else tuple(per_tensor),
         )
         for plan, digest, per_tensor in zip(plans, digests, tensor_digests, strict=True)
+    )
+
+
+def chunk_entries(
+    plans: Sequence[ChunkPlan], digests: Sequence[tuple[str, str, int]]
+) -> tuple[ChunkEntry, ...]:
+    """Manifest entries for planned chunks and, per chunk, (raw SHA-256, encoded SHA-256,
+    encoded size)."""
+    if len(plans) != len(digests):
+        raise ValueError(f"{len(plans)} chunk plans but {len(digests)} digests")
+    return tuple(
+        ChunkEntry(plan.index, plan.data_start, plan.data_end, raw, blob_size, blob)
+        for plan, (raw, blob, blob_size) in zip(plans, digests, strict=True)
     )
 
 
@@ -265,7 +336,7 @@ def blob_spans(manifest: Manifest, prefixes: Sequence[bytes] | None = None) -> t
 @dataclass(frozen=True)
 class VersionBlobs:
     """What a sweep over every version needs of one manifest: its name, its replicas and
-    each shard's (blob digest, blob size)."""
+    each shard's or chunk's (blob digest, blob size)."""
 
     name: str
     replicas: int
@@ -280,15 +351,17 @@ class VersionBlobs:
             document = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             _fail(f"not JSON ({error})")
-        fields = _fields(document, _MANIFEST_FIELDS, "manifest")
-        if not isinstance(fields["name"], str) or not isinstance(fields["shards"], list):
-            _fail("its name or shards have the wrong type")
+        fields = _fields(document, _manifest_fields(document), "manifest")
+        entries = fields.get("chunks", fields.get("shards"))
+        kind = "chunk" if "chunks" in fields else "shard"
+        if not isinstance(fields["name"], str) or not isinstance(entries, list):
+            _fail(f"its name or {kind}s have the wrong type")
         blobs = []
-        for shard in fields["shards"]:
-            if not isinstance(shard, dict):
-                _fail("a shard is not a JSON object")
-            what = f"shard {len(blobs)}"
-            blobs.append((_sha256(shard, "blob_sha256", what), _count(shard, "blob_size", what)))
+        for entry in entries:
+            if not isinstance(entry, dict):
+                _fail(f"a {kind} is not a JSON object")
+            what = f"{kind} {len(blobs)}"
+            blobs.append((_sha256(entry, "blob_sha256", what), _count(entry, "blob_size", what)))
         return cls(fields["name"], _count(fields, "replicas", "manifest", 1), tuple(blobs))
 
 
@@ -308,8 +381,8 @@ _MANIFEST_FIELDS = {
     "header_bytes",
     "replicas",
     "created_at",
-    "shards",
 }
+_CHUNK_FIELDS = {"data_start", "data_end", "raw_sha256", "blob_size", "blob_sha256"}
 _SHARD_FIELDS = {
     "index",
     "data_start",
@@ -319,6 +392,13 @@ _SHARD_FIELDS = {
     "blob_sha256",
     "blob_data_offset",
 }
+
+
+def _manifest_fields(document: Any) -> set[str]:
+    """The fields a manifest of its schema has: chunks from schema 3 on, shards before."""
+    chunked = isinstance(document, dict) and type(document.get("schema_version")) is int
+    chunked = chunked and document["schema_version"] >= 3
+    return _MANIFEST_FIELDS | {"chunks" if chunked else "shards"}
 
 
 def _fail(problem: str) -> NoReturn:
@@ -376,7 +456,7 @@ def _parse_manifest(data: bytes | str) -> Manifest:
             + ", ".join(map(str, READABLE_SCHEMAS))
             + ("; upgrade smoltorrent to read it." if newer else "; the manifest is not ours.")
         )
-    fields = _fields(document, _MANIFEST_FIELDS, "manifest")
+    fields = _fields(document, _manifest_fields(document), "manifest")
     name = fields["name"]
     if not isinstance(name, str) or not name:
         _fail(f"name is {name!r}, not a non-empty string")
@@ -392,20 +472,56 @@ def _parse_manifest(data: bytes | str) -> Manifest:
         or created_at < 0
     ):
         _fail(f"created_at is {created_at!r}, not unix seconds")
-    if not isinstance(fields["shards"], list):
-        _fail("shards is not a list")
+    kind = "chunks" if "chunks" in fields else "shards"
+    if not isinstance(fields[kind], list):
+        _fail(f"{kind} is not a list")
     manifest = Manifest(
         name=name,
         version_id=_sha256(fields, "version_id", "manifest"),
         source_size=_count(fields, "source_size", "manifest", LENGTH_PREFIX_BYTES),
         header_bytes=header_bytes,
         replicas=_count(fields, "replicas", "manifest", 1),
-        shards=tuple(_parse_shard(shard, schema) for shard in fields["shards"]),
+        shards=tuple(_parse_shard(shard, schema) for shard in fields.get("shards", ())),
         created_at=float(created_at),
         schema_version=schema,
+        chunks=tuple(_parse_chunk(c, i) for i, c in enumerate(fields.get("chunks", ()))),
     )
-    _check_against_header(manifest)
+    if manifest.chunked:
+        _check_chunks(manifest)
+    else:
+        _check_against_header(manifest)
     return manifest
+
+
+def _parse_chunk(document: Any, index: int) -> ChunkEntry:
+    what = f"chunk {index}"
+    fields = _fields(document, _CHUNK_FIELDS, f"a {what}")
+    return ChunkEntry(
+        index=index,
+        data_start=_count(fields, "data_start", what),
+        data_end=_count(fields, "data_end", what),
+        raw_sha256=_sha256(fields, "raw_sha256", what),
+        blob_size=_count(fields, "blob_size", what, 1),
+        blob_sha256=_sha256(fields, "blob_sha256", what),
+    )
+
+
+def _check_chunks(manifest: Manifest) -> None:
+    """The chunks must tile the source's data section in order, each holding bytes."""
+    try:
+        header = _source_header(manifest)
+    except CheckpointFormatError as error:
+        _fail(f"its source header does not hold up: {error}")
+    covered = 0
+    for chunk in manifest.chunks:
+        if chunk.data_start != covered or chunk.data_end <= chunk.data_start:
+            _fail(
+                f"chunk {chunk.index} covers {chunk.data_start}-{chunk.data_end}; the chunks"
+                f" before it end at {covered}"
+            )
+        covered = chunk.data_end
+    if covered != header.data_size:
+        _fail(f"its chunks cover {covered} bytes of a {header.data_size}-byte data section")
 
 
 def _parse_shard(document: Any, schema: int) -> ShardEntry:

@@ -8,12 +8,17 @@ import json
 
 import pytest
 
+from coordinator.plan.chunks import plan_chunks
 from coordinator.plan.manifest import (
+    SCHEMA_VERSION,
     BlobSpan,
+    ChunkEntry,
     Manifest,
     VersionBlobs,
     blob_prefixes,
     blob_spans,
+    chunk_entries,
+    chunked_version_id,
     shard_entries,
     source_prefix,
     version_id_for,
@@ -243,7 +248,7 @@ def test_non_manifest_json_is_rejected(data, words):
 @pytest.mark.parametrize(
     ("schema", "words"),
     [
-        (3, "unknown manifest schema_version 3: this smoltorrent reads versions 1, 2; upgrade"),
+        (4, "unknown manifest schema_version 4: this smoltorrent reads versions 1, 2, 3; upgrade"),
         (0, "unknown manifest schema_version 0: .* the manifest is not ours"),
         ("1", "unknown manifest schema_version '1'"),
         (1.0, "unknown manifest schema_version 1.0"),
@@ -295,3 +300,122 @@ def test_tensor_digests_must_be_one_sha256_per_tensor(stored, value):
     document["shards"][0]["tensor_sha256"] = value
     with pytest.raises(ManifestError, match="shard 0 tensor_sha256 is not one SHA-256"):
         Manifest.from_json(json.dumps(document))
+
+
+# --- schema 3: chunks ---------------------------------------------------------------
+
+
+def chunked_in_memory(path, name: str = "grpo/run1/step_200.safetensors") -> Manifest:
+    """Plan `path` into chunks; each chunk's 'encoded' blob is its raw bytes plus a byte."""
+    header, source = read_header(path), path.read_bytes()
+    plans = plan_chunks(header, target=4096, solo=1024)
+    digests = []
+    for plan in plans:
+        raw = source[header.data_start + plan.data_start : header.data_start + plan.data_end]
+        blob = raw + b"!"
+        digests.append(
+            (hashlib.sha256(raw).hexdigest(), hashlib.sha256(blob).hexdigest(), len(blob))
+        )
+    return Manifest(
+        name=name,
+        version_id=chunked_version_id(header.header_bytes, [raw for raw, _, _ in digests]),
+        source_size=header.file_size,
+        header_bytes=header.header_bytes,
+        replicas=2,
+        shards=(),
+        created_at=1_700_000_000.5,
+        schema_version=SCHEMA_VERSION,
+        chunks=chunk_entries(plans, digests),
+    )
+
+
+@pytest.fixture(scope="module")
+def chunked(stored):
+    path = stored[0]
+    return path, chunked_in_memory(path)
+
+
+def test_a_chunked_manifest_round_trips_and_lists_chunks_not_shards(chunked):
+    path, manifest = chunked
+    assert len(manifest.chunks) > 3
+    text = manifest.to_json()
+    assert Manifest.from_json(text) == manifest
+    assert Manifest.from_json(text).to_json() == text
+    document = json.loads(text)
+    assert document["schema_version"] == 3 and "shards" not in document
+    assert set(document["chunks"][0]) == {
+        "data_start",
+        "data_end",
+        "raw_sha256",
+        "blob_size",
+        "blob_sha256",
+    }
+    # The chunks rebuild the source: its header, then each chunk's raw bytes in order.
+    source = path.read_bytes()
+    raws = [
+        source[manifest.data_start + c.data_start : manifest.data_start + c.data_end]
+        for c in manifest.chunks
+    ]
+    assert source_prefix(manifest) + b"".join(raws) == source
+    assert [hashlib.sha256(r).hexdigest() for r in raws] == [c.raw_sha256 for c in manifest.chunks]
+
+
+def test_sweeps_read_a_chunked_manifest_s_blobs(chunked):
+    _, manifest = chunked
+    got = VersionBlobs.from_json(manifest.to_json())
+    assert got == VersionBlobs(manifest.name, 2, manifest.blobs)
+    assert manifest.blobs == tuple((c.blob_sha256, c.blob_size) for c in manifest.chunks)
+
+
+def test_both_formats_are_read_side_by_side(stored, chunked):
+    """A version stored whole-shard before the upgrade and one stored in chunks after."""
+    old, new = Manifest.from_json(stored[1].to_json()), Manifest.from_json(chunked[1].to_json())
+    assert (old.schema_version, old.chunked, bool(old.shards)) == (2, False, True)
+    assert (new.schema_version, new.chunked, bool(new.chunks)) == (3, True, True)
+    assert old.blobs == tuple((s.blob_sha256, s.blob_size) for s in old.shards)
+
+
+def chunk_setter(key, value, chunk: int = 0):
+    def edit(document):
+        document["chunks"][chunk][key] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (chunk_setter("data_start", 1), "chunk 0 covers 1-"),
+        (chunk_setter("data_end", 0), "chunk 0 covers 0-0"),
+        (lambda d: d["chunks"].pop(1), "chunk 1 covers .* the chunks before it end at"),
+        (lambda d: d["chunks"].pop(), "its chunks cover .* bytes of a .*-byte data section"),
+        (chunk_setter("raw_sha256", "A" * 64), "chunk 0 raw_sha256 is 'AAAA"),
+        (chunk_setter("blob_size", 0), "chunk 0 blob_size is 0, not an integer >= 1"),
+        (chunk_setter("index", 0), "a chunk 0 has unknown fields index"),
+        (lambda d: d["chunks"][0].pop("blob_sha256"), "a chunk 0 lacks blob_sha256"),
+        (lambda d: d.update(shards=[]), "manifest has unknown fields shards"),
+        (lambda d: d.update(chunks={}), "chunks is not a list"),
+        (lambda d: d.update(schema_version=2), "manifest lacks shards"),
+    ],
+)
+def test_a_bad_chunk_list_is_rejected(chunked, edit, words):
+    _, manifest = chunked
+    with pytest.raises(ManifestError, match=words):
+        Manifest.from_json(edited(manifest, edit))
+
+
+def test_a_chunked_version_id_is_apart_from_a_shard_version_id():
+    digests = ["ab" * 32, "cd" * 32]
+    assert chunked_version_id(b"{}", digests) != version_id_for(b"{}", digests)
+    assert chunked_version_id(b"{}", digests) == chunked_version_id(b"{}", list(digests))
+
+
+def test_a_manifest_holds_shards_or_chunks_as_its_schema_says(stored, chunked):
+    shard_manifest, chunk_manifest = stored[1], chunked[1]
+    with pytest.raises(ValueError):
+        Manifest(**{**vars(shard_manifest), "chunks": chunk_manifest.chunks})
+    with pytest.raises(ValueError):
+        Manifest(**{**vars(chunk_manifest), "shards": shard_manifest.shards})
+    with pytest.raises(ValueError, match="2 chunk plans but 1 digests"):
+        chunk_entries(plan_chunks(read_header(stored[0]), 4096, 1024)[:2], [("0" * 64,) * 2 + (1,)])
+    assert isinstance(chunk_manifest.chunks[0], ChunkEntry)
