@@ -4,14 +4,18 @@ beat schedule and at every worker start (step 3 of beat/boot.py)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from celery.utils.log import get_task_logger
+from kombu.exceptions import ContentDisallowed, DecodeError
 
 from beat.sweeps import sweep
 from coordinator import config
 from coordinator.state import reconcile as decide
+from coordinator.state.metadata import QUEUED
 from smoltorrent import defaults
+from tasks.app import app
 from tasks.context import metadata
 from tasks.enqueue import (
     redrive_request,
@@ -22,6 +26,58 @@ from tasks.enqueue import (
 )
 
 log = get_task_logger(__name__)
+
+REQUEST_TASKS = ("smoltorrent.store", "smoltorrent.gather")
+DELIVERY_TASKS = ("smoltorrent.transfer", "smoltorrent.chain")
+COMMIT_TASK = "smoltorrent.commit"
+ACCEPT = ["application/json"]  # what tasks/app.py accepts: a queued pickle is never loaded
+
+# (task name, task id, args, kwargs) of one task a live worker or a queue holds
+TaskCall = tuple[str, str, list, dict]
+
+
+def queued(channel, queues: list[str]) -> list[TaskCall]:
+    """The task messages waiting in `queues`, read from the Redis transport's lists (one
+    per priority step) through the consumer's own channel; none is taken off."""
+    out = []
+    keys = [channel._q_for_pri(q, priority) for q in queues for priority in channel.priority_steps]
+    # A client of its own: the channel's `client` is the asynchronous one its BRPOP uses.
+    with channel.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.lrange(key, 0, -1)
+        lists = pipe.execute()
+    for raws in lists:
+        out += [c for raw in raws if (c := _call(channel, json.loads(raw))) is not None]
+    return out
+
+
+def fetched(channel) -> list[TaskCall]:
+    """The task messages a worker has taken off a queue and not acked: prefetched, waiting
+    out a retry's countdown, or running (the Redis transport's unacked hash)."""
+    with channel.conn_or_acquire() as client:
+        raws = client.hvals(channel.unacked_key)
+    return [c for raw in raws if (c := _call(channel, json.loads(raw)[0])) is not None]
+
+
+def _call(channel, payload: dict) -> TaskCall | None:
+    message = channel.Message(payload, channel=channel, accept=ACCEPT)
+    try:
+        args, kwargs, _ = message.decode()
+    except (ContentDisallowed, DecodeError, ValueError):
+        return None  # not one of ours: it holds nothing of this host's work
+    return (message.headers.get("task"), message.headers.get("id"), args, kwargs)
+
+
+def held(calls: list[TaskCall]) -> decide.Held:
+    requests, shards, commits = set(), set(), set()
+    for name, task_id, args, kwargs in calls:
+        if name in REQUEST_TASKS:
+            requests.add(kwargs.get("request_id") or task_id)
+        elif name in DELIVERY_TASKS:
+            shards.add((kwargs["vkey"], int(kwargs["shard"])))
+        elif name == COMMIT_TASK and args:
+            commits.add(args[0])
+    return decide.Held(frozenset(requests), frozenset(shards), frozenset(commits))
 
 
 def _stale_after(vkey: str, version: dict[str, str]) -> float:
@@ -36,6 +92,19 @@ def _stale_after(vkey: str, version: dict[str, str]) -> float:
     return transfer_time_limit(max(sizes)) * (retries + 1) + backoff + config.reconcile_grace()
 
 
+def in_broker(md) -> decide.Held:
+    """The store and gather tasks still in the broker for the hosts with queued requests:
+    waiting in their queue, or taken off it by a worker and not acked. Such a request is
+    only waiting its turn (a backlog), not lost; sending it again would run it twice."""
+    hosts = {r.get("host") for _, r in md.open_requests() if r.get("state") == QUEUED}
+    if not hosts:
+        return decide.Held()
+    with app.connection_for_read() as connection:
+        channel = connection.default_channel
+        calls = queued(channel, [config.host_queue(h) for h in sorted(hosts)]) + fetched(channel)
+    return held(calls)
+
+
 def run_pass(started_host: str | None = None) -> dict[str, int]:
     md = metadata()
     actions = decide.plan(
@@ -45,6 +114,7 @@ def run_pass(started_host: str | None = None) -> dict[str, int]:
         stale_after=_stale_after,
         deadline=defaults.PENDING_DEADLINE_S,
         started_host=started_host,
+        held=None if started_host else in_broker(md),
     )
     counts = execute(md, actions)
     if any(counts.values()):

@@ -24,12 +24,9 @@ The worker's first connection is left to beat/boot.py, which runs at every start
 
 from __future__ import annotations
 
-import json
-
 from celery import bootsteps
 from celery.utils.log import get_task_logger
 from celery.worker.state import active_requests, reserved_requests, scheduled_requests
-from kombu.exceptions import ContentDisallowed, DecodeError
 
 from beat import reconcile
 from coordinator import config
@@ -39,60 +36,18 @@ from tasks.context import metadata
 
 log = get_task_logger(__name__)
 
-REQUEST_TASKS = ("smoltorrent.store", "smoltorrent.gather")
-DELIVERY_TASKS = ("smoltorrent.transfer", "smoltorrent.chain")
-COMMIT_TASK = "smoltorrent.commit"
-ACCEPT = ["application/json"]  # what tasks/app.py accepts: a queued pickle is never loaded
 
-# (task name, task id, args, kwargs) of one task a live worker or a queue holds
-TaskCall = tuple[str, str, list, dict]
-
-
-def in_worker() -> list[TaskCall]:
+def in_worker() -> list[reconcile.TaskCall]:
     """The tasks this worker runs, has reserved or holds until their countdown ends."""
     held_here = (*active_requests, *reserved_requests, *scheduled_requests)
     return [(r.name, r.id, r.args, r.kwargs) for r in held_here]
-
-
-def queued(channel, queues: list[str]) -> list[TaskCall]:
-    """The task messages waiting in `queues`, read from the Redis transport's lists (one
-    per priority step) through the consumer's own channel; none is taken off."""
-    out = []
-    keys = [channel._q_for_pri(q, priority) for q in queues for priority in channel.priority_steps]
-    # A client of its own: the channel's `client` is the asynchronous one its BRPOP uses.
-    with channel.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.lrange(key, 0, -1)
-        lists = pipe.execute()
-    for raws in lists:
-        for raw in raws:
-            message = channel.Message(json.loads(raw), channel=channel, accept=ACCEPT)
-            try:
-                args, kwargs, _ = message.decode()
-            except (ContentDisallowed, DecodeError, ValueError):
-                continue  # not one of ours: it holds nothing of this host's work
-            headers = message.headers
-            out.append((headers.get("task"), headers.get("id"), args, kwargs))
-    return out
-
-
-def held(calls: list[TaskCall]) -> decide.Held:
-    requests, shards, commits = set(), set(), set()
-    for name, task_id, args, kwargs in calls:
-        if name in REQUEST_TASKS:
-            requests.add(kwargs.get("request_id") or task_id)
-        elif name in DELIVERY_TASKS:
-            shards.add((kwargs["vkey"], int(kwargs["shard"])))
-        elif name == COMMIT_TASK and args:
-            commits.add(args[0])
-    return decide.Held(frozenset(requests), frozenset(shards), frozenset(commits))
 
 
 def run(host: str, channel) -> dict[str, int]:
     # What live tasks hold first, then the state: a task that ends in between has
     # settled its work by the time the state is read, so nothing is missed.
     queues = [config.host_queue(host), config.transfer_queue(host), config.CONTROL_QUEUE]
-    now_held = held(in_worker() + queued(channel, queues))
+    now_held = reconcile.held(in_worker() + reconcile.queued(channel, queues))
     md = metadata()
     counts = reconcile.execute(md, decide.plan_reconnected(md, host, now_held))
     (log.warning if any(counts.values()) else log.info)(

@@ -48,9 +48,12 @@ def plan(
     stale_after,
     deadline: float,
     started_host: str | None = None,
+    held: Held | None = None,
 ) -> Actions:
     """Decide one pass. `started_host` names a host whose worker has just started: its
     open requests and pending versions have no live task at all, so they go now.
+    `held`: the requests whose task is still in the broker (queued, or fetched by a
+    worker); a queued one of those is waiting its turn, not lost, so it does not go.
     `stale_after(vkey, version)` is how long a pending version may go without any
     transfer activity before its unsettled transfers are sent again."""
     out = Actions()
@@ -67,8 +70,11 @@ def plan(
         since = float(rec.get("started_at") or rec.get("created_at") or now)
         # A request can only run once its host has a worker; one running under another
         # boot id was left by a worker that died, one still queued may have been taken
-        # off the queue by it.
-        orphaned = state == QUEUED or (state == RUNNING and rec.get("boot") != boots.get(host))
+        # off the queue by it, unless its message is still there (a backlog).
+        lost = held is None or rid not in held.requests
+        orphaned = (state == QUEUED and lost) or (
+            state == RUNNING and rec.get("boot") != boots.get(host)
+        )
         if host in boots and orphaned and now - since > grace:
             out.requests.append((rid, rec))
     for vkey, v in md.versions_in(PENDING, REMOVING):

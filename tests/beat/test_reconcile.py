@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+from coordinator import config
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
 from coordinator.state.metadata import COMMITTED
 from tests.tasks.conftest import wait_until
-from tests.tasks.test_control_plane import make_ckpt, sha
+from tests.tasks.test_control_plane import committed, make_ckpt, sha
 
 FAST = {"SMOLTORRENT_RECONCILE_INTERVAL_S": "1", "SMOLTORRENT_RECONCILE_GRACE_S": "1"}
 
@@ -104,3 +105,48 @@ def test_a_sweep_whose_lock_is_held_does_nothing(make_cluster, tmp_path):
     finally:
         app.close()
     wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
+
+
+def queued_copies(c, request_ids: list[str]) -> dict[str, int]:
+    """How many messages of each request's task wait in a queue or are held, fetched and
+    not acked, by the worker (the Redis transport's lists and its unacked hash)."""
+    raws = [m for q in c.md.r.keys("host.*") for m in c.md.r.lrange(q, 0, -1)]
+    raws += [json.dumps(json.loads(m)[0]) for m in c.md.r.hvals("unacked")]
+    ids = [json.loads(m)["headers"]["id"] for m in raws]
+    return {rid: ids.count(rid) for rid in request_ids}
+
+
+def test_a_request_merely_queued_behind_a_busy_worker_is_not_sent_again(
+    make_cluster, beat, tmp_path
+):
+    """A backlog: the live worker takes nothing from this host's queue (its consumer of it
+    cancelled), so two stores wait there, queued, while the sweep runs many times past
+    its grace. It sends neither again: each has one message. It sent every such request
+    again each pass, and under a real backlog each copy ran in full."""
+    from celery import Celery
+
+    c = make_cluster(3, **FAST)
+    control = Celery(broker=c.redis_url).control
+    worker, queue = [f"smoltorrent@{c.host_id}"], config.host_queue(c.host_id)
+    assert control.cancel_consumer(queue, destination=worker, reply=True)
+    try:
+        rids = [
+            c.cli_json("store", str(make_ckpt(tmp_path / f"{i}.safetensors")), "--no-wait")[
+                "task_id"
+            ]
+            for i in range(2)
+        ]
+        queued_at = c.md.redis_time()
+        beat(c)
+        wait_until(
+            lambda: len([r for r in c.md.sweep_runs("reconcile") if r["started"] > queued_at]) >= 5,
+            timeout=60,
+            what="five reconcile passes",
+        )
+        # The phase: both requests still queued, long past the sweep's grace.
+        assert [c.md.request(rid)["state"] for rid in rids] == ["queued", "queued"]
+        assert queued_copies(c, rids) == {rid: 1 for rid in rids}
+    finally:
+        control.add_consumer(queue, destination=worker, reply=True)
+    for i in range(2):
+        wait_until(lambda i=i: committed(c, f"{i}.safetensors"), timeout=60, what="the stores")
