@@ -7,12 +7,29 @@ from __future__ import annotations
 import argparse
 import fcntl
 import gc
+import os
 import sys
 
 from coordinator import config
 
+# macOS: the Objective-C runtime kills a forked child that touches a class whose
+# +initialize another thread of the parent was running at the fork ("may have been in
+# progress in another thread when fork() was called"); a library calling a system framework
+# before the pool forks (urllib's proxy lookup, for one) is enough. We keep the prefork pool,
+# whose time limits bound every transfer (the threads and solo pools enforce none), and turn
+# that check off instead. The runtime reads this variable once, when the process starts, so
+# setting it in os.environ is too late: the worker starts itself again with it set.
+OBJC_FORK_SAFETY_ENV = "OBJC_DISABLE_INITIALIZE_FORK_SAFETY"
+
+
+def _restart_without_objc_fork_check() -> None:
+    """On macOS, replace this process by itself with the Objective-C fork check off."""
+    if sys.platform == "darwin" and os.environ.get(OBJC_FORK_SAFETY_ENV) != "YES":
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, OBJC_FORK_SAFETY_ENV: "YES"})
+
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    _restart_without_objc_fork_check()  # before Celery, or anything, is imported
     from celery.signals import worker_init
 
     from tasks.app import app
