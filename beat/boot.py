@@ -26,7 +26,9 @@ from celery.utils.log import get_task_logger
 
 from beat import reconcile
 from coordinator import config
-from coordinator.state.metadata import PENDING, Metadata, NodeRecord
+from coordinator.state.metadata import Metadata
+from coordinator.state.nodes import NodeRecord
+from coordinator.state.versions import PENDING
 from smoltorrent.errors import CopyBeingTrimmedError, SmoltorrentError
 from tasks.app import app
 from tasks.context import metadata, node_client
@@ -42,12 +44,12 @@ def file_sync(md: Metadata, host: str, registered: dict[str, NodeRecord]):
     """Node id -> the unsettled transfers of `host`'s pending versions whose blob that
     node (their target) already holds."""
     wanted: dict[str, list[InFlight]] = {}
-    for vkey, v in md.versions_in(PENDING):
+    for vkey, v in md.listing.versions_in(PENDING):
         if v.get("host") != host:
             continue
-        shards = md.manifest(vkey).shards
-        settled = md.settled(vkey)
-        for shard, nodes in enumerate(md.plan(vkey)):
+        shards = md.versions.manifest(vkey).shards
+        settled = md.transfers.settled(vkey)
+        for shard, nodes in enumerate(md.transfers.plan(vkey)):
             for replica, node_id in enumerate(nodes):
                 if f"{shard}:{replica}" not in settled and node_id in registered:
                     item = (vkey, shard, replica, shards[shard].blob_sha256)
@@ -86,7 +88,7 @@ def checksum_sync(found: dict[str, list[InFlight]], registered: dict[str, NodeRe
 
 def run(host: str) -> dict[str, int]:
     md = metadata()
-    registered = md.nodes()
+    registered = md.nodes.nodes()
     found = file_sync(md, host, registered)
     settled = checksum_sync(found, registered)
     counts = reconcile.run_pass(started_host=host)

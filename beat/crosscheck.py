@@ -27,7 +27,8 @@ from celery.utils.log import get_task_logger
 from beat.sweeps import sweep
 from coordinator import config
 from coordinator.plan.manifest import Manifest
-from coordinator.state.metadata import REMOVED, Metadata
+from coordinator.state.metadata import Metadata
+from coordinator.state.versions import REMOVED
 from smoltorrent.errors import SmoltorrentError
 from tasks.context import metadata, node_client
 
@@ -37,9 +38,9 @@ log = get_task_logger(__name__)
 def run_pass(grace: float | None = None) -> dict[str, int]:
     md = metadata()
     grace = config.orphan_grace() if grace is None else grace
-    registered = md.nodes()
+    registered = md.nodes.nodes()
     counts: Counter[str] = Counter()
-    before = md.placements()
+    before = md.blobs.placements()
     inventories: dict[str, set[str]] = {}
     manifests: dict[str, list[str]] = {}
     for node_id in sorted(registered):
@@ -54,10 +55,10 @@ def run_pass(grace: float | None = None) -> dict[str, int]:
     for digest, nodes in before.items():
         for node_id in sorted(nodes & inventories.keys()):
             if digest not in inventories[node_id]:
-                md.remove_placement(digest, node_id)
+                md.blobs.remove_placement(digest, node_id)
                 counts["missing"] += 1
     digests = sorted(set().union(*inventories.values()))
-    used = md.referenced(digests)
+    used = md.blobs.referenced(digests)
     seen = set()
     owner = f"crosscheck-{uuid.uuid4().hex}"
     for digest in digests:
@@ -66,17 +67,17 @@ def run_pass(grace: float | None = None) -> dict[str, int]:
             # Only copies the placement did not list: one script call per unknown copy,
             # not one per copy in the cluster.
             unknown = [n for n in holders if n not in before.get(digest, ())]
-            counts["recorded"] += sum(md.record_copy(digest, n) for n in unknown)
+            counts["recorded"] += sum(md.blobs.record_copy(digest, n) for n in unknown)
             continue
-        if digest in protected or not sure or md.blob_deleting(digest):
+        if digest in protected or not sure or md.blobs.blob_deleting(digest):
             continue
         due = []
         for node_id in holders:
             seen.add(f"{digest}:{node_id}")
-            if md.note_orphan(digest, node_id) >= grace:
+            if md.blobs.note_orphan(digest, node_id) >= grace:
                 due.append(node_id)
         counts["orphans"] += len(holders)
-        if due and md.claim_orphan(digest, owner):
+        if due and md.blobs.claim_orphan(digest, owner):
             gone = []
             for node_id in due:
                 try:
@@ -84,10 +85,10 @@ def run_pass(grace: float | None = None) -> dict[str, int]:
                     gone.append(node_id)
                 except SmoltorrentError as exc:
                     log.info("crosscheck: orphan %s stays on %s: %s", digest[:12], node_id, exc)
-            md.orphan_deleted(digest, owner, gone)
+            md.blobs.orphan_deleted(digest, owner, gone)
             counts["collected"] += len(gone)
     # Marks of copies that are no orphans any more (used again, or gone) start over.
-    md.forget_orphans(md.orphan_marks() - seen)
+    md.blobs.forget_orphans(md.blobs.orphan_marks() - seen)
     result = dict(counts)
     if any(v for k, v in result.items() if k != "orphans"):
         log.warning("crosscheck: %s", result)
@@ -103,7 +104,7 @@ def _manifests(md: Metadata, registered, manifests: dict[str, list[str]], counts
     for node_id, keys in manifests.items():
         client = node_client(node_id, registered)
         for key in keys:
-            state = md.state(key)
+            state = md.versions.state(key)
             try:
                 if state == REMOVED:
                     client.delete_manifest(key)

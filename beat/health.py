@@ -29,10 +29,10 @@ def run_pass() -> dict[str, int]:
     now = time.time()
     health = node_health(md, now, config.dead_after(), set(live))
     counts = {"up": 0, "down": 0, "dead": 0, "newly_dead": 0, "readmitted": 0, "new_bad": 0}
-    declared = md.declared_dead()
+    declared = md.nodes.declared_dead()
     for node_id, h in sorted(health.items()):
         counts[h.state] += 1
-        if h.state == DEAD and node_id not in declared and md.declare_dead(node_id):
+        if h.state == DEAD and node_id not in declared and md.nodes.declare_dead(node_id):
             counts["newly_dead"] += 1
             silent = now - h.last_seen if h.last_seen is not None else None
             log.warning(
@@ -41,7 +41,7 @@ def run_pass() -> dict[str, int]:
                 node_id,
                 f"{silent:.0f} s" if silent is not None else "ever since it was added",
             )
-        elif h.state == UP and node_id in declared and md.readmit(node_id):
+        elif h.state == UP and node_id in declared and md.nodes.readmit(node_id):
             counts["readmitted"] += 1
             log.warning("node %s answers again: re-admitted; copies above R are trimmed", node_id)
     reported = scrub_reports.reports(md)

@@ -13,7 +13,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from beat.sweeps import sweep
 from coordinator import config
 from coordinator.state import reconcile as decide
-from coordinator.state.metadata import QUEUED
+from coordinator.state.requests import QUEUED
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.context import metadata
@@ -83,7 +83,7 @@ def held(calls: list[TaskCall]) -> decide.Held:
 def _stale_after(vkey: str, version: dict[str, str]) -> float:
     """How long a pending version's transfers can legitimately stay silent: the longest
     hard time limit of its shards, then every backoff step of its retries."""
-    sizes = [s.blob_size for s in metadata().manifest(vkey).shards] or [0]
+    sizes = [s.blob_size for s in metadata().versions.manifest(vkey).shards] or [0]
     retries = config.transfer_retries()
     backoff = sum(
         min(defaults.RETRY_BACKOFF_BASE_S * 2**n, defaults.RETRY_BACKOFF_MAX_S)
@@ -96,7 +96,7 @@ def in_broker(md) -> decide.Held:
     """The store and gather tasks still in the broker for the hosts with queued requests:
     waiting in their queue, or taken off it by a worker and not acked. Such a request is
     only waiting its turn (a backlog), not lost; sending it again would run it twice."""
-    hosts = {r.get("host") for _, r in md.open_requests() if r.get("state") == QUEUED}
+    hosts = {r.get("host") for _, r in md.requests.open_requests() if r.get("state") == QUEUED}
     if not hosts:
         return decide.Held()
     with app.connection_for_read() as connection:
@@ -129,16 +129,16 @@ def execute(md, actions: decide.Actions) -> dict[str, int]:
     for rid, record in actions.requests:
         redrive_request(rid, record)
     for vkey in actions.transfers:
-        v, plan = md.version(vkey), md.plan(vkey)
+        v, plan = md.versions.version(vkey), md.transfers.plan(vkey)
         busy = actions.busy.get(vkey, set())
-        skip = md.settled(vkey) | {f"{s}:{r}" for s in busy for r in range(len(plan[s]))}
-        send_transfers(vkey, md.manifest(vkey), plan, v["host"], skip=skip)
-        md.mark_resent(vkey)
+        skip = md.transfers.settled(vkey) | {f"{s}:{r}" for s in busy for r in range(len(plan[s]))}
+        send_transfers(vkey, md.versions.manifest(vkey), plan, v["host"], skip=skip)
+        md.transfers.mark_resent(vkey)
     for vkey in actions.commits:
         send_commit(vkey)
-        md.mark_commit_enqueued(vkey)
+        md.transfers.mark_commit_enqueued(vkey)
     for vkey, reason in actions.aborts:
-        md.abort(vkey, reason)
+        md.versions.abort(vkey, reason)
     for vkey in actions.removes:
         send_remove(vkey)
     return actions.counts()

@@ -33,10 +33,10 @@ def send_repairs(md: Metadata, only: Collection[str] | None = None) -> Plan:
     """Decide and send the repairs (and trims) of every wanted blob, or of the blobs in
     `only` (then the nodes not heard from lately are probed first: no sweep may have)."""
     now = time.time()
-    nodes = md.nodes()
+    nodes = md.nodes.nodes()
     if only is None:
         # The health sweep keeps these fresh: a pass probes nothing itself.
-        alive = md.alive(nodes)
+        alive = md.nodes.alive(nodes)
     else:
         live = probe_registered(md, config.cluster_key(), trust_recent=True)
         alive = {n: dataclasses.asdict(stat) for n, stat in live.items()}

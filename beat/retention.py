@@ -17,7 +17,8 @@ from celery.utils.log import get_task_logger
 
 from beat.sweeps import sweep
 from coordinator import config
-from coordinator.state.metadata import ABORTED, COMMITTED, Metadata
+from coordinator.state.metadata import Metadata
+from coordinator.state.versions import ABORTED, COMMITTED
 from tasks.context import metadata
 from tasks.enqueue import send_remove
 
@@ -27,9 +28,9 @@ log = get_task_logger(__name__)
 def candidates(md: Metadata, name: str, keep: int, states: dict[str, str]) -> list[str]:
     """Versions of `name` retention would remove, by `states` (vkey -> state): committed
     ones past the `keep` newest committed, aborted ones older than a committed one. Pending
-    and removing versions are never candidates (md.retire checks again, atomically)."""
+    and removing versions are never candidates (md.removals.retire checks again, atomically)."""
     out, newer = [], 0
-    for vkey in reversed(md.versions(name)):  # newest request first
+    for vkey in reversed(md.versions.versions(name)):  # newest request first
         state = states.get(vkey)
         if state == COMMITTED:
             if newer >= keep:
@@ -46,10 +47,10 @@ def run_pass(keep: int | None = None) -> dict[str, int]:
     md = metadata()
     keep = config.keep_last() if keep is None else keep
     outcomes: Counter[str] = Counter()
-    states = md.version_states()  # one request, not one per version
-    for name in md.names():
+    states = md.listing.version_states()  # one request, not one per version
+    for name in md.versions.names():
         for vkey in candidates(md, name, keep, states):
-            outcome = md.retire(vkey, keep)
+            outcome = md.removals.retire(vkey, keep)
             outcomes[outcome] += 1
             if outcome == "retired":
                 send_remove(vkey)

@@ -35,8 +35,8 @@ def run_pass(*, start: bool = True) -> dict[str, int]:
     """Ask every up node for its scrub report (and, with `start`, to start a pass if
     none runs); act on the bad copies reported."""
     md = metadata()
-    nodes = md.nodes()
-    alive = md.alive(nodes)
+    nodes = md.nodes.nodes()
+    alive = md.nodes.alive(nodes)
     health = node_health(md, time.time(), config.dead_after(), set(alive))
     counted = {n for n, h in health.items() if h.state != DEAD}
     key = config.cluster_key()
@@ -94,7 +94,7 @@ def bad_copy(digest: str, node_id: str) -> dict:
     scrub sweep."""
     md = metadata()
     try:
-        bad = check_bad_copy(md, md.nodes(), config.cluster_key(), digest, node_id)
+        bad = check_bad_copy(md, md.nodes.nodes(), config.cluster_key(), digest, node_id)
     except UNREACHABLE as exc:
         return {"checked": False, "error": str(exc)}
     sent = len(send_repairs(md, {digest}).repairs) if bad else 0

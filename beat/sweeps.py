@@ -43,12 +43,12 @@ def sweep(name: str):
             md = metadata()
             lock = md.r.lock(K.SWEEP_LOCK.format(name=name), timeout=defaults.SWEEP_LOCK_TTL_S)
             if not lock.acquire(blocking=False):
-                md.sweep_skipped(name)
+                md.sweeps.sweep_skipped(name)
                 return {"skipped": f"another {name} sweep is running"}
             stop = threading.Event()
             renewer = threading.Thread(target=_renew, args=(lock, stop), daemon=True)
             renewer.start()
-            started = md.redis_time()
+            started = md.sweeps.redis_time()
             outcome = "failed"
             try:
                 result = fn(*args, **kwargs)
@@ -58,7 +58,7 @@ def sweep(name: str):
                 stop.set()
                 renewer.join()
                 with contextlib.suppress(RedisError):
-                    md.sweep_ran(name, started, f"{config.host_id()}:{os.getpid()}", outcome)
+                    md.sweeps.sweep_ran(name, started, f"{config.host_id()}:{os.getpid()}", outcome)
                 # It may have expired during a very long sweep: nothing left to free.
                 with contextlib.suppress(LockError):
                     lock.release()

@@ -103,13 +103,13 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         wait(lambda: len(prom.targets_up()) == 5, 60, "Prometheus scraping 4 nodes and the worker")
         names = {n.address: f"node{i}" for i, n in enumerate(cluster.node_procs)}
         md = Metadata(cluster.redis_url)
-        node_names = {node_id: names[rec.address] for node_id, rec in md.nodes().items()}
+        node_names = {node_id: names[rec.address] for node_id, rec in md.nodes.nodes().items()}
         start = time.time()
         events = []
         src, back = root / "model.safetensors", cluster.root / "back.safetensors"
         for i in range(args.rounds):
             if i == args.rounds // 2:
-                held = Counter(n for nodes in md.placements().values() for n in nodes)
+                held = Counter(n for nodes in md.blobs.placements().values() for n in nodes)
                 victim_id = held.most_common(1)[0][0]
                 victim_name = node_names[victim_id]
                 victim = next(n for n in cluster.node_procs if names[n.address] == victim_name)

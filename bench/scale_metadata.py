@@ -45,11 +45,11 @@ def _record(md: Metadata, names: int, versions: int, node_ids: list[str]) -> Non
         for i in range(per_name):
             m = synthetic_manifest(name, i)
             vkey = storage_key(name, m.version_id)
-            md.create_pending(m, vkey, {}, [tuple(node_ids) for _ in m.shards])
+            md.versions.create_pending(m, vkey, {}, [tuple(node_ids) for _ in m.shards])
             for s, shard in enumerate(m.shards):
                 for r, node_id in enumerate(node_ids):
-                    md.settle(vkey, s, r, node_id, shard.blob_sha256)
-            md.commit(vkey, name)
+                    md.transfers.settle(vkey, s, r, node_id, shard.blob_sha256)
+            md.versions.commit(vkey, name)
 
 
 class CountedMetadata(Metadata):
@@ -116,7 +116,7 @@ def main() -> int:
         ids = []
         for node in nodes:
             ids.append(node.client().stat().node_id)
-            md.add_node(ids[-1], node.address)
+            md.nodes.add_node(ids[-1], node.address)
         t = time.perf_counter()
         _record(md, args.names, args.versions, ids)
         print(

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         cli(cluster, "store", str(src), "--name", "ckpt.safetensors")
         log(f"stored {size / 1e6:.0f} MB in {time.monotonic() - t:.1f} s")
         md = Metadata(cluster.redis_url)
-        manifest = md.manifest(md.current("ckpt.safetensors"))
+        manifest = md.versions.manifest(md.versions.current("ckpt.safetensors"))
         sizes = {s.blob_sha256: s.blob_size for s in manifest.shards}
         digests = sorted(sizes)
         by_id = {n.client().ping(): n for n in cluster.node_procs}
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
 
         # --- a flipped byte ---------------------------------------------------------
         digest = digests[0]
-        victim_id = sorted(md.placement(digest))[0]
+        victim_id = sorted(md.blobs.placement(digest))[0]
         victim = by_id[victim_id]
         held = sorted(victim.client().list_blobs().items())
         ahead = sum(sz for d, sz in held if d < digest)
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
                     whole += 1
             return (
                 whole == 2
-                and len(md.placement(digest)) == 2
+                and len(md.blobs.placement(digest)) == 2
                 and not victim.client().scrub(start=False)["quarantined"]
             )
 
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> dict:
 
         # --- a node's death ------------------------------------------------------------
         # The node holding the most blobs: the worst single death.
-        held_by = {i: [d for d in digests if i in md.placement(d)] for i in by_id}
+        held_by = {i: [d for d in digests if i in md.blobs.placement(d)] for i in by_id}
         dead_id = max(sorted(held_by), key=lambda i: len(held_by[i]))
         dead, lost = by_id[dead_id], held_by[dead_id]
         survivors = [n for n in cluster.node_procs if n is not dead]
@@ -175,11 +175,11 @@ def run(args: argparse.Namespace) -> dict:
         dead.kill()
         killed = time.monotonic()
         log(f"killed {dead_id[:12]}, which held {len(lost)} of {len(digests)} blobs")
-        declared = wait(lambda: dead_id in md.declared_dead(), 600, "the dead declaration")
+        declared = wait(lambda: dead_id in md.nodes.declared_dead(), 600, "the dead declaration")
 
         def at_r() -> bool:
             disk = on_disk(survivors)
-            return all(len(md.placement(d) & ids) >= 2 and disk[d] >= 2 for d in digests)
+            return all(len(md.blobs.placement(d) & ids) >= 2 and disk[d] >= 2 for d in digests)
 
         wait(at_r, 3600, "R copies on the survivors")
         total = time.monotonic() - killed

@@ -142,12 +142,12 @@ def register(md: Metadata, found: Found, cluster_key: bytes | None) -> tuple[str
         if stat.node_id != found.node_id:
             errors.append(f"{address} answers as node {stat.node_id[:12]}")
             continue
-        known = md.nodes().get(stat.node_id)
-        md.mark_alive(stat.node_id, stat.__dict__)
+        known = md.nodes.nodes().get(stat.node_id)
+        md.nodes.mark_alive(stat.node_id, stat.__dict__)
         if known is not None and known.address == address:
             return "known", address
         # By id: placement names node ids, so a moved node keeps every shard it holds.
-        md.add_node(stat.node_id, address)
+        md.nodes.add_node(stat.node_id, address)
         return ("added" if known is None else "moved"), address
     raise SmoltorrentError(
         f"node {found.node_id[:12]} advertised itself but was not registered: " + "; ".join(errors)

@@ -34,7 +34,8 @@ from watchdog.observers import Observer
 from coordinator.plan.directory import INDEX_SUFFIX, plan_directory
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.source_file import SourceIdentity
-from coordinator.state.metadata import COMMITTED, PENDING, Metadata
+from coordinator.state.metadata import Metadata
+from coordinator.state.versions import COMMITTED, PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import CheckpointFormatError, NotFoundError, SmoltorrentError, UsageError
 
@@ -337,9 +338,9 @@ def stored_identities_from(md: Metadata) -> Callable[[str], set[SourceIdentity]]
 
     def identities(name: str) -> set[SourceIdentity]:
         out = set()
-        for vkey in md.versions(name):
+        for vkey in md.versions.versions(name):
             try:
-                v = md.version(vkey)
+                v = md.versions.version(vkey)
             except NotFoundError:
                 continue
             if v.get("state") in (PENDING, COMMITTED) and v.get("identity"):

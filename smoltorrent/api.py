@@ -170,7 +170,7 @@ def _follow(
             concurrent.futures.wait([previous._future])
             request = submit_store(handle.path, handle.name, replicas, complete=True)
         out = wait_store(request)
-        v = connected_metadata().version(out["vkey"])
+        v = connected_metadata().versions.version(out["vkey"])
         saved = SavedVersion(handle.name, v["version_id"], bool(out["new"]), int(v["size"]))
     except BaseException as exc:
         handle._future.set_exception(
@@ -298,8 +298,8 @@ def _select(
     paths of tensors, plain values and containers alike (a container comes whole); a
     flat state dict's go to the gather as they are."""
     md = connected_metadata()
-    vkey = md.resolve(name, version)
-    manifest = md.manifest(vkey)
+    vkey = md.versions.resolve(name, version)
+    manifest = md.versions.manifest(vkey)
     header = parse_header(
         struct.pack("<Q", len(manifest.header_bytes)),
         manifest.header_bytes,
@@ -307,7 +307,7 @@ def _select(
         source=f"manifest of {manifest.name}",
     )
     tree = parse_structure(header.metadata)
-    version_id = md.version(vkey)["version_id"]
+    version_id = md.versions.version(vkey)["version_id"]
     if tree is None:
         return None, version_id, patterns, None
     found = list(paths(tree))
@@ -340,7 +340,7 @@ def _load_directory(
     if tensors is not None:
         md = connected_metadata()
         names = {
-            f: [t for shard in md.manifest(m.vkey).shards for t in shard.tensors]
+            f: [t for shard in md.versions.manifest(m.vkey).shards for t in shard.tensors]
             for f, m in found.files.items()
         }
         chosen, missing = pick([t for ts in names.values() for t in ts], tensors)

@@ -129,7 +129,7 @@ CODEC_ZSTD_LEVEL = 1
 # the bf16 exponent plane ~63%), and a RAW chunk is sent with sendfile, no copy
 CODEC_MIN_GAIN = 0.05
 
-# --- metadata (coordinator/state/metadata.py) -------------------------------------
+# --- metadata (coordinator/state/, its rooms) -------------------------------------
 
 REDIS_TIMEOUT_S = 10.0  # seconds; a local or LAN Redis answers in milliseconds
 NODE_ALIVE_TTL_S = 30  # seconds a node counts as up after it last answered a probe
@@ -146,6 +146,10 @@ MANIFEST_EXTRA_TIMEOUT_S = 5.0  # seconds a non-holder gets to take a manifest (
 # with the number of versions (~0.5 MB each); also the versions per pipeline when the
 # listing summaries are first filled
 LISTING_BATCH_VERSIONS = 1000
+# times a script that reads keys its caller read first (a remove, a trim mark, a listing)
+# is run again because they changed in between; each run passes what the last one found
+# missing, so a second run is almost always the last
+SCRIPT_KEY_RETRIES = 20
 ATTEMPTS_KEPT = 1000  # entries of a version's transfer attempt log kept (the latest ones)
 ATTEMPTS_TTL_S = 7 * 24 * 3600  # seconds a committed version's attempt log stays readable
 # seconds a pending version's blob spans (what each transfer reads instead of the whole

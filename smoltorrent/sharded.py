@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.plan.manifest import storage_key
-from coordinator.state.metadata import COMMITTED as VERSION_COMMITTED
-from coordinator.state.metadata import REMOVED
 from coordinator.state.steps import (
     COMMITTED,
     PENDING,
@@ -41,6 +39,8 @@ from coordinator.state.steps import (
     Part,
     Steps,
 )
+from coordinator.state.versions import COMMITTED as VERSION_COMMITTED
+from coordinator.state.versions import REMOVED
 from smoltorrent import defaults
 from smoltorrent.api import SavedVersion, SaveHandle, load, start_save
 from smoltorrent.errors import (
@@ -178,7 +178,7 @@ def load_sharded(
     gone = [
         r
         for r in range(world_size)
-        if r not in found.parts or md.state(found.parts[r].vkey) != VERSION_COMMITTED
+        if r not in found.parts or md.versions.state(found.parts[r].vkey) != VERSION_COMMITTED
     ]
     if gone:
         raise MissingRankError(
@@ -216,11 +216,11 @@ def prune(name: str, keep_last: int) -> list[int]:
     for s in steps.all(name):
         if s.state != REMOVING:
             continue
-        states = {md.state(p.vkey) for p in s.parts.values()}
+        states = {md.versions.state(p.vkey) for p in s.parts.values()}
         if states <= {None, REMOVED}:
             steps.forget(name, s.step)
             continue
         for p in s.parts.values():
-            if md.state(p.vkey) == VERSION_COMMITTED:
+            if md.versions.state(p.vkey) == VERSION_COMMITTED:
                 submit_remove(p.vkey)
     return removed

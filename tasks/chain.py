@@ -19,7 +19,7 @@ from coordinator import config
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
-from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
+from coordinator.state.versions import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
     NodeError,
@@ -51,17 +51,17 @@ def chain_transfer(
     node got it: {"how": ..., "nodes": {node id: "sent" | "replicated" | "exists"}}."""
     md = metadata()
     try:
-        v = md.version(vkey)
+        v = md.versions.version(vkey)
     except NotFoundError:
         return {"how": "version removed", "nodes": {}}
     if v["state"] in (ABORTED, REMOVING, REMOVED):
         return {"how": f"version {v['state']}", "nodes": {}}
-    if md.blob_deleting(digest):
+    if md.blobs.blob_deleting(digest):
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
-    span = md.span(vkey, shard)
-    plan = md.plan(vkey)[shard]
-    registered = md.nodes()
-    holding = md.placement(digest)
+    span = md.transfers.span(vkey, shard)
+    plan = md.transfers.plan(vkey)[shard]
+    registered = md.nodes.nodes()
+    holding = md.blobs.placement(digest)
     # The plan names the node a replica moved to if an earlier try replaced a lost one. A
     # replica is done when its node holds a verified copy (settled is not enough: a dead
     # letter settles too, and its replay must still place the copy).
@@ -84,7 +84,7 @@ def chain_transfer(
     blob_size = span.size
 
     def spare(seen: set[str]) -> Target | None:
-        return spare_for(registered, keep_off | seen, blob_size, md.plan(vkey), digest)
+        return spare_for(registered, keep_off | seen, blob_size, md.transfers.plan(vkey), digest)
 
     targets, lost = [], []
     for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)
@@ -101,7 +101,7 @@ def chain_transfer(
             )
         replacement.replica = r
         keep_off.add(replacement.node_id)
-        md.replace_target(vkey, shard, r, n, replacement.node_id)
+        md.transfers.replace_target(vkey, shard, r, n, replacement.node_id)
         targets.append(replacement)
     holders = [
         node_client(h, registered)
@@ -120,21 +120,23 @@ def chain_transfer(
             sent_recorder(md, vkey, shard),
         )
     except SourceChangedError as exc:
-        md.record_attempt(vkey, {**base, "error": str(exc)})
+        md.transfers.record_attempt(vkey, {**base, "error": str(exc)})
         abandon(vkey, v, str(exc))
         return {"how": "source changed", "nodes": {}}
     for r, (old, new) in outcome.replaced.items():
-        if r in outcome.placed and md.replace_target(vkey, shard, r, old, new):
+        if r in outcome.placed and md.transfers.replace_target(vkey, shard, r, old, new):
             log.warning(
                 "%s shard %d: replica %d moved from node %s to %s", name, shard, r, old, new
             )
     for r, node, exc in outcome.lost:
-        md.record_attempt(vkey, {**base, "replica": r, "node": node, "error": f"replaced: {exc}"})
+        md.transfers.record_attempt(
+            vkey, {**base, "replica": r, "node": node, "error": f"replaced: {exc}"}
+        )
     for r, (node, how) in sorted(outcome.placed.items()):
-        md.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
+        md.transfers.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
         settle(vkey, shard, r, node, digest, name)
     for r, (node, exc) in sorted(outcome.failed.items()):
-        md.record_attempt(vkey, {**base, "replica": r, "node": node, "error": str(exc)})
+        md.transfers.record_attempt(vkey, {**base, "replica": r, "node": node, "error": str(exc)})
     if outcome.failed:
         errors = [exc for _, exc in outcome.failed.values()]
         first = next((e for e in errors if isinstance(e, RETRYABLE)), None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from coordinator import config
 from coordinator.dataplane.store_engine import write_manifest
-from coordinator.state.metadata import COMMITTED, PENDING
+from coordinator.state.versions import COMMITTED, PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import (
     ManifestNotDurableError,
@@ -29,29 +29,29 @@ from tasks.enqueue import send_transfers
 )
 def commit(self, vkey: str) -> str:
     md = metadata()
-    v = md.version(vkey)
+    v = md.versions.version(vkey)
     if v["state"] != PENDING:
         return v["state"]
-    manifest = md.manifest(vkey)
-    missing = sorted(set(range(len(manifest.shards))) - md.ready_shards(vkey))
+    manifest = md.versions.manifest(vkey)
+    missing = sorted(set(range(len(manifest.shards))) - md.transfers.ready_shards(vkey))
     if missing:
         raise SmoltorrentError(
             f"{manifest.name}: shards {missing} have no verified replica yet; the version "
             "stays pending. Replay its dead letters (`smoltorrent dlq ls`) once nodes are back."
         )
-    registered = md.nodes()
+    registered = md.nodes.nodes()
     # Placement says who got each blob; a remove or a repair may have deleted a copy since.
     # Ask the holders, and never commit a shard that no node really has.
     holders = confirm_holders(md, manifest, registered)
     lost = [i for i, s in enumerate(manifest.shards) if not holders.get(s.blob_sha256)]
     if lost:
-        md.reopen_shards(vkey, lost)
-        plan = md.plan(vkey)
+        md.transfers.reopen_shards(vkey, lost)
+        plan = md.transfers.plan(vkey)
         keep = {f"{i}:{r}" for i, t in enumerate(plan) for r in range(len(t)) if i not in lost}
         send_transfers(vkey, manifest, plan, v["host"], skip=keep)
         return f"shards {lost} had no copy left; sent again"
     write_manifest_durably(md, manifest, set().union(*holders.values()), registered)
-    md.commit(vkey, manifest.name)
+    md.versions.commit(vkey, manifest.name)
     return COMMITTED
 
 
@@ -72,7 +72,7 @@ def write_manifest_durably(md, manifest, holders: set[str], registered) -> None:
                 "the commit retries until every holder keeps it."
             )
     kept = len(holders)
-    for node_id in sorted(set(md.alive(registered)) - holders):
+    for node_id in sorted(set(md.nodes.alive(registered)) - holders):
         if kept >= manifest.replicas:
             break
         extra = client(registered[node_id].address, timeout=defaults.MANIFEST_EXTRA_TIMEOUT_S)
@@ -91,7 +91,7 @@ def confirm_holders(md, manifest, registered) -> dict[str, set[str]]:
     leaves the placement; one that does not answer is not counted."""
     asked: dict[str, set[str]] = {}
     for shard in manifest.shards:
-        for node_id in md.placement(shard.blob_sha256) & set(registered):
+        for node_id in md.blobs.placement(shard.blob_sha256) & set(registered):
             asked.setdefault(node_id, set()).add(shard.blob_sha256)
     out: dict[str, set[str]] = {}
     for node_id, digests in asked.items():
@@ -103,5 +103,5 @@ def confirm_holders(md, manifest, registered) -> dict[str, set[str]]:
             if digest in present:
                 out.setdefault(digest, set()).add(node_id)
             else:
-                md.remove_placement(digest, node_id)
+                md.blobs.remove_placement(digest, node_id)
     return out

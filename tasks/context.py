@@ -9,7 +9,8 @@ import redis
 
 from coordinator import config
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
-from coordinator.state.metadata import Metadata, NodeRecord
+from coordinator.state.metadata import Metadata
+from coordinator.state.nodes import NodeRecord
 from smoltorrent.errors import NotFoundError
 from tasks.app import REDIS_URL
 

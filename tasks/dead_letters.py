@@ -20,7 +20,7 @@ from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 
 from coordinator import config
-from coordinator.state.metadata import FAILED
+from coordinator.state.requests import FAILED
 from smoltorrent.errors import CheckpointFormatError, GatherError, NotFoundError
 from tasks.app import app
 from tasks.context import REDIS_TRANSIENT, metadata
@@ -47,7 +47,7 @@ def record_dead_letter(
         return
     kwargs = kwargs or {}
     if not isinstance(exception, NOT_DEAD_LETTERS):
-        metadata().add_dead_letter(
+        metadata().dead_letters.add_dead_letter(
             task_id,
             {
                 "task": sender.name,
@@ -66,7 +66,7 @@ def record_dead_letter(
         log.error("dead letter %s (%s): %s", task_id, sender.name, exception)
     if kwargs.get("request_id"):
         # The request failed for good: whoever waits on it (CLI, API) hears why.
-        metadata().finish_request(
+        metadata().requests.finish_request(
             kwargs["request_id"], FAILED, error=f"{type(exception).__name__}: {exception}"
         )
     if sender.name == "smoltorrent.chain":
@@ -89,7 +89,7 @@ def _queue_of(sender, kwargs: dict) -> str:
     """Where a replay must go: transfers read the source, so they go back to its host."""
     if sender.name in ("smoltorrent.transfer", "smoltorrent.chain"):
         try:
-            return config.transfer_queue(metadata().version(kwargs["vkey"])["host"])
+            return config.transfer_queue(metadata().versions.version(kwargs["vkey"])["host"])
         except NotFoundError:
             pass
     request = getattr(sender, "request", None)
@@ -100,8 +100,8 @@ def _queue_of(sender, kwargs: dict) -> str:
 def replay(task_id: str) -> str:
     """Send a dead task again with its own id and arguments; its record is dropped."""
     md = metadata()
-    record = md.dead_letter(task_id)
-    md.remove_dead_letter(task_id)
+    record = md.dead_letters.dead_letter(task_id)
+    md.dead_letters.remove_dead_letter(task_id)
     app.send_task(
         record["task"],
         args=record["args"],

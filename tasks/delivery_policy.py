@@ -7,7 +7,7 @@ from __future__ import annotations
 from celery.utils.log import get_task_logger
 
 from coordinator import config
-from coordinator.state.metadata import ABORTED
+from coordinator.state.versions import ABORTED
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, ProtocolError
 from tasks.context import REDIS_TRANSIENT, metadata
@@ -33,8 +33,8 @@ DELIVERY_TASK_OPTIONS = {
 def abandon(vkey: str, version: dict, reason: str) -> None:
     """Abort a version whose source was rewritten, and store the new bytes once stable."""
     md = metadata()
-    md.abort(vkey, reason)  # a no-op on a version that committed meanwhile
-    if md.state(vkey) == ABORTED and md.claim(vkey, "restore_enqueued"):
+    md.versions.abort(vkey, reason)  # a no-op on a version that committed meanwhile
+    if md.versions.state(vkey) == ABORTED and md.versions.claim(vkey, "restore_enqueued"):
         log.warning("%s: %s", version["name"], reason)
         shards = int(version.get("requested_shards") or 0) or None
         send_store(

@@ -77,7 +77,7 @@ def store_directory(
     new_files = []
     for file, request in requests:
         out = wait_store(request)
-        v = md.version(out["vkey"])
+        v = md.versions.version(out["vkey"])
         members[file] = Member(request.name, out["vkey"], v["version_id"], int(v["size"]))
         if out["new"]:
             new_files.append(file)
@@ -108,7 +108,7 @@ def _store_record(record: DirectoryRecord, replicas: int) -> str:
             f.write(record_bytes(record))
         request = submit_store(path, member_name(record.name, RECORD_FILE), replicas, complete=True)
         out = wait_store(request)
-        return connected_metadata().version(out["vkey"])["version_id"]
+        return connected_metadata().versions.version(out["vkey"])["version_id"]
     finally:
         os.unlink(path)
 

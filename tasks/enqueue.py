@@ -72,7 +72,7 @@ def send_transfers(
     if not manifest.shards:
         # No tensors, no transfers: the barrier is complete as it stands.
         send_commit(vkey, manifest.name)
-        metadata().mark_commit_enqueued(vkey)
+        metadata().transfers.mark_commit_enqueued(vkey)
     return sent
 
 
@@ -138,7 +138,7 @@ def send_store(
     if request_id is None:
         request_id = new_request_id()
         args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
-        metadata().open_request(request_id, "store", host, args)
+        metadata().requests.open_request(request_id, "store", host, args)
     app.send_task(
         "smoltorrent.store",
         args=(path, name, replicas, shards),
@@ -210,11 +210,11 @@ def settle(
 ) -> None:
     """Record a finished transfer; the one that completes the set enqueues the commit and
     only then marks it enqueued (a crash in between is found by the reconcile sweep).
-    `held`: counted from the placement, not sent (see Metadata.settle)."""
+    `held`: counted from the placement, not sent (see Transfers.settle)."""
     md = metadata()
-    if md.settle(vkey, shard, replica, node_id, digest, held):
+    if md.transfers.settle(vkey, shard, replica, node_id, digest, held):
         send_commit(vkey, name)
-        md.mark_commit_enqueued(vkey)
+        md.transfers.mark_commit_enqueued(vkey)
 
 
 def send_remove(vkey: str, name: str | None = None) -> None:

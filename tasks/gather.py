@@ -20,8 +20,10 @@ from coordinator.dataplane.replicas import BadCopy
 from coordinator.plan.manifest import Manifest
 from coordinator.plan.read_order import read_order
 from coordinator.plan.selection import select
-from coordinator.state.metadata import DONE, Metadata, NodeRecord
+from coordinator.state.metadata import Metadata
+from coordinator.state.nodes import NodeRecord
 from coordinator.state.reader_mark import reading
+from coordinator.state.requests import DONE
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.context import BOOT_ID, client, metadata
@@ -37,9 +39,9 @@ def gather(
     # Whoever can reach the broker can send this task: the worker decides where it writes.
     out_path = check_destination(out_path, config.gather_dirs())
     md = metadata()
-    if request_id is not None and md.start_request(request_id, BOOT_ID) == DONE:
-        return json.loads(md.request(request_id)["result"])  # re-driven after it finished
-    v = md.version(vkey)
+    if request_id is not None and md.requests.start_request(request_id, BOOT_ID) == DONE:
+        return json.loads(md.requests.request(request_id)["result"])  # re-driven after it finished
+    v = md.versions.version(vkey)
     what = f"{v['name']} version {v.get('version_id', vkey)[:12]}"
     # The reader mark keeps retention off this version until the file is complete.
     reader = f"{config.host_id()}:{os.getpid()}:{self.request.id}"
@@ -49,14 +51,14 @@ def gather(
         else:
             result = _gather(self, md, vkey, out_path)
     if request_id is not None:
-        md.finish_request(request_id, DONE, result=json.dumps(result))
+        md.requests.finish_request(request_id, DONE, result=json.dumps(result))
     return result
 
 
 def _gather(self, md: Metadata, vkey: str, out_path: str) -> dict:
     """Pull every shard of `vkey` into out_path; the gather's report."""
-    manifest = md.manifest(vkey)
-    nodes = md.nodes()
+    manifest = md.versions.manifest(vkey)
+    nodes = md.nodes.nodes()
     sources = _sources(md, manifest, nodes)
 
     task_id = self.request.id  # the request is thread-local; progress comes from threads
@@ -100,15 +102,17 @@ def _sources(
     md: Metadata, manifest: Manifest, nodes: dict[str, NodeRecord]
 ) -> list[list[NodeClient]]:
     """Per shard, clients of its holders in the order to try them (plan/read_order)."""
-    holders = [[n for n in md.placement(s.blob_sha256) if n in nodes] for s in manifest.shards]
-    orders = read_order(holders, [s.blob_size for s in manifest.shards], md.alive(nodes))
+    holders = [
+        [n for n in md.blobs.placement(s.blob_sha256) if n in nodes] for s in manifest.shards
+    ]
+    orders = read_order(holders, [s.blob_size for s in manifest.shards], md.nodes.alive(nodes))
     return [[client(nodes[n].address) for n in order] for order in orders]
 
 
 def _gather_tensors(md: Metadata, vkey: str, out_path: str, patterns: list[str]) -> dict:
     """Only the tensors `patterns` select, their byte ranges read and verified one by one."""
-    manifest = md.manifest(vkey)
-    nodes = md.nodes()
+    manifest = md.versions.manifest(vkey)
+    nodes = md.nodes.nodes()
     started = time.monotonic()
     selection = select(manifest, patterns)
     report = gather_tensors(
@@ -144,7 +148,7 @@ def bad_copy_recorder(md: Metadata, nodes: dict[str, NodeRecord]) -> Callable[[B
 
     def record(bad: BadCopy) -> None:
         node_id = by_address.get(bad.address, bad.address)
-        md.record_bad_copy(bad.digest, node_id, bad.reason)
+        md.blobs.record_bad_copy(bad.digest, node_id, bad.reason)
         # The gather goes on if the send fails: the record is the scrub sweep's to check.
         with contextlib.suppress(redis.RedisError, OperationalError):
             send_bad_copy(bad.digest, node_id)

@@ -26,7 +26,7 @@ def _beat() -> None:
     host = config.host_id()
     while True:
         try:
-            metadata().worker_alive(host, BOOT_ID)
+            metadata().nodes.worker_alive(host, BOOT_ID)
         except RedisError as exc:  # Redis restarting: the next beat tries again
             log.warning("heartbeat not recorded: %s", exc)
         if _stop.wait(defaults.WORKER_HEARTBEAT_S):
@@ -42,4 +42,4 @@ def start_heartbeat(sender=None, **_) -> None:
 def stop_heartbeat(sender=None, **_) -> None:
     _stop.set()
     with contextlib.suppress(RedisError):  # if Redis is gone, the key expires on its own
-        metadata().worker_gone(config.host_id(), BOOT_ID)
+        metadata().nodes.worker_gone(config.host_id(), BOOT_ID)

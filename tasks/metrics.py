@@ -29,8 +29,8 @@ from celery.signals import task_postrun, task_prerun, task_retry
 from coordinator import config
 from coordinator.state import repairs, scrub_reports
 from coordinator.state.liveness import probe_registered
-from coordinator.state.metadata import COMMITTED, PENDING
 from coordinator.state.repair_plan import TRIM
+from coordinator.state.versions import COMMITTED, PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import ManifestError, NotFoundError, SmoltorrentError
 from tasks.context import metadata
@@ -103,18 +103,18 @@ class ClusterCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         md = metadata()
-        nodes = md.nodes()
+        nodes = md.nodes.nodes()
         live = probe_registered(md, config.cluster_key(), trust_recent=True)
         up = GaugeMetricFamily("smoltorrent_nodes_up", "Registered nodes answering.")
         up.add_metric([], len(live))
         registered = GaugeMetricFamily("smoltorrent_nodes", "Registered nodes.")
         registered.add_metric([], len(nodes))
         dead = GaugeMetricFamily("smoltorrent_dead_letters", "Tasks that failed for good.")
-        dead.add_metric([], md.dead_letter_depth())
+        dead.add_metric([], md.dead_letters.dead_letter_depth())
         # From the listing summaries, only the versions that count (pending, or committed
         # with a shard under R by live copies): a few requests per scrape, no manifest read,
         # whatever the number of versions.
-        rows = md.version_summaries(None, nodes, set(live) & set(nodes), notable=set())
+        rows = md.listing.version_summaries(None, nodes, set(live) & set(nodes), notable=set())
         pending = sum(r["state"] == PENDING for r in rows)
         under = sum(
             sum(c < r["replicas"] for c in r["live"]) for r in rows if r["state"] == COMMITTED
@@ -151,7 +151,7 @@ def _healing_gauges(md) -> list:
         gauge(
             "smoltorrent_nodes_dead",
             "Nodes declared dead by the health sweep.",
-            len(md.declared_dead()),
+            len(md.nodes.declared_dead()),
         ),
         gauge("smoltorrent_repairs_in_flight", "Repair copies sent and not finished.", len(copies)),
         gauge(
@@ -182,7 +182,7 @@ def _on_prerun(sender=None, task_id=None, kwargs=None, **_) -> None:
     size = None
     if sender is not None and sender.name in _TRANSFERS:
         with contextlib.suppress(NotFoundError, ManifestError, KeyError, IndexError, TypeError):
-            size = metadata().span(kwargs["vkey"], kwargs["shard"]).size
+            size = metadata().transfers.span(kwargs["vkey"], kwargs["shard"]).size
     _started[task_id] = (time.monotonic(), size)
 
 
@@ -205,7 +205,7 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
     elif sender.name == "smoltorrent.commit" and retval == COMMITTED:
         vkey = (kwargs or {}).get("vkey") or (args or [None])[0]
         try:
-            created = float(metadata().version(vkey)["created_at"])
+            created = float(metadata().versions.version(vkey)["created_at"])
         except (NotFoundError, KeyError, TypeError, ValueError):
             return
         _m.store_seconds.observe(max(time.time() - created, 0.0))

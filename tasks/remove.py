@@ -7,7 +7,7 @@ the remove again finishes it. Redis keys go last.
 
 from __future__ import annotations
 
-from coordinator.state.metadata import REMOVED
+from coordinator.state.versions import REMOVED
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError
 from tasks.app import app
@@ -24,20 +24,20 @@ from tasks.context import REDIS_TRANSIENT, metadata, node_client
 )
 def remove(self, vkey: str) -> dict:
     md = metadata()
-    found = md.begin_remove(vkey)
+    found = md.removals.begin_remove(vkey)
     if found in (None, REMOVED):
         return {"vkey": vkey, "removed": False, "blobs_deleted": 0}
-    registered = md.nodes()
-    manifest = md.manifest(vkey)
+    registered = md.nodes.nodes()
+    manifest = md.versions.manifest(vkey)
     # Nodes that may hold its manifest: every holder of one of its blobs (a holder whose
     # copy is deleted below leaves the placement only once it answered).
-    involved = set().union(*(md.placement(s.blob_sha256) for s in manifest.shards))
+    involved = set().union(*(md.blobs.placement(s.blob_sha256) for s in manifest.shards))
     deleted, kept = 0, []
     # Only blobs no other version uses: the reference sets decided, atomically with the
     # state change, which ones (a second run resumes the ones not yet deleted).
-    for digest in sorted(md.blobs_to_delete(vkey)):
+    for digest in sorted(md.blobs.blobs_to_delete(vkey)):
         gone, left = [], False
-        for node_id in sorted(md.placement(digest)):
+        for node_id in sorted(md.blobs.placement(digest)):
             if node_id not in registered:
                 continue
             try:
@@ -48,7 +48,7 @@ def remove(self, vkey: str) -> dict:
                 kept.append(f"{digest[:12]} on {node_id}: {exc}")
                 left = True
         if not left:
-            md.blob_deleted(vkey, digest, gone)
+            md.blobs.blob_deleted(vkey, digest, gone)
     # Ask every node: a manifest left on any of them would let rebuild bring it back.
     # Only a node that held its blobs and cannot answer keeps the remove open.
     for node_id in registered:
@@ -58,6 +58,6 @@ def remove(self, vkey: str) -> dict:
             if node_id in involved:
                 kept.append(f"manifest on {node_id}: {exc}")
     if not kept:
-        md.drop_dead_letters_of(vkey)
-        md.finish_remove(vkey)  # Redis forgets it last: until then it stays "removing"
+        md.dead_letters.drop_dead_letters_of(vkey)
+        md.removals.finish_remove(vkey)  # Redis forgets it last: until then it stays "removing"
     return {"vkey": vkey, "removed": True, "blobs_deleted": deleted, "left_behind": kept}

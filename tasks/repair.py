@@ -39,7 +39,7 @@ NODE_FAILURES = (NodeUnavailableError, NodeError, ProtocolError)
 def repair(self, digest: str, source: str, target: str) -> str:
     md = metadata()
     try:
-        nodes = md.nodes()
+        nodes = md.nodes.nodes()
         if source not in nodes or target not in nodes:
             return "node removed"
         how = copy_blob(md, nodes, config.cluster_key(), digest, source, target)
@@ -73,7 +73,7 @@ def repair(self, digest: str, source: str, target: str) -> str:
 def trim(self, digest: str, replicas: int) -> dict:
     md = metadata()
     try:
-        nodes = md.nodes()
-        return trim_blob(md, nodes, config.cluster_key(), digest, replicas, md.alive(nodes))
+        nodes = md.nodes.nodes()
+        return trim_blob(md, nodes, config.cluster_key(), digest, replicas, md.nodes.alive(nodes))
     finally:
         repairs.finished(md, digest, TRIM)

@@ -20,15 +20,9 @@ from coordinator.dataplane.gather_engine import check_destination
 from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.selection import select
-from coordinator.state.metadata import (
-    ABORTED,
-    COMMITTED,
-    DONE,
-    FAILED,
-    REMOVED,
-    REMOVING,
-    Metadata,
-)
+from coordinator.state.metadata import Metadata
+from coordinator.state.requests import DONE, FAILED
+from coordinator.state.versions import ABORTED, COMMITTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import OutcomeUnknownError, SmoltorrentError
 from tasks.app import app
@@ -78,7 +72,7 @@ def require_worker(host: str | None = None) -> None:
     when the key is missing (Redis was just flushed or restored) is the worker asked by
     name, which returns as soon as it answers."""
     host = host or config.host_id()
-    if metadata().worker_boot(host) is not None:
+    if metadata().nodes.worker_boot(host) is not None:
         return
     name = f"smoltorrent@{host}"
     inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
@@ -121,7 +115,7 @@ def submit_store(
     # for a while is waited out, since the store is already accepted.
     request_id = new_request_id()
     args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
-    metadata().open_request(request_id, "store", host, args)
+    metadata().requests.open_request(request_id, "store", host, args)
     _ride_out(
         lambda: send_store(path, name, replicas, shards, host, request_id=request_id),
         f"queuing the store of {name} (request {request_id})",
@@ -154,9 +148,10 @@ def wait_store(
     SmoltorrentError when it is abandoned, stuck on dead letters, or its task failed."""
     md = metadata()
     what = f"waiting for the store of {request.name} (request {request.task_id})"
-    while (record := _ride_out(lambda: md.request(request.task_id), what))["state"] not in (
-        DONE, FAILED
-    ):  # fmt: skip
+    while True:
+        record = _ride_out(lambda: md.requests.request(request.task_id), what)
+        if record["state"] in (DONE, FAILED):
+            break
         time.sleep(defaults.CLI_POLL_INTERVAL_S)
     if record["state"] == FAILED:
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
@@ -173,18 +168,18 @@ def wait_store(
 def _wait_commit(
     md: Metadata, vkey: str, name: str, on_progress: Callable[[StoreProgress], None] | None
 ) -> str:
-    manifest = md.manifest(vkey)
+    manifest = md.versions.manifest(vkey)
     sizes = [s.blob_size for s in manifest.shards]
-    plan = md.plan(vkey)
+    plan = md.transfers.plan(vkey)
     total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
     while True:
         # One consistent read: a transfer settling between two reads cannot make a store
         # that commits look stuck.
-        v, settled, ready = md.snapshot(vkey)
+        v, settled, ready = md.transfers.snapshot(vkey)
         if on_progress:
             # Settled transfers count whole; running ones by the bytes they have sent.
             done = sum(sizes[int(m.split(":")[0])] for m in settled)
-            for member, sent in md.sent(vkey).items():
+            for member, sent in md.transfers.sent(vkey).items():
                 if member not in settled:
                     done += min(sent, sizes[int(member.split(":")[0])])
             on_progress(StoreProgress(done, total, len(ready), len(sizes)))
@@ -201,10 +196,10 @@ def _wait_commit(
                 "transfers are dead letters (`smoltorrent dlq ls`); fix the nodes, then "
                 "`smoltorrent dlq replay --all` completes it."
             )
-        if md.has_dead_letter(f"commit-{vkey}"):
+        if md.dead_letters.has_dead_letter(f"commit-{vkey}"):
             raise SmoltorrentError(
                 f"store of {name}: every shard landed but the commit failed for good "
-                f"({md.dead_letter(f'commit-{vkey}')['error']}). Fix the cause, then "
+                f"({md.dead_letters.dead_letter(f'commit-{vkey}')['error']}). Fix the cause, then "
                 f"`smoltorrent dlq replay commit-{vkey}` commits it."
             )
         time.sleep(defaults.CLI_POLL_INTERVAL_S)
@@ -217,10 +212,10 @@ def submit_gather(
     file `out` on this host; with `tensors` (globs), of the tensors they match only, as
     a .safetensors file of their own. A glob matching no tensor fails here."""
     md = connected_metadata()
-    vkey = md.resolve(name, version)
-    size = int(md.version(vkey)["size"])
+    vkey = md.versions.resolve(name, version)
+    size = int(md.versions.version(vkey)["size"])
     if tensors is not None:
-        size = select(md.manifest(vkey), tensors).size
+        size = select(md.versions.manifest(vkey), tensors).size
     out = os.path.abspath(out)
     if os.path.isdir(out):  # as cp does: into that directory, under the checkpoint's file name
         out = os.path.join(out, os.path.basename(name))
@@ -231,7 +226,7 @@ def submit_gather(
     require_worker(host)
     request_id = new_request_id()
     args = {"vkey": vkey, "out": out} | ({} if tensors is None else {"tensors": tensors})
-    md.open_request(request_id, "gather", host, args)
+    md.requests.open_request(request_id, "gather", host, args)
     _ride_out(
         lambda: send_gather(vkey, out, host, request_id, name, tensors),
         f"queuing the gather of {name} (request {request_id})",
@@ -265,5 +260,5 @@ def submit_remove(vkey: str) -> None:
     """Remove a version: marked removing at once (no gather takes it from here on, and the
     reconcile sweep resumes the remove after any crash), then its remove task is queued."""
     md = connected_metadata()
-    md.begin_remove(vkey)
+    md.removals.begin_remove(vkey)
     send_remove(vkey)

@@ -30,6 +30,6 @@ def sent_recorder(md, vkey: str, shard: int) -> Callable[[Sequence[int], int], N
         last = now
         with contextlib.suppress(*REDIS_TRANSIENT):
             for replica in replicas:
-                md.record_sent(vkey, shard, replica, sent)
+                md.transfers.record_sent(vkey, shard, replica, sent)
 
     return record

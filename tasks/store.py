@@ -13,7 +13,8 @@ from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.plan.chains import chain_order
 from coordinator.state.liveness import probe_registered
-from coordinator.state.metadata import DONE, PENDING, REMOVING
+from coordinator.state.requests import DONE
+from coordinator.state.versions import PENDING, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import NotEnoughNodesError
 from tasks.app import app
@@ -44,11 +45,13 @@ def store(
     request `request_id` (recorded by tasks/requests.py before this task was queued)."""
     md = metadata()
     if request_id is not None:
-        if md.start_request(request_id, BOOT_ID) == DONE:
-            return _result(md.request(request_id))  # a re-drive of a request already served
-        seq = int(md.request(request_id)["seq"])
+        if md.requests.start_request(request_id, BOOT_ID) == DONE:
+            return _result(
+                md.requests.request(request_id)
+            )  # a re-drive of a request already served
+        seq = int(md.requests.request(request_id)["seq"])
     else:
-        seq = md.next_seq()
+        seq = md.requests.next_seq()
     age = time.time() - os.stat(path).st_mtime
     if age < defaults.STABLE_AFTER_S:
         # Still being written: store it once training has finished the file.
@@ -57,7 +60,7 @@ def store(
     if not live:
         raise NotEnoughNodesError(
             "no storage node is reachable"
-            + (f" ({len(md.nodes())} registered, all down)" if md.nodes() else "")
+            + (f" ({len(md.nodes.nodes())} registered, all down)" if md.nodes.nodes() else "")
             + ". Start nodes with `smoltorrent serve` and register them with "
             "`smoltorrent nodes add HOST:PORT`."
         )
@@ -76,7 +79,7 @@ def store(
         # Heads and tails spread so every node's outbound link carries its share.
         targets = chain_order(targets, [s.blob_size for s in manifest.shards])
     host = config.host_id()
-    found = md.create_pending(
+    found = md.versions.create_pending(
         manifest,
         vkey,
         {
@@ -94,9 +97,9 @@ def store(
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     new = found == "created"
     # A re-drive of this same request after a crash re-sends what may not have been sent.
-    mine = md.version(vkey).get("request_id") == (request_id or self.request.id)
+    mine = md.versions.version(vkey).get("request_id") == (request_id or self.request.id)
     if new or (found == PENDING and mine):
-        md.keep_spans(vkey, prepared.spans())
+        md.transfers.keep_spans(vkey, prepared.spans())
         send_transfers(vkey, manifest, targets, host)
     else:
         log.info("%s: version %s already %s", name, manifest.version_id[:12], found)
@@ -107,7 +110,7 @@ def store(
         "hashed_bytes": prepared.hashed_bytes,
     }
     if request_id is not None:
-        md.finish_request(
+        md.requests.finish_request(
             request_id,
             DONE,
             vkey=vkey,
@@ -131,7 +134,7 @@ def prefer_holders(targets, manifest, md, live: set[str]) -> list[tuple[str, ...
     """Keep a shard where verified copies already are: unchanged blobs move no bytes."""
     out = []
     for planned, shard in zip(targets, manifest.shards, strict=True):
-        holders = sorted(md.placement(shard.blob_sha256) & live)[: len(planned)]
+        holders = sorted(md.blobs.placement(shard.blob_sha256) & live)[: len(planned)]
         rest = [n for n in planned if n not in holders]
         out.append(tuple(holders + rest[: len(planned) - len(holders)]))
     return out

@@ -13,7 +13,7 @@ from coordinator.dataplane.chain_engine import pick_spare, replaceable
 from coordinator.dataplane.store_engine import send_shard
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
-from coordinator.state.metadata import ABORTED, REMOVED, REMOVING
+from coordinator.state.versions import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
     NotFoundError,
@@ -35,26 +35,26 @@ def transfer(
     """Make node `node_id` hold shard `shard` of version `vkey`; settle it in the barrier."""
     md = metadata()
     try:
-        v = md.version(vkey)
+        v = md.versions.version(vkey)
     except NotFoundError:
         return "version removed"
     if v["state"] in (ABORTED, REMOVING, REMOVED):
         return f"version {v['state']}"
-    if md.blob_deleting(digest):
+    if md.blobs.blob_deleting(digest):
         # A remove is deleting this very blob from the nodes: a copy found there now may
         # vanish, so send it afresh once the remove is done with it.
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     if trim_marks.marked(md, digest, [node_id]):
         # A trim is deleting the node's copy: a put now could land before that delete.
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
-    span = md.span(vkey, shard)
+    span = md.transfers.span(vkey, shard)
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
     try:
-        registered = md.nodes()
+        registered = md.nodes.nodes()
         target = node_client(node_id, registered)
         holders = [
             node_client(h, registered)
-            for h in sorted(md.placement(digest))
+            for h in sorted(md.blobs.placement(digest))
             if h != node_id and h in registered
         ]
         how = send_shard(
@@ -66,19 +66,19 @@ def transfer(
             progress=partial(sent_recorder(md, vkey, shard), (replica,)),
         )
     except SourceChangedError as exc:
-        md.record_attempt(vkey, {**attempt, "error": str(exc)})
+        md.transfers.record_attempt(vkey, {**attempt, "error": str(exc)})
         abandon(vkey, v, str(exc))
         return "source changed"
     except RETRYABLE as exc:
-        md.record_attempt(vkey, {**attempt, "error": str(exc)})
+        md.transfers.record_attempt(vkey, {**attempt, "error": str(exc)})
         moved = move_to_spare(md, v, vkey, span, replica, node_id, exc)
         if moved is None:
             raise
         spare_id, how = moved
-        md.record_attempt(vkey, {**attempt, "node": spare_id, "result": how})
+        md.transfers.record_attempt(vkey, {**attempt, "node": spare_id, "result": how})
         settle(vkey, shard, replica, spare_id, digest, name)
         return how
-    md.record_attempt(vkey, {**attempt, "result": how})
+    md.transfers.record_attempt(vkey, {**attempt, "result": how})
     settle(vkey, shard, replica, node_id, digest, name)
     return how
 
@@ -90,9 +90,9 @@ def move_to_spare(md, v, vkey, span, replica, node_id, exc):
     if not replaceable(exc):
         return None
     shard, digest = span.index, span.digest
-    registered = md.nodes()
-    holding = md.placement(digest)
-    plan = md.plan(vkey)
+    registered = md.nodes.nodes()
+    holding = md.blobs.placement(digest)
+    plan = md.transfers.plan(vkey)
     keep_off = set(plan[shard]) | holding
     candidates = {n: rec.address for n, rec in registered.items() if n not in keep_off}
     spare_id = pick_spare(
@@ -115,7 +115,7 @@ def move_to_spare(md, v, vkey, span, replica, node_id, exc):
         )
     except RETRYABLE:
         return None
-    if md.replace_target(vkey, shard, replica, node_id, spare_id):
+    if md.transfers.replace_target(vkey, shard, replica, node_id, spare_id):
         log.warning(
             "%s shard %d: replica %d moved from %s to %s",
             v["name"],

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
@@ -39,6 +40,9 @@ def test_wheel_installs_a_node_with_the_standard_library_only(tmp_path: Path) ->
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
         "-w", wheels, source)  # fmt: skip
     (wheel,) = wheels.glob("smoltorrent-*.whl")
+    # The metadata's Lua scripts are files, not Python: the wheel must carry every one.
+    scripts = {str(p.relative_to(REPO)) for p in (REPO / "coordinator").rglob("*.lua")}
+    assert scripts and scripts <= set(zipfile.ZipFile(wheel).namelist())
 
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv)

@@ -22,8 +22,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             stat = NodeClient(
                 address, cluster_key=config.cluster_key(), timeout=defaults.CONNECT_TIMEOUT_S
             ).stat()
-            md.add_node(stat.node_id, address)
-            md.mark_alive(stat.node_id, stat.__dict__)
+            md.nodes.add_node(stat.node_id, address)
+            md.nodes.mark_alive(stat.node_id, stat.__dict__)
             rows.append(
                 {
                     "node_id": stat.node_id,
@@ -64,7 +64,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         return 0
     matches = [
         nid
-        for nid, rec in md.nodes().items()
+        for nid, rec in md.nodes.nodes().items()
         if nid.startswith(args.node) or str(rec.address) == args.node
     ]
     if len(matches) != 1:
@@ -72,7 +72,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             f"{'no' if not matches else 'several'} registered nodes match "
             f"'{args.node}'; see `smoltorrent nodes ls`."
         )
-    md.remove_node(matches[0])
+    md.nodes.remove_node(matches[0])
     if args.json:
         emit_json({"removed": matches[0]})
         return 0
@@ -89,7 +89,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
     found = browse(args.timeout)
     md = metadata()
-    known = md.nodes()
+    known = md.nodes.nodes()
     rows = []
     for item in found:
         row = {**item.to_dict(), "registered": "no"}

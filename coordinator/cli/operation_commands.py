@@ -90,11 +90,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 f" one of its files (`smoltorrent rm {args.name}/FILE --version V`)"
             )
         # Every version of every file it ever held, and its records.
-        vkeys = [v for n in directory_checkpoints(args.name) for v in md.versions(n)]
+        vkeys = [v for n in directory_checkpoints(args.name) for v in md.versions.versions(n)]
     elif args.version:
-        vkeys = [md.resolve(args.name, args.version)]
+        vkeys = [md.versions.resolve(args.name, args.version)]
     else:
-        vkeys = md.versions(args.name)
+        vkeys = md.versions.versions(args.name)
         if not vkeys:
             raise NotFoundError(f"no checkpoint named {args.name}; see `smoltorrent ls`.")
     _require_worker()
@@ -150,7 +150,7 @@ def cmd_redis(args: argparse.Namespace) -> int:
 def cmd_dlq(args: argparse.Namespace) -> int:
     md = metadata()
     if args.dlq_command == "ls":
-        records = md.dead_letters()
+        records = md.dead_letters.dead_letters()
         if args.json:
             emit_json(records)
         elif not records:
@@ -178,7 +178,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         raise UsageError(
             "give one dead letter's task id or --all (not both): `smoltorrent dlq ls` lists them"
         )
-    ids = [r["task_id"] for r in md.dead_letters()] if args.all else [args.task_id]
+    ids = [r["task_id"] for r in md.dead_letters.dead_letters()] if args.all else [args.task_id]
     for task_id in ids:
         replay(task_id)
     if args.json:
@@ -195,7 +195,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     addresses = (
         node_addresses(args.addresses)
         if args.addresses
-        else [rec.address for rec in md.nodes().values()]
+        else [rec.address for rec in md.nodes.nodes().values()]
     )
     if not addresses:
         raise SmoltorrentError(

@@ -10,13 +10,14 @@ from coordinator import config
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
 from coordinator.state import repairs, scrub_reports
 from coordinator.state.liveness import node_health, probe_registered
-from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.metadata import Metadata
+from coordinator.state.versions import COMMITTED
 from smoltorrent.errors import NotFoundError
 
 
 def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
     """Every version of every checkpoint, or of `name` only (NotFoundError if unknown)."""
-    if name is not None and not md.has_name(name):
+    if name is not None and not md.versions.has_name(name):
         raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
     return [row for row, _, _ in _versions(md, name)]
 
@@ -31,10 +32,10 @@ def _versions(
     `status` reports, with their shards' blobs) and, when `live` is given (for `status`),
     its live copies per shard. Read from the listing summaries in a few round trips whatever
     the number of versions: no manifest is read."""
-    registered = set(md.nodes())
+    registered = set(md.nodes.nodes())
     # With every registered node live, the live copies are the copies: not counted twice.
     live_differs = live is not None and not registered <= live
-    summaries = md.version_summaries(
+    summaries = md.listing.version_summaries(
         name, registered, live & registered if live_differs else None, bool(notable), notable
     )
     out = []
@@ -47,7 +48,7 @@ def _versions(
 def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[str]]:
     """Every registered node, probed now (up, down or dead, and when it last answered);
     and the ids of those that answered."""
-    nodes = md.nodes()
+    nodes = md.nodes.nodes()
     live = probe_registered(md, cluster_key)
     health = node_health(md, time.time(), config.dead_after(), set(live))
     scrubs = scrub_reports.reports(md)
@@ -133,16 +134,16 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
         ],
         "repairs_done": repairs.counts(md),
         "pending": [c for c in ckpts if c["state"] == "pending"],
-        "dead_letters": md.dead_letter_depth(),
+        "dead_letters": md.dead_letters.dead_letter_depth(),
     }
 
 
 def header(md: Metadata, name: str, version: str | None = None) -> dict:
     """The safetensors header of a version (its current one by default), read from its
     manifest alone: no node is asked and no tensor byte moves."""
-    vkey = md.resolve(name, version)
-    v = md.version(vkey)
-    manifest = md.manifest(vkey)
+    vkey = md.versions.resolve(name, version)
+    v = md.versions.version(vkey)
+    manifest = md.versions.manifest(vkey)
     parsed = parse_header(
         struct.pack("<Q", len(manifest.header_bytes)),
         manifest.header_bytes,
@@ -165,7 +166,7 @@ def header(md: Metadata, name: str, version: str | None = None) -> dict:
         "name": name,
         "version_id": v["version_id"],
         "state": v["state"],
-        "current": vkey == md.current(name),
+        "current": vkey == md.versions.current(name),
         "size": manifest.source_size,
         "header_bytes": LENGTH_PREFIX_BYTES + len(manifest.header_bytes),
         "shards": len(manifest.shards),

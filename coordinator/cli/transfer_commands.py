@@ -10,7 +10,7 @@ import time
 from coordinator.cli import reports
 from coordinator.cli.cluster import metadata
 from coordinator.cli.output import console, emit_json, human_bytes, warn
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from smoltorrent.errors import SmoltorrentError, UsageError
 
 

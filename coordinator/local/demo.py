@@ -121,10 +121,10 @@ def _wait_for_r(cluster: LocalCluster, name: str, victim: int) -> None:
     """Until every shard of `name` has two copies on nodes other than the killed one."""
     md = Metadata(cluster.redis_url)
     dead = str(cluster.node_procs[victim].address)
-    live = {n for n, rec in md.nodes().items() if str(rec.address) != dead}
-    manifest = md.manifest(md.current(name))
+    live = {n for n, rec in md.nodes.nodes().items() if str(rec.address) != dead}
+    manifest = md.versions.manifest(md.versions.current(name))
     deadline = time.monotonic() + DEMO_HEAL_TIMEOUT_S
-    while any(len(md.placement(s.blob_sha256) & live) < 2 for s in manifest.shards):
+    while any(len(md.blobs.placement(s.blob_sha256) & live) < 2 for s in manifest.shards):
         if time.monotonic() > deadline:
             raise SmoltorrentError(
                 f"the sweeps did not bring every shard back to 2 copies in {DEMO_HEAL_TIMEOUT_S}"

@@ -108,8 +108,8 @@ class Stack:
             time.sleep(0.05)
         address = NodeAddress("127.0.0.1", int(port_file.read_text()))
         stat = NodeClient(address, cluster_key=config.cluster_key()).stat()
-        md.add_node(stat.node_id, address)  # by id: a restart keeps its shards
-        md.mark_alive(stat.node_id, stat.__dict__)
+        md.nodes.add_node(stat.node_id, address)  # by id: a restart keeps its shards
+        md.nodes.mark_alive(stat.node_id, stat.__dict__)
         self.say(f"node{i}: {stat.node_id[:12]} on {address}")
 
     def _log(self, name: str) -> Path:
@@ -129,7 +129,7 @@ class Stack:
     def _wait_worker(self, md: Metadata) -> None:
         worker = self.parts[-1]
         deadline = time.monotonic() + defaults.UP_WORKER_START_S
-        while md.worker_boot(config.host_id()) is None and not self._stop.is_set():
+        while md.nodes.worker_boot(config.host_id()) is None and not self._stop.is_set():
             if worker.process.poll() is not None or time.monotonic() > deadline:
                 raise SmoltorrentError(f"the worker did not start; see {self._log('worker')}")
             time.sleep(0.1)

@@ -19,23 +19,10 @@ from dataclasses import dataclass
 import redis
 
 from coordinator.state import redis_keys as K
+from coordinator.state.scripts import load
 from smoltorrent.errors import NotFoundError
 
 _VERSION = "version:"
-
-# Record a directory version; make it current if its store was accepted after the
-# current one's (a directory recorded before sequence numbers has none: any wins).
-# KEYS: directory hash; ARGV: version field, record JSON, version id, sequence number.
-# 1 if it became current.
-_COMMIT = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-local current = tonumber(redis.call('HGET', KEYS[1], 'current_seq') or '-1')
-if tonumber(ARGV[4]) > current then
-  redis.call('HSET', KEYS[1], 'current', ARGV[3], 'current_seq', ARGV[4])
-  return 1
-end
-return 0
-"""
 
 
 @dataclass(frozen=True)
@@ -59,7 +46,7 @@ class DirectoryVersion:
 class Directories:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        self._commit = r.register_script(_COMMIT)
+        self._commit = load(r, "directories/commit")
 
     def accept(self) -> int:
         """A sequence number for a directory store, from the one request counter: taken

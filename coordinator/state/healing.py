@@ -11,7 +11,8 @@ import logging
 
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import repairs, trim_marks
-from coordinator.state.metadata import Metadata, NodeRecord
+from coordinator.state.metadata import Metadata
+from coordinator.state.nodes import NodeRecord
 from smoltorrent.errors import (
     DigestMismatchError,
     NodeError,
@@ -36,9 +37,9 @@ def copy_blob(
     """Make `target` hold a verified copy of `digest`, pushed by `source`, and only then
     count it in the placement. What happened, as a word: stored, exists, unused,
     source-bad, source-missing. NodeUnavailableError or NodeError if a node failed."""
-    if target in md.placement(digest):
+    if target in md.blobs.placement(digest):
         return "exists"  # a redelivery of a repair that finished
-    if not md.blob_refs(digest) or md.blob_deleting(digest):
+    if not md.blobs.blob_refs(digest) or md.blobs.blob_deleting(digest):
         return "unused"  # removed meanwhile: nothing to repair
     sender = NodeClient(nodes[source].address, cluster_key=cluster_key, timeout=timeout)
     try:
@@ -48,14 +49,14 @@ def copy_blob(
         # target corrupts what it receives. The sender re-hashes its copy to tell (and
         # quarantines it if bad); a good one leaves the fault with the target.
         if digest in sender.verify([digest]):
-            md.remove_placement(digest, source)
+            md.blobs.remove_placement(digest, source)
             log.error("repair of %s: the copy on %s is bad; quarantined there", digest, source)
             return "source-bad"
         raise
     except NodeError as exc:
         if exc.code != "not_found":
             raise
-        md.remove_placement(digest, source)
+        md.blobs.remove_placement(digest, source)
         log.error("repair of %s: %s no longer holds it; out of the placement", digest, source)
         return "source-missing"
     # The target verified the digest as the bytes arrived (or re-hashed the copy it had).
@@ -83,7 +84,7 @@ def trim_blob(
     it after the sweep decided, maybe at a higher R, is counted as each copy is marked for
     its delete: coordinator/state/trim_marks.py)."""
     holders = sorted(
-        md.placement(digest) & set(up) & set(nodes),
+        md.blobs.placement(digest) & set(up) & set(nodes),
         key=lambda n: (-int(up[n].get("free_bytes", 0)), n),
     )
     if len(holders) <= replicas:
@@ -98,7 +99,7 @@ def trim_blob(
         except UNREACHABLE:
             continue  # neither kept nor deleted: it may be back next pass
         if digest in bad:
-            md.remove_placement(digest, node_id)
+            md.blobs.remove_placement(digest, node_id)
             continue
         keep.append(node_id)
     if len(keep) < replicas:
@@ -151,12 +152,12 @@ def settle_quarantined(
     for digest in quarantined:
         if digest in whole:
             continue
-        if node_id in md.placement(digest):
-            md.remove_placement(digest, node_id)
+        if node_id in md.blobs.placement(digest):
+            md.blobs.remove_placement(digest, node_id)
             released.append(digest)
             log.warning("bad copy of %s on %s: out of the placement", digest, node_id)
-        elsewhere = (md.placement(digest) - {node_id}) & counted
-        if (elsewhere or not md.blob_refs(digest)) and client.discard(digest):
+        elsewhere = (md.blobs.placement(digest) - {node_id}) & counted
+        if (elsewhere or not md.blobs.blob_refs(digest)) and client.discard(digest):
             discarded.append(digest)
     return {"released": released, "discarded": discarded}
 
@@ -172,12 +173,12 @@ def check_bad_copy(
     a copy that is bad or gone leaves the placement (True). The report is forgotten once
     its node answered. UNREACHABLE if it did not (the report stays, asked again)."""
     if node_id not in nodes:
-        md.forget_bad_copy(digest, node_id)
+        md.blobs.forget_bad_copy(digest, node_id)
         return False
     bad = NodeClient(nodes[node_id].address, cluster_key=cluster_key).verify([digest])
     if digest in bad:
-        md.remove_placement(digest, node_id)
-    md.forget_bad_copy(digest, node_id)
+        md.blobs.remove_placement(digest, node_id)
+    md.blobs.forget_bad_copy(digest, node_id)
     return digest in bad
 
 
@@ -187,7 +188,7 @@ def check_reported_bad(
     """Every copy a gather found corrupt, checked (check_bad_copy). (digest, node) of those
     that left the placement."""
     out = []
-    for digest, node_id in md.reported_bad_copies():
+    for digest, node_id in md.blobs.reported_bad_copies():
         try:
             if check_bad_copy(md, nodes, cluster_key, digest, node_id):
                 out.append((digest, node_id))

@@ -34,8 +34,8 @@ def probe_registered(
 ) -> dict[str, NodeStat]:
     """Node id -> stat of the live registered nodes. Probes every node (or, with
     trust_recent, only those not heard from lately) and refreshes the alive keys."""
-    nodes = md.nodes()
-    recent = md.alive(nodes) if trust_recent else {}
+    nodes = md.nodes.nodes()
+    recent = md.nodes.alive(nodes) if trust_recent else {}
     live = {n: NodeStat(**stat) for n, stat in recent.items()}
     to_probe = {nid: rec.address for nid, rec in nodes.items() if nid not in live}
     stats = probe_nodes(to_probe, cluster_key)
@@ -43,9 +43,9 @@ def probe_registered(
         stat = stats.get(node_id)
         # A node answering with another id is a different data dir at the old address.
         if stat is None or stat.node_id != node_id:
-            md.mark_down(node_id)
+            md.nodes.mark_down(node_id)
             continue
-        md.mark_alive(node_id, dataclasses.asdict(stat))
+        md.nodes.mark_alive(node_id, dataclasses.asdict(stat))
         live[node_id] = stat
     return live
 
@@ -56,10 +56,10 @@ def node_health(
     """Every registered node's health at `now`. `up` is the set that answered a probe
     just now (default: the nodes whose alive key is fresh). A node that never answered
     counts its silence from when it was registered."""
-    nodes = md.nodes()
+    nodes = md.nodes.nodes()
     if up is None:
-        up = set(md.alive(nodes))
-    seen = md.last_seen()
+        up = set(md.nodes.alive(nodes))
+    seen = md.nodes.last_seen()
     out = {}
     for node_id, rec in nodes.items():
         last = seen.get(node_id)

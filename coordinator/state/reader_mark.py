@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 from redis.exceptions import RedisError
 
-from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.metadata import Metadata
+from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults
 from smoltorrent.errors import GatherError
 
@@ -26,7 +27,7 @@ def reading(md: Metadata, vkey: str, reader: str, what: str) -> Iterator[None]:
     """Hold a reader mark on committed version `vkey` for the body; GatherError naming
     `what` if the version is not committed (pending, removing, gone)."""
     ttl = defaults.GATHER_LEASE_TTL_S
-    state = md.start_reading(vkey, reader, ttl)
+    state = md.removals.start_reading(vkey, reader, ttl)
     if state != COMMITTED:
         raise GatherError(
             f"{what} is {state}, not committed; only committed versions are gathered. "
@@ -38,7 +39,7 @@ def reading(md: Metadata, vkey: str, reader: str, what: str) -> Iterator[None]:
         while not stop.wait(defaults.GATHER_LEASE_REFRESH_S):
             # Redis briefly away: the next refresh tries again, well within the TTL.
             with contextlib.suppress(RedisError):
-                md.start_reading(vkey, reader, ttl)
+                md.removals.start_reading(vkey, reader, ttl)
 
     thread = threading.Thread(target=refresh, name="smoltorrent-reader-mark", daemon=True)
     thread.start()
@@ -48,4 +49,4 @@ def reading(md: Metadata, vkey: str, reader: str, what: str) -> Iterator[None]:
         stop.set()
         thread.join()
         with contextlib.suppress(RedisError):  # if Redis is gone, the mark lapses on its own
-            md.stop_reading(vkey, reader)
+            md.removals.stop_reading(vkey, reader)

@@ -16,7 +16,7 @@ from coordinator.plan.directory import RECORD_FILE, record_of
 from coordinator.plan.manifest import Manifest, storage_key
 from coordinator.plan.safetensors_header import CheckpointHeader, parse_header
 from coordinator.state.directories import Directories, DirectoryVersion, Member
-from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.metadata import Metadata
 from coordinator.state.steps import (
     RANK_KEY,
     STEP_KEY,
@@ -25,6 +25,7 @@ from coordinator.state.steps import (
     Part,
     Steps,
 )
+from coordinator.state.versions import COMMITTED
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 
 
@@ -55,10 +56,10 @@ def rebuild_metadata(
             except (NodeUnavailableError, NodeError, SmoltorrentError) as exc:
                 skipped.append(f"manifest {key} on {address}: {exc}")
         nodes_read += 1
-        md.add_node(stat.node_id, address)
-        md.mark_alive(stat.node_id, dataclasses.asdict(stat))
+        md.nodes.add_node(stat.node_id, address)
+        md.nodes.mark_alive(stat.node_id, dataclasses.asdict(stat))
         for digest in blobs:
-            md.add_placement(digest, stat.node_id)
+            md.blobs.add_placement(digest, stat.node_id)
             held.add(digest)
             placements += 1
     restored = 0
@@ -74,7 +75,7 @@ def rebuild_metadata(
                 f"{manifest.name} {manifest.version_id[:12]}: shards {missing} on no node"
             )
             continue
-        restored += md.restore_committed(manifest, vkey)
+        restored += md.versions.restore_committed(manifest, vkey)
     steps = restore_steps(md, list(manifests.values()))
     directories = restore_directories(md, list(manifests.values()))
     return {
@@ -103,7 +104,7 @@ def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
         if not manifest.name.endswith("/" + RECORD_FILE) or manifest.shards:
             continue
         vkey = manifest.storage_key()
-        if md.current(manifest.name) != vkey:
+        if md.versions.current(manifest.name) != vkey:
             continue  # an older record: only the current one is the directory
         try:
             record = record_of(_header(manifest))
@@ -115,9 +116,9 @@ def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
         for file, version_id in record.files.items():
             name = f"{record.name}/{file}"
             member = storage_key(name, version_id)
-            if md.state(member) != COMMITTED:
+            if md.versions.state(member) != COMMITTED:
                 break
-            size = int(md.version(member)["size"])
+            size = int(md.versions.version(member)["size"])
             members[file] = Member(name, member, version_id, size)
         else:
             # The record's own sequence number: later than its files', as its store was.
@@ -130,7 +131,7 @@ def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
                     index=record.index_bytes,
                     created_at=manifest.created_at,
                 ),
-                int(md.version(vkey).get("seq") or 0),
+                int(md.versions.version(vkey).get("seq") or 0),
             )
             restored += 1
     return restored
@@ -149,7 +150,7 @@ def restore_steps(md: Metadata, manifests: Sequence[Manifest]) -> int:
             continue  # not a part of a sharded checkpoint
         vkey = manifest.storage_key()
         # The part's current version: a rank may have stored its part more than once.
-        if md.current(manifest.name) != vkey or md.state(vkey) != COMMITTED:
+        if md.versions.current(manifest.name) != vkey or md.versions.state(vkey) != COMMITTED:
             continue
         part = Part(rank, manifest.name, vkey, manifest.version_id, manifest.source_size)
         found.setdefault(key, {})[rank] = part

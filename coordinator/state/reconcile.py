@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.state.metadata import PENDING, QUEUED, REMOVING, RUNNING, Metadata
+from coordinator.state.metadata import Metadata
+from coordinator.state.requests import QUEUED, RUNNING
+from coordinator.state.versions import PENDING, REMOVING
 
 
 @dataclass
@@ -59,13 +61,15 @@ def plan(
     out = Actions()
     if started_host is not None:
         # Nothing of this host can still be running: send everything it left now.
-        out.requests = [(rid, r) for rid, r in md.open_requests() if r.get("host") == started_host]
-        for vkey, v in md.versions_in(PENDING):
+        out.requests = [
+            (rid, r) for rid, r in md.requests.open_requests() if r.get("host") == started_host
+        ]
+        for vkey, v in md.listing.versions_in(PENDING):
             if v.get("host") == started_host:
-                (out.commits if md.barrier_complete(vkey) else out.transfers).append(vkey)
+                (out.commits if md.transfers.barrier_complete(vkey) else out.transfers).append(vkey)
         return out
-    boots = md.worker_boots()
-    for rid, rec in md.open_requests():
+    boots = md.nodes.worker_boots()
+    for rid, rec in md.requests.open_requests():
         host, state = rec.get("host"), rec.get("state")
         since = float(rec.get("started_at") or rec.get("created_at") or now)
         # A request can only run once its host has a worker; one running under another
@@ -77,16 +81,16 @@ def plan(
         )
         if host in boots and orphaned and now - since > grace:
             out.requests.append((rid, rec))
-    for vkey, v in md.versions_in(PENDING, REMOVING):
+    for vkey, v in md.listing.versions_in(PENDING, REMOVING):
         if v["state"] == REMOVING:
             if now - float(v.get("removing_at") or 0) > grace:
                 out.removes.append(vkey)
-        elif md.barrier_complete(vkey):
+        elif md.transfers.barrier_complete(vkey):
             if now - float(v.get("commit_enqueued") or 0) > grace:
                 out.commits.append(vkey)
         elif now - float(v.get("created_at") or now) > deadline:
             out.aborts.append((vkey, f"still pending after {deadline:.0f} s; store it again"))
-        elif now - md.last_activity(vkey, v) > stale_after(vkey, v):
+        elif now - md.transfers.last_activity(vkey, v) > stale_after(vkey, v):
             out.transfers.append(vkey)
     return out
 
@@ -100,21 +104,21 @@ def plan_reconnected(md: Metadata, host: str, held: Held) -> Actions:
     out = Actions()
     out.requests = [
         (rid, r)
-        for rid, r in md.open_requests()
+        for rid, r in md.requests.open_requests()
         if r.get("host") == host and rid not in held.requests
     ]
-    for vkey, v in md.versions_in(PENDING):
+    for vkey, v in md.listing.versions_in(PENDING):
         if v.get("host") != host or v.get("request_id") in held.requests:
             continue  # a store task still running sends this version's transfers itself
-        if md.barrier_complete(vkey):
+        if md.transfers.barrier_complete(vkey):
             if vkey not in held.commits:
                 out.commits.append(vkey)
             continue
-        settled = md.settled(vkey)
+        settled = md.transfers.settled(vkey)
         busy = {shard for k, shard in held.shards if k == vkey}
         open_shards = {
             shard
-            for shard, nodes in enumerate(md.plan(vkey))
+            for shard, nodes in enumerate(md.transfers.plan(vkey))
             if any(f"{shard}:{r}" not in settled for r in range(len(nodes)))
         }
         if open_shards - busy:

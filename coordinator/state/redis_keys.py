@@ -46,7 +46,7 @@ VERSION_STATES = PREFIX + "versions:states"
 # zset of every listed version's vkey, scored like VERSIONS (the order `ls` shows)
 ALL_VERSIONS = PREFIX + "versions:all"
 # set once the three above hold the versions recorded before they existed (see
-# Metadata.version_summaries)
+# Listing.version_summaries)
 SUMMARIES_FILLED = PREFIX + "versions:summaries_filled"
 
 # counter: one sequence number per accepted request (orders a name's versions)

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 from coordinator.state import redis_keys as K
 from coordinator.state.liveness import DEAD, UP, NodeHealth
-from coordinator.state.metadata import COMMITTED, PENDING, Metadata
+from coordinator.state.metadata import Metadata
 from coordinator.state.repairs import InFlight
+from coordinator.state.versions import COMMITTED, PENDING
 from smoltorrent.errors import NotFoundError
 
 TRIM = "trim"  # the target of an in-flight record that is a trim, not a copy
@@ -73,7 +74,7 @@ class Plan:
 def settled_shards(md: Metadata, vkey: str) -> set[int]:
     """Shards of a pending version its store is done with: every transfer of the shard
     settled and a verified copy placed. The store moves them no more."""
-    plan_, (_, settled, ready) = md.plan(vkey), md.snapshot(vkey)
+    plan_, (_, settled, ready) = md.transfers.plan(vkey), md.transfers.snapshot(vkey)
     return {
         i
         for i, nodes in enumerate(plan_)
@@ -90,7 +91,7 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
     marked `placing` so no trim races the store either."""
     pending: list[str] = []
     if vkeys is None:
-        listed, states = md.listed_states()
+        listed, states = md.listing.listed_states()
         vkeys = [v for v in listed if states.get(v) == COMMITTED]
         pending = [v for v in listed if states.get(v) == PENDING]
     sizes: dict[str, int] = {}
@@ -103,7 +104,7 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
             chosen.append((vkey, settled_shards(md, vkey)))
         except NotFoundError:
             continue  # committed, aborted or removed since the listing
-    recorded = md.version_blobs(vkey for vkey, _ in chosen)
+    recorded = md.versions.version_blobs(vkey for vkey, _ in chosen)
     for vkey, done in chosen:
         version = recorded.get(vkey)
         if version is None:

@@ -21,16 +21,7 @@ from dataclasses import dataclass
 from coordinator import config
 from coordinator.state import redis_keys as K
 from coordinator.state.metadata import Metadata
-
-# KEYS: placement, reference set, deleting tombstone, placements listed; ARGV: node id, digest
-# Returns 1 if the copy now counts, 0 if the blob is unused or being deleted (the caller
-# deletes the copy it made).
-_PLACED = """
-if redis.call('SCARD', KEYS[2]) == 0 or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[2])
-return 1
-"""
+from coordinator.state.scripts import load
 
 
 @dataclass(frozen=True)
@@ -49,14 +40,13 @@ def _field(digest: str, target: str) -> str:
 
 def placed(md: Metadata, digest: str, node_id: str) -> bool:
     """Count node_id's verified copy of digest; False if no version uses the blob now."""
-    script = md.r.register_script(_PLACED)
     keys = [
         K.PLACEMENT.format(digest=digest),
         K.BLOB_REFS.format(digest=digest),
         K.BLOB_DELETING.format(digest=digest),
         K.PLACEMENTS_LISTED,
     ]
-    return bool(script(keys=keys, args=[node_id, digest]))
+    return bool(load(md.r, "repairs/placed")(keys=keys, args=[node_id, digest]))
 
 
 def claim(md: Metadata, digest: str, target: str, source: str, size: int, limit_s: float) -> bool:

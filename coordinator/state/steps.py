@@ -1,5 +1,5 @@
 """Steps of per-rank sharded checkpoints: which rank's checkpoint makes up which step,
-and the step's commit marker, in Redis.
+and the step's commit marker, in Redis (its scripts: lua/steps/).
 
 Each rank's part of a step is an ordinary checkpoint (its own name, versions and
 manifest). A step is a hash: its world size, its state and, per rank, the version
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import redis
 
 from coordinator.state import redis_keys as K
+from coordinator.state.scripts import load
 
 PENDING = "pending"
 COMMITTED = "committed"
@@ -33,46 +34,6 @@ STEP_NAME_KEY = "smoltorrent.name"
 STEP_KEY = "smoltorrent.step"
 RANK_KEY = "smoltorrent.rank"
 WORLD_SIZE_KEY = "smoltorrent.world_size"
-
-# KEYS: step hash, steps zset. ARGV: step, world size, now.
-# {"ok"} | {"world_size", theirs} | {"state", state}
-_BEGIN = """
-local ws = redis.call('HGET', KEYS[1], 'world_size')
-if ws and ws ~= ARGV[2] then return {'world_size', ws} end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state and state ~= 'pending' then return {'state', state} end
-if not ws then
-  redis.call('HSET', KEYS[1], 'world_size', ARGV[2], 'state', 'pending', 'parts', 0,
-             'created_at', ARGV[3])
-  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
-end
-return {'ok'}
-"""
-
-# KEYS: step hash. ARGV: rank, world size, part JSON, now.
-# {"committed" | "pending"} | {"world_size", theirs} | {"state", state}
-_COMPLETE = """
-local ws = redis.call('HGET', KEYS[1], 'world_size')
-if not ws then return {'state', 'missing'} end
-if ws ~= ARGV[2] then return {'world_size', ws} end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state ~= 'pending' then return {'state', state} end
-if redis.call('HSET', KEYS[1], 'rank:' .. ARGV[1], ARGV[3]) == 1 then
-  redis.call('HINCRBY', KEYS[1], 'parts', 1)
-end
-if tonumber(redis.call('HGET', KEYS[1], 'parts')) == tonumber(ws) then
-  redis.call('HSET', KEYS[1], 'state', 'committed', 'committed_at', ARGV[4])
-  return {'committed'}
-end
-return {'pending'}
-"""
-
-# KEYS: step hash. committed -> removing; 1 if this call did it.
-_MARK_REMOVING = """
-if redis.call('HGET', KEYS[1], 'state') ~= 'committed' then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'removing')
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -99,9 +60,9 @@ class Step:
 class Steps:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        self._begin = r.register_script(_BEGIN)
-        self._complete = r.register_script(_COMPLETE)
-        self._mark_removing = r.register_script(_MARK_REMOVING)
+        self._begin = load(r, "steps/begin")
+        self._complete = load(r, "steps/complete")
+        self._mark_removing = load(r, "steps/mark_removing")
 
     def begin(self, name: str, step: int, world_size: int) -> list[str]:
         """Open the step (or join it): ["ok"], ["world_size", theirs] or ["state", state]."""

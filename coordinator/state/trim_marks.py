@@ -8,7 +8,7 @@ A trim (coordinator/state/healing.py trim_blob) deletes a surplus copy in three 
   D  the node deletes its copy;
   C  the trim clears the mark.
 Every transfer and chain task checks the mark of its target before sending (waits while
-it stands), and the commit barrier (metadata.py _BARRIER) refuses to count a replica on a
+it stands), and the commit barrier (lua/versions/settle.lua) refuses to count a replica on a
 marked copy. Why no order of a store S (its version V) against M, D, C leaves V short:
 - V created before M: M counts V's R, and marks only if the copies left without this one
   are at least that many, so V is at R without it. A task of V that read the placement
@@ -33,52 +33,34 @@ from collections.abc import Iterable
 
 from coordinator.state import redis_keys as K
 from coordinator.state.metadata import Metadata
+from coordinator.state.scripts import load
 from smoltorrent import defaults
-
-# KEYS: blob placement, blob refs, trim mark of (digest, node), placements listed
-# ARGV: node id, copies the sweep keeps, mark TTL (s), version hash key prefix, manifest
-#       key suffix, digest, then the up nodes' ids
-# Returns 1 (marked, out of the placement), 0 (no longer surplus), -1 (not a holder).
-_MARK = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return -1 end
-local up = {}
-for i = 7, #ARGV do up[ARGV[i]] = true end
-local held = 0
-for _, n in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if up[n] then held = held + 1 end
-end
-local keep = tonumber(ARGV[2])
-for _, vkey in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  local want = redis.call('HGET', ARGV[4] .. vkey, 'replicas')
-  if not want then
-    local raw = redis.call('GET', ARGV[4] .. vkey .. ARGV[5])
-    if raw then want = cjson.decode(raw)['replicas'] end
-  end
-  if want and tonumber(want) > keep then keep = tonumber(want) end
-end
-if held - 1 < keep then return 0 end
-redis.call('SET', KEYS[3], '1', 'EX', ARGV[3])
-redis.call('SREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[6])
-return 1
-"""
+from smoltorrent.errors import MetadataError
 
 
 def mark(md: Metadata, digest: str, node_id: str, replicas: int, up: Iterable[str]) -> int:
-    """Step M (module doc): 1 if `node_id`'s copy is marked and out of the placement, 0 if
-    it is no longer surplus (keep it), -1 if the node no longer holds it."""
-    prefix = K.VERSION.format(vkey="")
-    suffix = K.MANIFEST.format(vkey="")[len(prefix) :]
-    return int(
-        md.r.register_script(_MARK)(
-            keys=[
-                K.PLACEMENT.format(digest=digest),
-                K.BLOB_REFS.format(digest=digest),
-                K.TRIM_MARK.format(digest=digest, node_id=node_id),
-                K.PLACEMENTS_LISTED,
-            ],
-            args=[node_id, replicas, defaults.TRIM_MARK_TTL_S, prefix, suffix, digest, *up],
-        )
+    """Step M (module doc, lua/trim_marks/mark.lua): 1 if `node_id`'s copy is marked and out
+    of the placement, 0 if it is no longer surplus (keep it), -1 if the node no longer holds
+    it. The script reads the hash and manifest of every version using the blob: they are
+    read here first, and again if one started using it in between."""
+    script, up = load(md.r, "trim_marks/mark"), list(up)
+    for _ in range(defaults.SCRIPT_KEY_RETRIES):
+        users = sorted(md.blobs.blob_refs(digest))
+        keys = [
+            K.PLACEMENT.format(digest=digest),
+            K.BLOB_REFS.format(digest=digest),
+            K.TRIM_MARK.format(digest=digest, node_id=node_id),
+            K.PLACEMENTS_LISTED,
+        ]
+        for vkey in users:
+            keys += [K.VERSION.format(vkey=vkey), K.MANIFEST.format(vkey=vkey)]
+        args = [node_id, replicas, defaults.TRIM_MARK_TTL_S, digest, len(up), *up, *users]
+        found = int(script(keys=keys, args=args))
+        if found != -2:
+            return found
+    raise MetadataError(
+        f"the versions using {digest} changed under its trim {defaults.SCRIPT_KEY_RETRIES}"
+        " times in a row; the next sweep tries again."
     )
 
 

@@ -18,8 +18,9 @@ from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import repairs, scrub_reports
 from coordinator.state.healing import UNREACHABLE, copy_blob, settle_quarantined
 from coordinator.state.liveness import DEAD, DOWN, node_health, probe_registered
-from coordinator.state.metadata import COMMITTED, Metadata
+from coordinator.state.metadata import Metadata
 from coordinator.state.repair_plan import placements, plan, wanted_blobs
+from coordinator.state.versions import COMMITTED
 from smoltorrent.errors import NotFoundError
 
 
@@ -31,11 +32,15 @@ def verify_now(
     per_node: int,
     name: str | None = None,
 ) -> dict[str, Any]:
-    nodes = md.nodes()
+    nodes = md.nodes.nodes()
     live = probe_registered(md, cluster_key)
     health = node_health(md, time.time(), dead_after, set(live))
     counted = {n for n, h in health.items() if h.state != DEAD}
-    vkeys = [vkey for vkey, v in md.versions_in(COMMITTED) if name is None or v.get("name") == name]
+    vkeys = [
+        vkey
+        for vkey, v in md.listing.versions_in(COMMITTED)
+        if name is None or v.get("name") == name
+    ]
     if name is not None and not vkeys:
         raise NotFoundError(f"{name} has no committed version; see `smoltorrent ls`.")
     blobs = wanted_blobs(md, vkeys)
@@ -68,7 +73,7 @@ def verify_now(
         held = set(scrub_reports.record(md, node_id, scrub)["quarantined"])
         quarantined[node_id] = sorted(held)
         for digest in bad:
-            md.remove_placement(digest, node_id)
+            md.blobs.remove_placement(digest, node_id)
             problem = "bad" if digest in held else "missing"
             report["bad"].append({"digest": digest, "node": node_id, "problem": problem})
         # Bad copies its own scrub found earlier leave the placement too (the sweep may not

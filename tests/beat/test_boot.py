@@ -8,7 +8,7 @@ import urllib.request
 
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
 
@@ -35,10 +35,10 @@ def left_mid_store(c, src, lost_shard: int):
     by_id = {NodeClient(n.address).ping(): n for n in c.node_procs}
     for node_id in targets[lost_shard]:
         NodeClient(by_id[node_id].address).delete(manifest.shards[lost_shard].blob_sha256)
-    identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes()}).identity
+    identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}).identity
     vkey = manifest.storage_key()
     fields = {"path": str(src), "host": c.host_id, "identity": json.dumps(identity.to_dict())}
-    assert md.create_pending(manifest, vkey, fields, targets) == "created"
+    assert md.versions.create_pending(manifest, vkey, fields, targets) == "created"
     return vkey, targets
 
 
@@ -49,7 +49,7 @@ def test_a_restarted_worker_sends_only_the_shards_no_node_holds(make_cluster, tm
     vkey, targets = left_mid_store(c, src, lost_shard=1)
     before = sum(puts(n) for n in c.node_procs)
     c.start_worker()
-    wait_until(lambda: c.md.state(vkey) == COMMITTED, timeout=120, what="the commit")
+    wait_until(lambda: c.md.versions.state(vkey) == COMMITTED, timeout=120, what="the commit")
     # The copies already on their nodes were re-hashed there and settled, never put again:
     # the only puts are the lost shard's replicas.
     assert sum(puts(n) for n in c.node_procs) - before == len(targets[1])

@@ -6,7 +6,7 @@ import hashlib
 import os
 
 from coordinator.dataplane.node_client import NodeClient
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.beat.test_reconcile import pending_as_left_by_a_crash
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt
@@ -47,15 +47,15 @@ def test_an_orphan_is_collected_after_the_grace_and_a_pending_blob_never(make_cl
     # A pending version (its store died after sending every blob) whose copies Redis has
     # partly lost track of: its blobs have no placement on one node, but a version uses them.
     vkey = pending_as_left_by_a_crash(c, make_ckpt(tmp_path / "p.safetensors"), send_blobs=True)
-    pending_blobs = {s.blob_sha256 for s in c.md.manifest(vkey).shards}
+    pending_blobs = {s.blob_sha256 for s in c.md.versions.manifest(vkey).shards}
     forgotten = next(iter(pending_blobs))
-    lost_on = sorted(c.md.placement(forgotten))[0]
-    c.md.remove_placement(forgotten, lost_on)
+    lost_on = sorted(c.md.blobs.placement(forgotten))[0]
+    c.md.blobs.remove_placement(forgotten, lost_on)
 
     first = sweep(c)
     assert first.get("collected", 0) == 0 and first["orphans"] == 1  # noted, in its grace
     assert orphan in held(node)
-    assert first["recorded"] == 1 and lost_on in c.md.placement(forgotten)
+    assert first["recorded"] == 1 and lost_on in c.md.blobs.placement(forgotten)
     wait_until(lambda: sweep(c).get("collected") == 1, timeout=60, what="the orphan collected")
     assert orphan not in held(node)
     assert not c.md.r.exists(f"smoltorrent:blob:{orphan}:nodes")
@@ -63,9 +63,11 @@ def test_an_orphan_is_collected_after_the_grace_and_a_pending_blob_never(make_cl
     # The pending version lost nothing: every blob still on its nodes, still pending.
     on_nodes = set().union(*(held(n) for n in c.node_procs))
     assert pending_blobs <= on_nodes
-    assert c.md.state(vkey) == "pending"
+    assert c.md.versions.state(vkey) == "pending"
     for digest in pending_blobs:
-        assert all(digest in held(n) for n in c.node_procs if node_id(n) in c.md.placement(digest))
+        assert all(
+            digest in held(n) for n in c.node_procs if node_id(n) in c.md.blobs.placement(digest)
+        )
 
 
 def test_placement_follows_the_nodes_and_removed_manifests_go(make_cluster, tmp_path):
@@ -74,24 +76,27 @@ def test_placement_follows_the_nodes_and_removed_manifests_go(make_cluster, tmp_
     gone = make_ckpt(tmp_path / "gone.safetensors", size=3_000_000)
     c.cli("store", str(kept), "--shards", "2")
     c.cli("store", str(gone), "--shards", "2")
-    kept_vkey, gone_vkey = c.md.current("kept.safetensors"), c.md.current("gone.safetensors")
+    kept_vkey, gone_vkey = (
+        c.md.versions.current("kept.safetensors"),
+        c.md.versions.current("gone.safetensors"),
+    )
     holder = next(n for n in c.node_procs if gone_vkey in NodeClient(n.address).list_manifests())
     manifest_bytes = NodeClient(holder.address).get_manifest(gone_vkey)
     c.cli("rm", "gone.safetensors")
-    assert c.md.state(gone_vkey) == "removed"
+    assert c.md.versions.state(gone_vkey) == "removed"
     # A node that missed the remove (restored from a backup) still has its manifest.
     NodeClient(holder.address).put_manifest(gone_vkey, manifest_bytes)
     # A copy deleted behind Redis's back: placement still lists it.
-    lost = c.md.manifest(kept_vkey).shards[0].blob_sha256
-    lost_node = next(n for n in c.node_procs if node_id(n) in c.md.placement(lost))
+    lost = c.md.versions.manifest(kept_vkey).shards[0].blob_sha256
+    lost_node = next(n for n in c.node_procs if node_id(n) in c.md.blobs.placement(lost))
     NodeClient(lost_node.address).delete(lost)
 
     result = sweep(c)
     assert result["missing"] == 1
-    assert node_id(lost_node) not in c.md.placement(lost)  # the repair sweep's to copy again
+    assert node_id(lost_node) not in c.md.blobs.placement(lost)  # the repair sweep's to copy again
     assert result["manifests_deleted"] == 1
     assert gone_vkey not in NodeClient(holder.address).list_manifests()
-    assert c.md.state(kept_vkey) == COMMITTED
+    assert c.md.versions.state(kept_vkey) == COMMITTED
     again = sweep(c)
     assert again.get("missing", 0) == 0 and again.get("manifests_deleted", 0) == 0
 
@@ -102,8 +107,8 @@ def test_blobs_of_a_manifest_redis_does_not_know_are_never_collected(make_cluste
     c = make_cluster(3, SMOLTORRENT_ORPHAN_GRACE_S="0")
     src = make_ckpt(tmp_path / "lost.safetensors")
     c.cli("store", str(src), "--shards", "2")
-    vkey = c.md.current("lost.safetensors")
-    digests = {s.blob_sha256 for s in c.md.manifest(vkey).shards}
+    vkey = c.md.versions.current("lost.safetensors")
+    digests = {s.blob_sha256 for s in c.md.versions.manifest(vkey).shards}
     md = c.md
     for key in md.r.scan_iter(f"smoltorrent:*{vkey}*"):
         md.r.delete(key)

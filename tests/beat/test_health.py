@@ -21,14 +21,16 @@ def test_a_killed_node_is_dead_in_status_and_readmitted_when_it_returns(make_clu
     beat(c)
     # The sweep alone keeps every node's last-seen time fresh: no command probes them here.
     wait_until(
-        lambda: all(t > started for t in c.md.last_seen().values()),
+        lambda: all(t > started for t in c.md.nodes.last_seen().values()),
         timeout=60,
         what="a health sweep refreshing every node",
     )
     victim.kill()
     killed_at = time.time()
     wait_until(
-        lambda: victim_id in c.md.declared_dead(), timeout=60, what="the sweep declaring it dead"
+        lambda: victim_id in c.md.nodes.declared_dead(),
+        timeout=60,
+        what="the sweep declaring it dead",
     )
     status = c.cli_json("status")
     rows = {n["node_id"]: n for n in status["nodes"]}
@@ -40,7 +42,9 @@ def test_a_killed_node_is_dead_in_status_and_readmitted_when_it_returns(make_clu
 
     victim.start()
     wait_until(
-        lambda: victim_id not in c.md.declared_dead(), timeout=60, what="the sweep re-admitting it"
+        lambda: victim_id not in c.md.nodes.declared_dead(),
+        timeout=60,
+        what="the sweep re-admitting it",
     )
     rows = {n["node_id"]: n for n in c.cli_json("status")["nodes"]}
     assert rows[victim_id]["state"] == "up"

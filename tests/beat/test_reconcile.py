@@ -6,7 +6,7 @@ import json
 
 from coordinator import config
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import committed, make_ckpt, sha
 
@@ -23,16 +23,16 @@ def pending_as_left_by_a_crash(c, src, *, send_blobs: bool):
         result = store_checkpoint(src, [n.address for n in c.node_procs], shards=2)
         manifest = result.manifest
         targets = [tuple(result.holders[i]) for i in range(len(manifest.shards))]
-        identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes()}).identity
+        identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}).identity
     else:
-        prepared = prepare_store(src, src.name, {n: 10**12 for n in md.nodes()}, shards=2)
+        prepared = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}, shards=2)
         manifest, targets, identity = prepared.manifest, list(prepared.targets), prepared.identity
     vkey = manifest.storage_key()
     fields = {"path": str(src), "host": host, "identity": json.dumps(identity.to_dict())}
-    assert md.create_pending(manifest, vkey, fields, targets) == "created"
+    assert md.versions.create_pending(manifest, vkey, fields, targets) == "created"
     if send_blobs:
         fired = [
-            md.settle(vkey, i, r, node, manifest.shards[i].blob_sha256)
+            md.transfers.settle(vkey, i, r, node, manifest.shards[i].blob_sha256)
             for i, nodes in enumerate(targets)
             for r, node in enumerate(nodes)
         ]
@@ -44,9 +44,11 @@ def test_a_crash_between_barrier_and_commit_is_committed_by_reconcile(make_clust
     c = make_cluster(3, **FAST)
     src = make_ckpt(tmp_path / "c.safetensors")
     vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
-    assert c.md.version(vkey)["state"] == "pending"
+    assert c.md.versions.version(vkey)["state"] == "pending"
     beat(c)
-    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
+    wait_until(
+        lambda: c.md.versions.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit"
+    )
     out = tmp_path / "out.safetensors"
     c.cli("gather", "c.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
@@ -61,12 +63,14 @@ def test_commit_asks_the_holders_and_resends_a_shard_no_node_has(make_cluster, b
     c = make_cluster(3, **FAST)
     src = make_ckpt(tmp_path / "h.safetensors")
     vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
-    lost = c.md.manifest(vkey).shards[1].blob_sha256
+    lost = c.md.versions.manifest(vkey).shards[1].blob_sha256
     for n in c.node_procs:
         NodeClient(n.address).delete(lost)
-    assert c.md.placement(lost)  # the metadata still believes in the copies
+    assert c.md.blobs.placement(lost)  # the metadata still believes in the copies
     beat(c)
-    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
+    wait_until(
+        lambda: c.md.versions.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit"
+    )
     assert any(lost in NodeClient(n.address).list_blobs() for n in c.node_procs)
     out = tmp_path / "out.safetensors"
     c.cli("gather", "h.safetensors", "-o", str(out))
@@ -78,8 +82,10 @@ def test_lost_transfer_messages_are_sent_again_by_reconcile(make_cluster, beat, 
     src = make_ckpt(tmp_path / "t.safetensors")
     vkey = pending_as_left_by_a_crash(c, src, send_blobs=False)
     beat(c)
-    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
-    assert {a["shard"] for a in c.md.attempts(vkey)} == {0, 1}
+    wait_until(
+        lambda: c.md.versions.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit"
+    )
+    assert {a["shard"] for a in c.md.transfers.attempts(vkey)} == {0, 1}
     out = tmp_path / "out.safetensors"
     c.cli("gather", "t.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
@@ -98,13 +104,15 @@ def test_a_sweep_whose_lock_is_held_does_nothing(make_cluster, tmp_path):
         assert lock.acquire(blocking=False)
         held = app.send_task("smoltorrent.sweep.reconcile", queue="control").get(timeout=60)
         assert "skipped" in held
-        assert c.md.version(vkey)["state"] == "pending"
+        assert c.md.versions.version(vkey)["state"] == "pending"
         lock.release()
         ran = app.send_task("smoltorrent.sweep.reconcile", queue="control").get(timeout=60)
         assert ran["commits"] == 1
     finally:
         app.close()
-    wait_until(lambda: c.md.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit")
+    wait_until(
+        lambda: c.md.versions.version(vkey)["state"] == COMMITTED, timeout=60, what="the commit"
+    )
 
 
 def queued_copies(c, request_ids: list[str]) -> dict[str, int]:
@@ -136,15 +144,18 @@ def test_a_request_merely_queued_behind_a_busy_worker_is_not_sent_again(
             ]
             for i in range(2)
         ]
-        queued_at = c.md.redis_time()
+        queued_at = c.md.sweeps.redis_time()
         beat(c)
         wait_until(
-            lambda: len([r for r in c.md.sweep_runs("reconcile") if r["started"] > queued_at]) >= 5,
+            lambda: (
+                len([r for r in c.md.sweeps.sweep_runs("reconcile") if r["started"] > queued_at])
+                >= 5
+            ),
             timeout=60,
             what="five reconcile passes",
         )
         # The phase: both requests still queued, long past the sweep's grace.
-        assert [c.md.request(rid)["state"] for rid in rids] == ["queued", "queued"]
+        assert [c.md.requests.request(rid)["state"] for rid in rids] == ["queued", "queued"]
         assert queued_copies(c, rids) == {rid: 1 for rid in rids}
     finally:
         control.add_consumer(queue, destination=worker, reply=True)

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
 from tests.tcpproxy import start_proxy
@@ -31,9 +31,9 @@ def stored(c, src, name: str) -> list[str]:
     """Store src at R=2 through the CLI; the blob digests of the committed version."""
     c.cli("store", str(src), "--name", name)
     md = c.md
-    vkey = md.current(name)
-    assert md.version(vkey)["state"] == COMMITTED
-    return [s.blob_sha256 for s in md.manifest(vkey).shards]
+    vkey = md.versions.current(name)
+    assert md.versions.version(vkey)["state"] == COMMITTED
+    return [s.blob_sha256 for s in md.versions.manifest(vkey).shards]
 
 
 def copies_on_disk(nodes) -> Counter:
@@ -49,7 +49,7 @@ def at_r_on(c, digests, nodes, r: int = 2) -> bool:
     ids = {n.client().ping() for n in nodes}
     on_disk = copies_on_disk(nodes)
     md = c.md
-    return all(len(md.placement(d) & ids) >= r and on_disk[d] >= r for d in digests)
+    return all(len(md.blobs.placement(d) & ids) >= r and on_disk[d] >= r for d in digests)
 
 
 def test_a_dead_node_is_re_replicated_and_a_second_death_loses_nothing(
@@ -60,7 +60,7 @@ def test_a_dead_node_is_re_replicated_and_a_second_death_loses_nothing(
     digests = stored(c, src, "big.safetensors")
     first = c.node_procs[0]
     first_id = first.client().ping()
-    holders_before = {d: c.md.placement(d) for d in digests}
+    holders_before = {d: c.md.blobs.placement(d) for d in digests}
     assert any(first_id in h for h in holders_before.values())
     beat(c)
     first.kill()
@@ -96,11 +96,13 @@ def test_a_node_that_comes_back_is_readmitted_and_the_surplus_trimmed(make_clust
     wait_until(lambda: at_r_on(c, digests, others), timeout=120, what="R copies on the others")
 
     returning.start()
-    wait_until(lambda: returning_id not in c.md.declared_dead(), timeout=60, what="re-admission")
+    wait_until(
+        lambda: returning_id not in c.md.nodes.declared_dead(), timeout=60, what="re-admission"
+    )
 
     def exactly_r() -> bool:
         on_disk = copies_on_disk(c.node_procs)
-        return all(on_disk[d] == 2 and len(c.md.placement(d)) == 2 for d in digests)
+        return all(on_disk[d] == 2 and len(c.md.blobs.placement(d)) == 2 for d in digests)
 
     wait_until(exactly_r, timeout=120, what="the surplus copies trimmed")
     assert c.md.r.hget("smoltorrent:repairs:counts", "trimmed")
@@ -117,7 +119,9 @@ def test_fewer_live_nodes_than_r_is_shown_as_unrepairable_not_retried(make_clust
     gone = c.node_procs[1]
     gone_id = gone.client().ping()
     gone.kill()
-    wait_until(lambda: gone_id in c.md.declared_dead(), timeout=60, what="the node declared dead")
+    wait_until(
+        lambda: gone_id in c.md.nodes.declared_dead(), timeout=60, what="the node declared dead"
+    )
 
     def listed():
         return c.cli_json("status")["unrepairable"]
@@ -141,12 +145,12 @@ def pending_with_shard_0_placed(c, src):
     result = store_checkpoint(src, [n.address for n in c.node_procs], shards=2)
     manifest = result.manifest
     targets = [tuple(result.holders[i]) for i in range(len(manifest.shards))]
-    identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes()}).identity
+    identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}).identity
     vkey = manifest.storage_key()
     fields = {"path": str(src), "host": c.host_id, "identity": json.dumps(identity.to_dict())}
-    assert md.create_pending(manifest, vkey, fields, targets) == "created"
+    assert md.versions.create_pending(manifest, vkey, fields, targets) == "created"
     for r, node in enumerate(targets[0]):
-        assert md.settle(vkey, 0, r, node, manifest.shards[0].blob_sha256) is False
+        assert md.transfers.settle(vkey, 0, r, node, manifest.shards[0].blob_sha256) is False
     return vkey, manifest, targets
 
 
@@ -170,10 +174,10 @@ def test_a_pending_versions_settled_shard_is_repaired_when_its_node_dies(
     wait_until(
         lambda: at_r_on(c, [placed], survivors), timeout=90, what="shard 0 at R on survivors"
     )
-    assert c.md.state(vkey) == "pending"
+    assert c.md.versions.state(vkey) == "pending"
     assert copies_on_disk(survivors)[placed] == 2
     # Shard 1 is the store's: no repair touched it (it has no placement yet at all).
-    assert c.md.placement(manifest.shards[1].blob_sha256) == set()
+    assert c.md.blobs.placement(manifest.shards[1].blob_sha256) == set()
 
 
 @pytest.fixture
@@ -207,7 +211,7 @@ def test_a_target_that_keeps_failing_backs_off_and_status_says_until_when(
     failing_id = failing.client().ping()
     # Blobs on the dying node and the holder can only be repaired onto the failing node.
     ids = {n: n.client().ping() for n in c.node_procs}
-    stuck = {d for d in digests if c.md.placement(d) == {ids[dying], ids[holder]}}
+    stuck = {d for d in digests if c.md.blobs.placement(d) == {ids[dying], ids[holder]}}
     if not stuck:
         pytest.skip("placement put no blob on exactly the dying node and the holder")
     tiny_tmp(failing)
@@ -233,7 +237,7 @@ def test_a_target_that_keeps_failing_backs_off_and_status_says_until_when(
     for d in stuck:
         assert log.count(f"repair of {d} from") == 1, f"{d} was sent again before its backoff"
     assert all(w["failures"] == 1 for w in waiting())
-    assert {d for d in stuck if len(c.md.placement(d) - {ids[dying]}) < 2} == stuck
+    assert {d for d in stuck if len(c.md.blobs.placement(d) - {ids[dying]}) < 2} == stuck
 
 
 def run_sweep(c, name: str) -> dict:
@@ -252,12 +256,12 @@ def stored_with_a_surplus_copy(c, src) -> tuple[str, dict]:
     third node and counted there, as when a dead node comes back: a surplus the repair
     sweep trims. Returns the blob and the nodes by id."""
     c.cli("store", str(src), "--name", "old", "--shards", "1")
-    (blob,) = [s.blob_sha256 for s in c.md.manifest(c.md.current("old")).shards]
+    (blob,) = [s.blob_sha256 for s in c.md.versions.manifest(c.md.versions.current("old")).shards]
     ids = {n.client().ping(): n for n in c.node_procs}
-    holder = ids[min(c.md.placement(blob))]
-    (back_id,) = set(ids) - c.md.placement(blob)
+    holder = ids[min(c.md.blobs.placement(blob))]
+    (back_id,) = set(ids) - c.md.blobs.placement(blob)
     holder.client().replicate(blob, ids[back_id].address)
-    c.md.add_placement(blob, back_id)
+    c.md.blobs.add_placement(blob, back_id)
     return blob, ids
 
 
@@ -286,17 +290,17 @@ def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluste
             stderr=subprocess.STDOUT,
             text=True,
         )
-        vkey = wait_until(lambda: next(iter(c.md.versions("new")), None), 60, what="new")
-        wait_until(lambda: c.md.barrier_complete(vkey), 60, what="the new store settled")
-        assert [s.blob_sha256 for s in c.md.manifest(vkey).shards] == [blob]
+        vkey = wait_until(lambda: next(iter(c.md.versions.versions("new")), None), 60, what="new")
+        wait_until(lambda: c.md.transfers.barrier_complete(vkey), 60, what="the new store settled")
+        assert [s.blob_sha256 for s in c.md.versions.manifest(vkey).shards] == [blob]
     finally:
         for p in proxies:
             os.kill(p.process.pid, signal.SIGCONT)
     try:
         assert store.wait(timeout=300) == 0, store.stdout.read()
         wait_until(lambda: c.md.r.hlen("smoltorrent:repairs") == 0, 120, what="the trim done")
-        assert c.md.state(vkey) == COMMITTED
-        assert len(c.md.placement(blob)) == 3
+        assert c.md.versions.state(vkey) == COMMITTED
+        assert len(c.md.blobs.placement(blob)) == 3
         assert copies_on_disk(c.node_procs)[blob] == 3
     finally:
         for p in proxies:
@@ -330,7 +334,7 @@ def test_a_store_created_while_a_trim_deletes_its_copy_ends_with_every_copy_on_d
     try:
         c.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies.values()))
         run_sweep(c, "health")  # fresh liveness through the proxies
-        up = c.md.alive(c.md.nodes())
+        up = c.md.nodes.alive(c.md.nodes.nodes())
         trimmed = sorted(ids, key=lambda n: (-int(up[n].get("free_bytes", 0)), n))[-1]
         frozen = proxies[trimmed]
         os.kill(frozen.process.pid, signal.SIGSTOP)
@@ -346,14 +350,14 @@ def test_a_store_created_while_a_trim_deletes_its_copy_ends_with_every_copy_on_d
             stderr=subprocess.STDOUT,
             text=True,
         )
-        vkey = wait_until(lambda: next(iter(c.md.versions("new")), None), 60, what="new")
+        vkey = wait_until(lambda: next(iter(c.md.versions.versions("new")), None), 60, what="new")
 
         def chain_ran() -> bool:
             retried = any(
                 f"smoltorrent.chain[chain-{vkey}-" in line and " retry" in line
                 for line in c.worker_log().splitlines()
             )
-            return retried or c.md.barrier_complete(vkey)
+            return retried or c.md.transfers.barrier_complete(vkey)
 
         # Its chain task has run once (settled, or is waiting for the delete) before the
         # delete goes through.
@@ -364,9 +368,9 @@ def test_a_store_created_while_a_trim_deletes_its_copy_ends_with_every_copy_on_d
     try:
         assert store.wait(timeout=300) == 0, store.stdout.read()
         wait_until(lambda: c.md.r.hlen("smoltorrent:repairs") == 0, 120, what="the trim done")
-        assert c.md.state(vkey) == COMMITTED
+        assert c.md.versions.state(vkey) == COMMITTED
         assert copies_on_disk(c.node_procs)[blob] == 3
-        assert c.md.placement(blob) == set(ids)
+        assert c.md.blobs.placement(blob) == set(ids)
         assert c.md.r.hget("smoltorrent:repairs:counts", "trimmed") == "1"
     finally:
         for p in proxies.values():

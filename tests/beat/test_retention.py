@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from coordinator.dataplane.node_client import NodeClient
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tcpproxy import start_proxy
 
@@ -47,13 +47,13 @@ def save_version(c, tmp_path: Path, step: int) -> tuple[str, Path]:
     past = time.time() - 60  # settled: the store does not wait for the file
     os.utime(path, (past, past))
     c.cli("store", str(path), "--name", NAME, "--shards", "2")
-    vkey = c.md.current(NAME)
-    assert c.md.state(vkey) == COMMITTED
+    vkey = c.md.versions.current(NAME)
+    assert c.md.versions.state(vkey) == COMMITTED
     return vkey, path
 
 
 def blobs(c, vkey: str) -> list[str]:
-    return [s.blob_sha256 for s in c.md.manifest(vkey).shards]
+    return [s.blob_sha256 for s in c.md.versions.manifest(vkey).shards]
 
 
 def on_nodes(c) -> tuple[set[str], set[str]]:
@@ -70,7 +70,7 @@ def removed(c, vkey: str) -> bool:
 
 
 def gather(c, vkey: str, out: Path) -> subprocess.Popen:
-    version_id = c.md.version(vkey)["version_id"]
+    version_id = c.md.versions.version(vkey)["version_id"]
     return subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "gather", NAME, "--version", version_id]
         + ["-o", str(out), "--json"],
@@ -126,7 +126,7 @@ def frozen_reader(c, vkey: str):
     """Wait for the gather of `vkey` to take its reader mark, then freeze the worker
     process running it (SIGSTOP) until the block ends: a gather as slow as the test
     needs, with no timing involved."""
-    marks = wait_until(lambda: c.md.readers(vkey), timeout=60, what="the reader mark")
+    marks = wait_until(lambda: c.md.removals.readers(vkey), timeout=60, what="the reader mark")
     pid = int(marks[0].split(":")[1])  # host:pid:task id
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -160,13 +160,13 @@ def test_retention_keeps_exactly_k_after_k_plus_3_stores(make_cluster, beat_proc
     unique = {v: blobs(c, v)[1] for v in vkeys}
     beat_process(c)
     wait_until(lambda: all(removed(c, v) for v in vkeys[:3]), timeout=90, what="the removes")
-    assert c.md.versions(NAME) == vkeys[3:]
-    assert all(c.md.state(v) == COMMITTED for v in vkeys[3:])
-    assert c.md.current(NAME) == vkeys[-1]
+    assert c.md.versions.versions(NAME) == vkeys[3:]
+    assert all(c.md.versions.state(v) == COMMITTED for v in vkeys[3:])
+    assert c.md.versions.current(NAME) == vkeys[-1]
     held, manifests = on_nodes(c)
     # The shared blob stays with its two copies; the old versions' own blobs and their
     # manifests are gone from every node; the kept ones are all there.
-    assert shared in held and len(c.md.placement(shared)) == 2
+    assert shared in held and len(c.md.blobs.placement(shared)) == 2
     assert not {unique[v] for v in vkeys[:3]} & held
     assert {unique[v] for v in vkeys[3:]} <= held
     assert not set(vkeys[:3]) & manifests and set(vkeys[3:]) <= manifests
@@ -177,7 +177,7 @@ def test_retention_keeps_exactly_k_after_k_plus_3_stores(make_cluster, beat_proc
     # The beat keeps running (a pass a second): one more pass removes nothing (or stands
     # down while the beat's own pass holds the lock).
     assert sweep(c).get("retired", 0) == 0
-    assert c.md.versions(NAME) == vkeys[3:]
+    assert c.md.versions.versions(NAME) == vkeys[3:]
 
 
 def test_a_gather_of_the_oldest_kept_version_survives_the_sweep(make_cluster, slow_reads, tmp_path):
@@ -194,7 +194,7 @@ def test_a_gather_of_the_oldest_kept_version_survives_the_sweep(make_cluster, sl
         wait_until(lambda: all(removed(c, v) for v in vkeys[:3]), timeout=60, what="removes")
     finished(proc)
     assert sha(out) == sha(path)
-    assert c.md.readers(oldest_kept) == []  # the gather took its mark away
+    assert c.md.removals.readers(oldest_kept) == []  # the gather took its mark away
 
 
 def test_a_slow_gather_blocks_the_removal_of_its_version_until_it_ends(
@@ -210,12 +210,12 @@ def test_a_slow_gather_blocks_the_removal_of_its_version_until_it_ends(
         save_version(c, tmp_path, KEEP)  # `first` is past K now, and still being read
         assert sweep(c) == {"reading": 1}
         assert sweep(c) == {"reading": 1}
-        assert c.md.state(first) == COMMITTED
+        assert c.md.versions.state(first) == COMMITTED
     finished(proc)
     assert sha(out) == sha(path)
     assert sweep(c) == {"retired": 1}
     wait_until(lambda: removed(c, first), timeout=60, what="the remove")
-    assert len(c.md.versions(NAME)) == KEEP
+    assert len(c.md.versions.versions(NAME)) == KEEP
 
 
 @pytest.mark.parametrize(

@@ -36,10 +36,10 @@ def flip_byte(node, digest: str, at: int) -> None:
 def first_read(c, name: str, index: int = 0):
     """The node a gather of `name` reads shard `index` from first (plan/read_order, as
     the gather task asks it)."""
-    manifest = c.md.manifest(c.md.current(name))
-    holders = [c.md.placement(s.blob_sha256) for s in manifest.shards]
+    manifest = c.md.versions.manifest(c.md.versions.current(name))
+    holders = [c.md.blobs.placement(s.blob_sha256) for s in manifest.shards]
     sizes = [s.blob_size for s in manifest.shards]
-    node_id = read_order(holders, sizes, c.md.alive(c.md.nodes()))[index][0]
+    node_id = read_order(holders, sizes, c.md.nodes.alive(c.md.nodes.nodes()))[index][0]
     return node_id, next(n for n in c.node_procs if n.client().ping() == node_id)
 
 
@@ -50,7 +50,9 @@ def whole(node, digest: str) -> bool:
 
 def two_verified(c, digest: str) -> bool:
     """The placement lists two copies and two nodes hold the blob's exact bytes."""
-    return len(c.md.placement(digest)) == 2 and sum(whole(n, digest) for n in c.node_procs) == 2
+    return (
+        len(c.md.blobs.placement(digest)) == 2 and sum(whole(n, digest) for n in c.node_procs) == 2
+    )
 
 
 def test_a_flipped_byte_on_a_two_node_cluster_is_repaired_onto_the_same_node(
@@ -73,7 +75,7 @@ def test_a_flipped_byte_on_a_two_node_cluster_is_repaired_onto_the_same_node(
         return (
             whole(victim, digest)
             and whole(other, digest)
-            and len(c.md.placement(digest)) == 2
+            and len(c.md.blobs.placement(digest)) == 2
             and not victim.client().scrub(start=False)["quarantined"]
         )
 
@@ -97,12 +99,12 @@ def test_a_reported_bad_copy_left_on_record_is_rehashed_and_repaired(make_cluste
     src = make_ckpt(tmp_path / "read.safetensors")
     digests = stored(c, src, "read.safetensors")
     by_id = {n.client().ping(): n for n in c.node_procs}
-    bad_on = min(c.md.placement(digests[0]))
+    bad_on = min(c.md.blobs.placement(digests[0]))
     flip_byte(by_id[bad_on], digests[0], 99)
-    c.md.record_bad_copy(digests[0], bad_on, "sha256 mismatch")
+    c.md.blobs.record_bad_copy(digests[0], bad_on, "sha256 mismatch")
     beat(c)
     wait_until(
-        lambda: all(two_verified(c, d) for d in digests) and not c.md.reported_bad_copies(),
+        lambda: all(two_verified(c, d) for d in digests) and not c.md.blobs.reported_bad_copies(),
         timeout=120,
         what="every blob back at 2 verified copies",
     )
@@ -121,7 +123,7 @@ def test_a_copy_a_gather_found_corrupt_is_repaired_at_once_with_no_sweep(make_cl
     assert sha(out) == sha(src)
     assert [b["shard"] for b in report["bad_copies"]] == [0]  # the gather met it
     wait_until(
-        lambda: two_verified(c, digests[0]) and not c.md.reported_bad_copies(),
+        lambda: two_verified(c, digests[0]) and not c.md.blobs.reported_bad_copies(),
         timeout=60,
         what="the bad copy repaired with no sweep running",
     )
@@ -137,7 +139,7 @@ def test_a_bad_copy_a_scrub_reports_is_repaired_in_the_same_sweep(make_cluster, 
     src = make_ckpt(tmp_path / "rep.safetensors")
     digests = stored(c, src, "rep.safetensors")
     by_id = {n.client().ping(): n for n in c.node_procs}
-    victim = by_id[min(c.md.placement(digests[0]))]
+    victim = by_id[min(c.md.blobs.placement(digests[0]))]
     flip_byte(victim, digests[0], 4321)
     beat(c)
     wait_until(
@@ -157,8 +159,8 @@ def test_a_flipped_byte_and_a_deleted_blob_are_healed_by_beat_alone(make_cluster
     digests = stored(c, src, "both.safetensors")
     flipped, deleted = digests[0], next(d for d in digests if d != digests[0])
     by_id = {n.client().ping(): n for n in c.node_procs}
-    flip_byte(by_id[min(c.md.placement(flipped))], flipped, 777)
-    gone_from = by_id[max(c.md.placement(deleted))]
+    flip_byte(by_id[min(c.md.blobs.placement(flipped))], flipped, 777)
+    gone_from = by_id[max(c.md.blobs.placement(deleted))]
     blob_file(gone_from, deleted).unlink()
     beat(c)
 
@@ -184,7 +186,7 @@ def test_a_bad_copy_a_node_finds_mid_pass_is_repaired_before_the_next_scrub_swee
     src = make_ckpt(tmp_path / "mid.safetensors")
     digests = stored(c, src, "mid.safetensors")
     by_id = {n.client().ping(): n for n in c.node_procs}
-    victim = by_id[min(c.md.placement(digests[0]))]
+    victim = by_id[min(c.md.blobs.placement(digests[0]))]
     flip_byte(victim, digests[0], 2024)
     beat(c)
     victim.client().scrub()  # the pass an earlier scrub sweep started

@@ -26,22 +26,24 @@ def test_two_beats_never_run_a_sweep_twice_at_once(make_cluster, beat_process, t
     beat_process(c)
     beat_process(c)
     md = c.md
-    wait_until(lambda: len(md.sweep_runs("crosscheck")) >= 2, timeout=60, what="crosschecks")
+    wait_until(lambda: len(md.sweeps.sweep_runs("crosscheck")) >= 2, timeout=60, what="crosschecks")
     # A node frozen mid-crosscheck holds one pass for as long as the test likes, while
     # both beats keep sending it every second to a worker with free processes.
     node = c.node_procs[0]
     node.send_signal(signal.SIGSTOP)
     try:
-        skips = md.sweep_skips("crosscheck")
+        skips = md.sweeps.sweep_skips("crosscheck")
         wait_until(
-            lambda: md.sweep_skips("crosscheck") >= skips + 6, timeout=60, what="stand-downs"
+            lambda: md.sweeps.sweep_skips("crosscheck") >= skips + 6, timeout=60, what="stand-downs"
         )
     finally:
         node.send_signal(signal.SIGCONT)
-    runs = md.sweep_runs("crosscheck")
-    wait_until(lambda: len(md.sweep_runs("crosscheck")) > len(runs), timeout=60, what="a run")
+    runs = md.sweeps.sweep_runs("crosscheck")
+    wait_until(
+        lambda: len(md.sweeps.sweep_runs("crosscheck")) > len(runs), timeout=60, what="a run"
+    )
     for name in ("crosscheck", "reconcile", "retention"):
-        runs = md.sweep_runs(name)
+        runs = md.sweeps.sweep_runs(name)
         assert runs and overlapping(runs) == [], name
     logs = [p.read_text() for p in sorted(tmp_path.glob("beat*.log"))]
     assert all("smoltorrent.sweep.crosscheck" in log for log in logs)

@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 from coordinator.local.synthetic import write_checkpoint
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from coordinator.watcher import checkpoint_name
 from tests.tasks.conftest import make_cluster, wait_until  # noqa: F401 (fixture)
 

@@ -136,7 +136,7 @@ def test_async_save_returns_a_handle_and_saves_of_one_name_run_in_order(make_clu
     assert {v["version_id"] for v in versions} == {first_id, second_id}
     assert all(v["state"] == "committed" for v in versions)
     # In order: the second store planned only once the first had committed.
-    by_id = {v["version_id"]: c.md.version(v["vkey"]) for v in versions}
+    by_id = {v["version_id"]: c.md.versions.version(v["vkey"]) for v in versions}
     assert float(by_id[first_id]["committed_at"]) <= float(by_id[second_id]["created_at"])
     current = [v for v in versions if v["current"]]
     assert [v["version_id"] for v in current] == [second_id]

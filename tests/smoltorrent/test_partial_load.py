@@ -66,12 +66,12 @@ def test_bad_bytes_under_a_selected_tensor_fall_back_to_the_replica(make_cluster
     run_api(c, SAVE)
     md = c.md
     name = "model.layers.4.mlp.up_proj.weight"
-    manifest = md.manifest(md.current("api/partial.safetensors"))
+    manifest = md.versions.manifest(md.versions.current("api/partial.safetensors"))
     index, shard = next((i, s) for i, s in enumerate(manifest.shards) if name in s.tensors)
     # The replica the gather tries first (plan/read_order, as the gather task asks it).
-    holders = [md.placement(s.blob_sha256) for s in manifest.shards]
+    holders = [md.blobs.placement(s.blob_sha256) for s in manifest.shards]
     sizes = [s.blob_size for s in manifest.shards]
-    first = read_order(holders, sizes, md.alive(md.nodes()))[index][0]
+    first = read_order(holders, sizes, md.nodes.alive(md.nodes.nodes()))[index][0]
     node = next(n for n in c.node_procs if n.client().ping() == first)
     blob = node.data_dir / "blobs" / shard.blob_sha256[:2] / shard.blob_sha256
     data = bytearray(blob.read_bytes())

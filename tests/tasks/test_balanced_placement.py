@@ -6,7 +6,7 @@ import os
 import time
 from collections import Counter
 
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.checkpoints import write_raw
 from tests.tasks.test_control_plane import sha
 
@@ -39,12 +39,12 @@ def test_four_unequal_shards_on_four_equal_nodes_two_blobs_each(make_cluster, tm
     write_unequal(src)
     row = c.cli_json("store", str(src), "--shards", "4")
     assert row["state"] == COMMITTED and row["min_copies"] == 2
-    shards = c.md.manifest(row["vkey"]).shards
+    shards = c.md.versions.manifest(row["vkey"]).shards
     assert len({s.blob_size for s in shards}) > 1  # the shards really differ
     ids = {n.client().ping(): n for n in c.node_procs}
     held = {node_id: len(node.client().list_blobs()) for node_id, node in ids.items()}
     assert held == dict.fromkeys(ids, 2)
-    heads = Counter(t[0] for t in c.md.plan(row["vkey"]))
+    heads = Counter(t[0] for t in c.md.transfers.plan(row["vkey"]))
     assert heads == dict.fromkeys(ids, 1)  # the coordinator sent to every node alike
     out = tmp_path / "out.safetensors"
     report = c.cli_json("gather", "u.safetensors", "-o", str(out))

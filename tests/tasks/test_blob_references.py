@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from coordinator.dataplane.node_client import NodeClient
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.test_control_plane import make_ckpt, sha
 
 
@@ -43,20 +43,20 @@ def test_a_remove_a_down_node_interrupted_is_never_rebuilt(make_cluster, tmp_pat
     c = make_cluster(3)
     src = make_ckpt(tmp_path / "gone.safetensors")
     c.cli("store", str(src), "--shards", "3")
-    vkey = c.md.current("gone.safetensors")
+    vkey = c.md.versions.current("gone.safetensors")
     down = c.node_procs[0]
     down.kill()
     proc = c.cli("rm", "gone.safetensors")
     assert "left behind" in " ".join(proc.stdout.split() + proc.stderr.split())
-    assert c.md.version(vkey)["state"] == "removing"
+    assert c.md.versions.version(vkey)["state"] == "removing"
     down.start()
     summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
     assert summary["restored"] == 0
-    assert c.md.version(vkey)["state"] == "removing"
+    assert c.md.versions.version(vkey)["state"] == "removing"
     out = tmp_path / "out.safetensors"
     assert c.cli("gather", "gone.safetensors", "-o", str(out), check=False).returncode == 1
     c.cli("rm", "gone.safetensors")  # resumed: the node is back
-    assert c.md.version(vkey)["state"] == "removed"
+    assert c.md.versions.version(vkey)["state"] == "removed"
     assert all(blobs == {} and manifests == [] for blobs, manifests in inventories(c))
     c.md.r.flushall()
     summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
@@ -69,7 +69,7 @@ def test_rebuild_restores_only_versions_whose_every_shard_is_on_a_node(make_clus
     holed = make_ckpt(tmp_path / "holed.safetensors", 3_000_000)
     c.cli("store", str(whole), "--shards", "3")
     c.cli("store", str(holed), "--shards", "3")
-    lost = c.md.manifest(c.md.current("holed.safetensors")).shards[2].blob_sha256
+    lost = c.md.versions.manifest(c.md.versions.current("holed.safetensors")).shards[2].blob_sha256
     for n in c.node_procs:  # every copy of one shard goes (disks lost, a foreign tool)
         NodeClient(n.address).delete(lost)
     c.md.r.flushall()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import urllib.request
 
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import committed, make_ckpt, sha
 
@@ -22,14 +22,14 @@ def test_chain_store_sends_every_byte_once_from_the_coordinator(make_cluster, tm
     src = make_ckpt(tmp_path / "a.safetensors")
     row = c.cli_json("store", str(src), "--shards", "4")
     assert row["state"] == COMMITTED and row["min_copies"] == 2
-    blob_bytes = sum(s.blob_size for s in c.md.manifest(row["vkey"]).shards)
+    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(row["vkey"]).shards)
     received = [node_counter(n, "smoltorrent_node_bytes_received_total") for n in c.node_procs]
     sent = [node_counter(n, "smoltorrent_node_bytes_sent_total") for n in c.node_procs]
     assert sum(received) == 2 * blob_bytes  # two verified copies of every blob
     # The nodes passed one copy on to each other: the coordinator's link carried the other.
     assert sum(received) - sum(sent) == blob_bytes
     assert all(s > 0 for s in sent), sent  # every node heads a chain: outbound links shared
-    results = {a["result"] for a in c.md.attempts(row["vkey"]) if "result" in a}
+    results = {a["result"] for a in c.md.transfers.attempts(row["vkey"]) if "result" in a}
     assert results == {"sent", "replicated"}
     out = tmp_path / "out.safetensors"
     c.cli("gather", "a.safetensors", "-o", str(out))
@@ -41,8 +41,8 @@ def test_three_copies_by_chain(make_cluster, tmp_path):
     src = make_ckpt(tmp_path / "r3.safetensors")
     row = c.cli_json("store", str(src), "--replicas", "3", "--shards", "2")
     assert row["state"] == COMMITTED and row["min_copies"] == 3
-    for shard in c.md.manifest(row["vkey"]).shards:
-        assert len(c.md.placement(shard.blob_sha256)) == 3
+    for shard in c.md.versions.manifest(row["vkey"]).shards:
+        assert len(c.md.blobs.placement(shard.blob_sha256)) == 3
     c.node_procs[0].kill()
     out = tmp_path / "out.safetensors"
     c.cli("gather", "r3.safetensors", "-o", str(out))
@@ -63,15 +63,19 @@ def test_a_silent_node_is_replaced_not_waited_for(make_cluster, tmp_path):
         assert row["state"] == COMMITTED, row
         assert row["min_copies"] == 2 and row["under_replicated"] == []
         assert c.cli_json("dlq", "ls") == []
-        manifest = c.md.manifest(row["vkey"])
-        planned_on_frozen = [i for i, t in enumerate(c.md.plan(row["vkey"])) if frozen_id in t]
+        manifest = c.md.versions.manifest(row["vkey"])
+        planned_on_frozen = [
+            i for i, t in enumerate(c.md.transfers.plan(row["vkey"])) if frozen_id in t
+        ]
         assert planned_on_frozen == []  # the plan names the replacements
         for shard in manifest.shards:
-            holders = c.md.placement(shard.blob_sha256)
+            holders = c.md.blobs.placement(shard.blob_sha256)
             assert len(holders) == 2 and frozen_id not in holders
-        moved = [a for a in c.md.attempts(row["vkey"]) if a.get("node") == frozen_id]
+        moved = [a for a in c.md.transfers.attempts(row["vkey"]) if a.get("node") == frozen_id]
         assert moved and all("error" in a for a in moved)  # it was tried, then replaced
-        assert all(a["attempt"] == 0 for a in c.md.attempts(row["vkey"]))  # no retry needed
+        assert all(
+            a["attempt"] == 0 for a in c.md.transfers.attempts(row["vkey"])
+        )  # no retry needed
     finally:
         frozen.send_signal(signal.SIGCONT)
     out = tmp_path / "out.safetensors"

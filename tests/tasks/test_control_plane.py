@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.local.synthetic import write_checkpoint
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from smoltorrent.errors import AuthenticationError
 from tests.tasks.conftest import wait_until
 
@@ -56,7 +56,7 @@ def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path
     assert first["state"] == COMMITTED and first["new"] is True
     assert first["shards"] == 4 and first["min_copies"] == 2
     received_before = node_bytes_received(c)
-    blob_bytes = sum(s.blob_size for s in c.md.manifest(first["vkey"]).shards)
+    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(first["vkey"]).shards)
     assert sum(received_before) == 2 * blob_bytes  # every replica counted, once
     again = c.cli_json("store", str(src))
     assert again["new"] is False and again["version_id"] == first["version_id"]
@@ -68,9 +68,11 @@ def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path
     report = c.cli_json("gather", "a.safetensors", "-o", str(out))
     assert sha(out) == sha(src) and report["size"] == src.stat().st_size
     # Each committed manifest is on the nodes holding its blobs (rebuild relies on it).
-    key = c.md.current("a.safetensors")
-    nodes = c.md.nodes()
-    holders = {n for s in c.md.manifest(key).shards for n in c.md.placement(s.blob_sha256)}
+    key = c.md.versions.current("a.safetensors")
+    nodes = c.md.nodes.nodes()
+    holders = {
+        n for s in c.md.versions.manifest(key).shards for n in c.md.blobs.placement(s.blob_sha256)
+    }
     assert len(holders) == 4
     for node_id in holders:
         assert key in NodeClient(nodes[node_id].address).list_manifests(), node_id
@@ -87,7 +89,7 @@ def test_changed_content_moves_only_changed_blobs(make_cluster, tmp_path):
     os.utime(src, (past, past))
     second = c.cli_json("store", str(src), "--shards", "4")
     assert second["new"] is True
-    attempts = c.md.attempts(second["vkey"])
+    attempts = c.md.transfers.attempts(second["vkey"])
     moved = [a for a in attempts if a.get("result") in ("sent", "replicated")]
     assert len(moved) == 2, attempts  # one changed shard x 2 replicas
     assert {a["shard"] for a in moved} == {3}
@@ -102,7 +104,7 @@ def test_bad_checkpoint_is_refused_before_anything_is_queued(make_cluster, tmp_p
     proc = c.cli("store", str(bad), check=False)
     assert proc.returncode == 1
     assert "safetensors" in proc.stderr
-    assert c.md.names() == []
+    assert c.md.versions.names() == []
 
 
 def test_transfer_retries_with_exact_backoff_then_commits(make_cluster, tmp_path):
@@ -113,17 +115,21 @@ def test_transfer_retries_with_exact_backoff_then_commits(make_cluster, tmp_path
     down.kill()  # still counted alive (heard from seconds ago), so shards are placed on it
     c.cli("store", str(src), "--shards", "1", "--no-wait")
     md = c.md
-    vkey = wait_until(lambda: next(iter(md.pending_versions()), None), what="pending version")
+    vkey = wait_until(
+        lambda: next(iter(md.listing.pending_versions()), None), what="pending version"
+    )
 
     def failed_tries() -> int:
-        return len([a for a in md.attempts(vkey) if a["node"] == down_id and "error" in a])
+        return len(
+            [a for a in md.transfers.attempts(vkey) if a["node"] == down_id and "error" in a]
+        )
 
     # Attempts 0-3 fail (1, 2 and 4 s apart), however slowly the box runs; then it is back.
     wait_until(lambda: failed_tries() >= 4, timeout=60, interval=0.02, what="4 failed tries")
     down.start()  # same data dir and port
     wait_until(lambda: committed(c, "b.safetensors"), timeout=60, what="commit")
-    vkey = c.md.current("b.safetensors")
-    tries = [a for a in c.md.attempts(vkey) if a["node"] == down_id]
+    vkey = c.md.versions.current("b.safetensors")
+    tries = [a for a in c.md.transfers.attempts(vkey) if a["node"] == down_id]
     gaps = [b["at"] - a["at"] for a, b in zip(tries, tries[1:], strict=False)]
     assert [a["attempt"] for a in tries[:4]] == [0, 1, 2, 3], tries
     for gap, want in zip(gaps, [1, 2, 4], strict=False):
@@ -145,7 +151,7 @@ def test_dead_letter_then_replay_completes_the_checkpoint(make_cluster, tmp_path
     assert rec["task"] == "smoltorrent.transfer" and rec["checkpoint"] == "d.safetensors"
     assert rec["shard"] == 0 and rec["node"] and "NodeUnavailableError" in rec["error"]
     assert rec["traceback"] and rec["at"] > 0
-    assert c.md.current("d.safetensors") is None  # nothing gatherable yet
+    assert c.md.versions.current("d.safetensors") is None  # nothing gatherable yet
     node.start()
     c.cli("dlq", "replay", "--all")
     wait_until(lambda: committed(c, "d.safetensors"), timeout=60, what="commit after replay")
@@ -174,17 +180,17 @@ def test_store_with_a_dead_node_commits_under_replicated_and_a_later_replay_keep
     assert sha(out) == sha(src)
     # A dead-letter replay after the commit adds the missing replicas and never touches
     # the committed version's state (a late transfer must not abort or re-commit it).
-    (vkey,) = c.md.versions("u.safetensors")
+    (vkey,) = c.md.versions.versions("u.safetensors")
     c.node_procs[1].start()
     c.cli("dlq", "replay", "--all")
-    manifest = c.md.manifest(vkey)
+    manifest = c.md.versions.manifest(vkey)
     wait_until(
-        lambda: all(len(c.md.placement(s.blob_sha256)) >= 2 for s in manifest.shards),
+        lambda: all(len(c.md.blobs.placement(s.blob_sha256)) >= 2 for s in manifest.shards),
         timeout=60,
         what="the replayed transfers bring every shard to two copies",
     )
-    assert c.md.version(vkey)["state"] == COMMITTED
-    assert c.md.current("u.safetensors") == vkey
+    assert c.md.versions.version(vkey)["state"] == COMMITTED
+    assert c.md.versions.current("u.safetensors") == vkey
     assert c.cli_json("dlq", "ls") == []
     assert c.cli_json("status")["under_replicated"] == []
 
@@ -193,9 +199,11 @@ def store_until_first_transfer(c, src: Path) -> str:
     """Start a 16-shard store and return its vkey once one transfer, not all, has settled."""
     c.cli("store", str(src), "--shards", "16", "--no-wait")
     md = c.md
-    vkey = wait_until(lambda: next(iter(md.pending_versions()), None), what="pending version")
-    wait_until(lambda: md.progress(vkey)[0] >= 1, interval=0.005, what="a first transfer")
-    settled, total = md.progress(vkey)
+    vkey = wait_until(
+        lambda: next(iter(md.listing.pending_versions()), None), what="pending version"
+    )
+    wait_until(lambda: md.transfers.progress(vkey)[0] >= 1, interval=0.005, what="a first transfer")
+    settled, total = md.transfers.progress(vkey)
     assert settled < total, "the store finished before the fault; the test proves nothing"
     return vkey
 
@@ -210,7 +218,7 @@ def test_worker_killed_mid_store_resumes_to_one_clean_version(make_cluster, tmp_
     c.start_worker()
     wait_until(lambda: committed(c, "k.safetensors"), timeout=90, what="commit after restart")
     assert len([v for v in c.cli_json("ls") if v["name"] == "k.safetensors"]) == 1
-    manifest = md.manifest(vkey)
+    manifest = md.versions.manifest(vkey)
     digests = {s.blob_sha256 for s in manifest.shards}
     for node in c.node_procs:
         client = NodeClient(node.address)
@@ -312,7 +320,7 @@ def test_source_rewritten_mid_store_is_abandoned_then_new_bytes_stored(make_clus
     rows = wait_until(new_version_committed, timeout=90, what="the new content to commit")
     states = {r["vkey"]: r["state"] for r in rows}
     assert states[vkey] == "aborted"
-    assert "rewritten" in md.version(vkey)["reason"]
+    assert "rewritten" in md.versions.version(vkey)["reason"]
     out = tmp_path / "out.safetensors"
     c.cli("gather", "latest.safetensors", "-o", str(out))
     assert sha(out) == new_sha
@@ -399,7 +407,7 @@ def test_store_without_a_worker_says_how_to_start_one(make_cluster, tmp_path):
     proc = c.cli("store", str(src), check=False)
     assert proc.returncode == 1
     assert "smoltorrent worker" in proc.stderr
-    assert c.md.names() == []  # nothing was queued or recorded
+    assert c.md.versions.names() == []  # nothing was queued or recorded
 
 
 def test_worker_lost_with_retries_left_is_retried_and_commits(make_cluster, tmp_path):
@@ -410,5 +418,9 @@ def test_worker_lost_with_retries_left_is_retried_and_commits(make_cluster, tmp_
     row = wait_until(lambda: committed(c, "s.safetensors"), timeout=60, what="commit")[0]
     assert row["min_copies"] == 2 and c.cli_json("dlq", "ls") == []
     frozen_id = hung["kwargs"]["node_id"]
-    done = [a for a in c.md.attempts(row["vkey"]) if a.get("result") and a["node"] == frozen_id]
+    done = [
+        a
+        for a in c.md.transfers.attempts(row["vkey"])
+        if a.get("result") and a["node"] == frozen_id
+    ]
     assert done and done[-1]["attempt"] >= 1  # it ran again as a counted retry

@@ -16,7 +16,7 @@ import redis
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.plan.read_order import read_order
 from coordinator.state import redis_keys as K
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tcpproxy import start_proxy
 
 GARBAGE_BYTES = 3 * 1024 * 1024  # a few MiB: more than a neighbouring shard's range here
@@ -36,12 +36,12 @@ def sha(path: Path) -> str:
 def first_tried(c, index: int, digest: str):
     """The node the gather task tries first for shard `index` (plan/read_order, as the
     gather task asks it; `digest` is that shard's blob)."""
-    manifest = c.md.manifest(c.md.current(c.md.names()[0]))
+    manifest = c.md.versions.manifest(c.md.versions.current(c.md.versions.names()[0]))
     assert manifest.shards[index].blob_sha256 == digest
-    holders = [c.md.placement(s.blob_sha256) for s in manifest.shards]
+    holders = [c.md.blobs.placement(s.blob_sha256) for s in manifest.shards]
     sizes = [s.blob_size for s in manifest.shards]
-    node_id = read_order(holders, sizes, c.md.alive(c.md.nodes()))[index][0]
-    address = str(c.md.nodes()[node_id].address)
+    node_id = read_order(holders, sizes, c.md.nodes.alive(c.md.nodes.nodes()))[index][0]
+    address = str(c.md.nodes.nodes()[node_id].address)
     return node_id, next(n for n in c.node_procs if str(n.address) == address)
 
 
@@ -49,7 +49,7 @@ def test_oversized_copies_gather_identical_and_are_recorded(make_cluster, tmp_pa
     c = make_cluster(4)
     src = make_ckpt(tmp_path / "o.safetensors")
     c.cli_json("store", str(src), "--shards", "4")
-    manifest = c.md.manifest(c.md.current("o.safetensors"))
+    manifest = c.md.versions.manifest(c.md.versions.current("o.safetensors"))
     spoiled = set()
     for index, shard in enumerate(manifest.shards):
         node_id, node = first_tried(c, index, shard.blob_sha256)
@@ -89,11 +89,11 @@ def test_a_node_that_corrupts_every_put_is_dead_lettered_not_a_restore_loop(make
         names = [v for v in c.cli_json("ls") if v["name"] == "c.safetensors"]
         assert len(names) == 1, names  # no abandon -> re-store -> re-hash loop
         vkey = names[0]["vkey"]
-        assert c.md.version(vkey)["state"] == COMMITTED, (proc.stdout, proc.stderr)
+        assert c.md.versions.version(vkey)["state"] == COMMITTED, (proc.stdout, proc.stderr)
         letters = c.cli_json("dlq", "ls")
         assert sorted(rec["shard"] for rec in letters) == [0, 1]
         assert all(rec["node"] == bad_id and "BadTargetError" in rec["error"] for rec in letters)
-        tries = [a for a in c.md.attempts(vkey) if a["node"] == bad_id]
+        tries = [a for a in c.md.transfers.attempts(vkey) if a["node"] == bad_id]
         assert sorted(a["attempt"] for a in tries) == [0, 0, 1, 1, 2, 2], tries
         assert all("error" in a for a in tries)
         out = tmp_path / "out.safetensors"
@@ -119,13 +119,13 @@ def test_a_node_that_corrupts_every_put_loses_its_replicas_to_good_nodes(
         c.cli("nodes", "add", f"127.0.0.1:{proxy.port}")  # node 2 is now reached through it
         src = make_ckpt(tmp_path / "g.safetensors")
         vkey = c.cli_json("store", str(src), "--shards", "3")["vkey"]
-        assert c.md.version(vkey)["state"] == COMMITTED
+        assert c.md.versions.version(vkey)["state"] == COMMITTED
         assert c.cli_json("dlq", "ls") == []
-        tries = [a for a in c.md.attempts(vkey) if a["node"] == bad_id]
+        tries = [a for a in c.md.transfers.attempts(vkey) if a["node"] == bad_id]
         assert tries and all("error" in a for a in tries)  # it was planned, and it failed
-        digests = [s.blob_sha256 for s in c.md.manifest(vkey).shards]
+        digests = [s.blob_sha256 for s in c.md.versions.manifest(vkey).shards]
         good_ids = {n.client().ping() for n in good}
-        assert [c.md.placement(d) for d in digests] == [good_ids] * len(digests)
+        assert [c.md.blobs.placement(d) for d in digests] == [good_ids] * len(digests)
         assert all(n.client().verify(digests) == [] for n in good)
         assert bad.client().list_blobs() == {}
         assert [v["vkey"] for v in c.cli_json("ls") if v["name"] == "g.safetensors"] == [vkey]

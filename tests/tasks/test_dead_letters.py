@@ -41,7 +41,7 @@ def _chain_failed(md: Metadata, exception: Exception) -> tuple[str, str]:
     manifest = synthetic_manifest(name, 1)
     manifest = type(manifest)(**{**manifest.__dict__, "shards": manifest.shards[:1]})
     vkey = storage_key(name, manifest.version_id)
-    md.create_pending(manifest, vkey, {"host": "test"}, [tuple(NODES)])
+    md.versions.create_pending(manifest, vkey, {"host": "test"}, [tuple(NODES)])
     task_id = f"chain-{vkey}-0-0-1"
     kwargs = {
         "vkey": vkey,
@@ -71,12 +71,12 @@ def test_a_task_cut_off_from_redis_is_left_open_not_dead_lettered(md, lost):
     reached the receiver once Redis was back, which dead-lettered the chain and settled
     its replicas as failed, so the version committed at one copy of R=2."""
     vkey, _ = _chain_failed(md, lost)
-    assert md.dead_letters() == []
-    assert md.settled(vkey) == set()
-    assert md.state(vkey) == "pending"
+    assert md.dead_letters.dead_letters() == []
+    assert md.transfers.settled(vkey) == set()
+    assert md.versions.state(vkey) == "pending"
 
 
 def test_a_task_that_failed_at_a_node_is_a_dead_letter(md):
     vkey, task_id = _chain_failed(md, NodeUnavailableError("cannot reach node 127.0.0.1:1"))
-    assert md.dead_letter(task_id)["node"] == ",".join(NODES)
-    assert md.settled(vkey) == {"0:0", "0:1"}
+    assert md.dead_letters.dead_letter(task_id)["node"] == ",".join(NODES)
+    assert md.transfers.settled(vkey) == {"0:0", "0:1"}

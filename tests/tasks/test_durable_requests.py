@@ -10,7 +10,7 @@ import time
 import pytest
 
 from coordinator.state import redis_keys as K
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import committed, make_ckpt, sha
 
@@ -43,17 +43,17 @@ def test_worker_killed_while_the_store_plans_loses_nothing(make_cluster, tmp_pat
     wait_until(lambda: time.monotonic() - returned >= delay, interval=0.01, what="the delay")
     os.killpg(c.worker.pid, signal.SIGKILL)
     c.worker.wait()
-    request = c.md.open_requests()
+    request = c.md.requests.open_requests()
     if delay < 1:
         # What the test is about: the request exists before any version does.
-        assert len(request) == 1 and c.md.pending_versions() == []
+        assert len(request) == 1 and c.md.listing.pending_versions() == []
     c.start_worker()
     rows = wait_until(
         lambda: committed(c, "big.safetensors"), timeout=60, what="the store to commit itself"
     )
     assert len([r for r in c.cli_json("ls") if r["name"] == "big.safetensors"]) == 1
     assert rows[0]["min_copies"] == 2
-    assert c.md.open_requests() == []
+    assert c.md.requests.open_requests() == []
     out = tmp_path / "out.safetensors"
     c.cli("gather", "big.safetensors", "-o", str(out), timeout=300)
     assert sha(out) == sha(src)
@@ -63,10 +63,10 @@ def test_a_failed_request_is_reported_and_closed(make_cluster, tmp_path):
     c = make_cluster(1)
     src = make_ckpt(tmp_path / "f.safetensors")
     c.node_procs[0].kill()
-    c.md.mark_down(c.md.nodes().popitem()[0])  # not counted alive from an earlier probe
+    c.md.nodes.mark_down(c.md.nodes.nodes().popitem()[0])  # not counted alive from an earlier probe
     proc = c.cli("store", str(src), check=False)
     assert proc.returncode == 1 and "no storage node is reachable" in " ".join(proc.stderr.split())
-    assert c.md.open_requests() == []
+    assert c.md.requests.open_requests() == []
     assert [v for v in c.cli_json("ls") if v["state"] == COMMITTED] == []
 
 
@@ -132,11 +132,11 @@ def test_a_retry_the_worker_holds_when_redis_dies_is_sent_again(make_cluster, tm
     # not be recorded (Redis gone) was dead-lettered once Redis was back: if it comes
     # back, say why.
     vkey = rows[0]["vkey"]
-    digest = c.md.manifest(vkey).shards[0].blob_sha256
+    digest = c.md.versions.manifest(vkey).shards[0].blob_sha256
     why = {
-        "placement": sorted(c.md.placement(digest)),
+        "placement": sorted(c.md.blobs.placement(digest)),
         "listed": c.md.r.hget(K.PLACEMENTS_LISTED, digest),
-        "attempts": c.md.attempts(vkey),
+        "attempts": c.md.transfers.attempts(vkey),
         "worker log": c.worker_log()[-4000:],
     }
     assert rows[0]["min_copies"] == 2, why
@@ -158,7 +158,7 @@ def test_a_checkpoint_with_no_tensors_commits_with_its_manifest_on_nodes(make_cl
     os.utime(empty, (past, past))
     row = c.cli_json("store", str(empty))
     assert row["state"] == COMMITTED and row["shards"] == 0
-    v = c.md.version(row["vkey"])
+    v = c.md.versions.version(row["vkey"])
     assert v["commit_enqueued"]  # it went through the barrier like any other version
     from coordinator.dataplane.node_client import NodeClient
 
@@ -188,8 +188,8 @@ def test_a_refused_manifest_is_retried_not_dead_lettered(make_cluster, tmp_path)
         timeout=60,
         what="two refused manifest writes, retried",
     )
-    (vkey,) = c.md.versions("m.safetensors")
-    assert c.md.version(vkey)["state"] != COMMITTED
+    (vkey,) = c.md.versions.versions("m.safetensors")
+    assert c.md.versions.version(vkey)["state"] != COMMITTED
     assert c.cli_json("dlq", "ls") == []
     for node in c.node_procs:
         (node.data_dir / "manifests").unlink()

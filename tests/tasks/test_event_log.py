@@ -35,7 +35,7 @@ def test_a_store_and_a_gather_log_one_line_per_task(make_cluster, tmp_path: Path
     os.utime(src, (time.time() - 60, time.time() - 60))
     stored = c.cli_json("store", str(src), "--shards", "3")
     c.cli("gather", "m.safetensors", "-o", str(tmp_path / "back.safetensors"))
-    registered = {n[:12] for n in c.md.nodes()}
+    registered = {n[:12] for n in c.md.nodes.nodes()}
 
     # One chain per shard (R=2 by default), each naming its checkpoint and two nodes.
     chains = wait_until(lambda: len(events(c, "done", "chain")) == 3 and events(c, "done", "chain"))

@@ -33,7 +33,7 @@ def test_gather_outside_the_allowed_directories_is_refused(make_cluster, tmp_pat
 
     # Someone who can reach the broker sends the task itself: the worker refuses it too.
     app = Celery(broker=c.redis_url, backend=c.redis_url)
-    vkey = c.md.current("g.safetensors")
+    vkey = c.md.versions.current("g.safetensors")
     target = elsewhere / "sneaky"
     result = app.send_task("smoltorrent.gather", args=(vkey, str(target)), queue="host.test0")
     with pytest.raises(Exception, match="gathers write only under"):

@@ -16,7 +16,7 @@ import pytest
 from coordinator.local.lan_cluster import LanCluster
 from coordinator.local.netns import Lan, unavailable
 from coordinator.local.synthetic import write_checkpoint
-from coordinator.state.metadata import COMMITTED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import sha
 

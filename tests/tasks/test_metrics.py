@@ -152,22 +152,22 @@ def test_cluster_gauges_come_from_the_listing_not_from_every_manifest(tmp_path, 
         md = Metadata(url)
         a, b = (n.client().stat().node_id for n in nodes)
         down = "f" * 32  # registered, never answers: its copies are not live
-        md.add_node(a, nodes[0].address)
-        md.add_node(b, nodes[1].address)
-        md.add_node(down, NodeAddress("127.0.0.1", 9))
+        md.nodes.add_node(a, nodes[0].address)
+        md.nodes.add_node(b, nodes[1].address)
+        md.nodes.add_node(down, NodeAddress("127.0.0.1", 9))
         under = pending = 0
         for i in range(30):
             m = synthetic_manifest(f"run{i % 3}/m.safetensors", i, 2)
             vkey = storage_key(m.name, m.version_id)
             holders = [(a, b), (a, down) if i % 3 == 0 else (a, b)]
-            md.create_pending(m, vkey, {"path": "/x"}, holders)
+            md.versions.create_pending(m, vkey, {"path": "/x"}, holders)
             if i % 5 == 4:
                 pending += 1
                 continue
             for s, shard_nodes in enumerate(holders):
                 for r, node_id in enumerate(shard_nodes):
-                    md.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
-            md.commit(vkey, m.name)
+                    md.transfers.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
+            md.versions.commit(vkey, m.name)
             under += i % 3 == 0
         monkeypatch.setattr(tasks.context, "REDIS_URL", url)
         md.r.config_resetstat()

@@ -15,7 +15,8 @@ import time
 from contextlib import contextmanager
 
 from coordinator import config
-from coordinator.state.metadata import COMMITTED, QUEUED
+from coordinator.state.requests import QUEUED
+from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
 
@@ -49,8 +50,8 @@ def restart_redis_under(c, proc: subprocess.Popen, kind: str) -> None:
     queue = config.host_queue(c.host_id)
     wait_until(lambda: c.md.r.llen(queue), timeout=60, what=f"the {kind} task in its queue")
     # The phase: the command waits on a queued request that nothing has run.
-    assert [r["state"] for _, r in c.md.open_requests()] == [QUEUED]
-    assert c.md.open_requests()[0][1]["kind"] == kind and proc.poll() is None
+    assert [r["state"] for _, r in c.md.requests.open_requests()] == [QUEUED]
+    assert c.md.requests.open_requests()[0][1]["kind"] == kind and proc.poll() is None
     c.kill_redis()
     time.sleep(OUTAGE_S)
     c.start_redis()

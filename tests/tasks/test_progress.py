@@ -113,11 +113,11 @@ def test_chain_store_bar_moves_inside_a_shard(make_cluster, tmp_path: Path) -> N
             [sys.executable, "-m", "coordinator.cli", "store", str(source)], cluster.env()
         )
         assert "stored: chained.safetensors" in screen, screen[-3000:]
-        attempts = cluster.md.attempts(only_vkey(cluster))
+        attempts = cluster.md.transfers.attempts(only_vkey(cluster))
         assert attempts and all(a.get("chain") for a in attempts), attempts
 
         # Where a bar counting whole shards could stand: any sum of settled copies.
-        manifest = cluster.md.manifest(only_vkey(cluster))
+        manifest = cluster.md.versions.manifest(only_vkey(cluster))
         sizes = [s.blob_size / 1e6 for s in manifest.shards for _ in range(2)]
         whole = {0.0}
         for size in sizes:
@@ -131,5 +131,7 @@ def test_chain_store_bar_moves_inside_a_shard(make_cluster, tmp_path: Path) -> N
 
 
 def only_vkey(cluster) -> str:
-    (vkey,) = [v for name in cluster.md.names() for v in cluster.md.versions(name)]
+    (vkey,) = [
+        v for name in cluster.md.versions.names() for v in cluster.md.versions.versions(name)
+    ]
     return vkey

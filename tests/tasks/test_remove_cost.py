@@ -25,7 +25,7 @@ def world(tmp_path, monkeypatch):
     nodes = [start_node(tmp_path / f"node{i}") for i in range(2)]
     md = Metadata(url_for(tmp_path / "redis", port))
     for node in nodes:
-        md.add_node(node.client().stat().node_id, node.address)
+        md.nodes.add_node(node.client().stat().node_id, node.address)
     monkeypatch.setattr(tasks.remove, "metadata", lambda: md)
     yield md, nodes
     for node in nodes:
@@ -40,13 +40,13 @@ def _store(md: Metadata, nodes, tmp_path, name: str) -> str:
         write_checkpoint(path, 300_000, hidden=32)
     clients = {n.client().stat().node_id: n.client() for n in nodes}
     p = prepare_store(path, name, dict.fromkeys(clients, 10**12), replicas=2, shards=2)
-    md.create_pending(p.manifest, p.vkey, {"host": "test"}, list(p.targets))
+    md.versions.create_pending(p.manifest, p.vkey, {"host": "test"}, list(p.targets))
     for i, targets in enumerate(p.targets):
         for r, node_id in enumerate(targets):
             send_shard(p.path, p.identity, p.spans()[i], clients[node_id])
-            md.settle(p.vkey, i, r, node_id, p.manifest.shards[i].blob_sha256)
+            md.transfers.settle(p.vkey, i, r, node_id, p.manifest.shards[i].blob_sha256)
     write_manifest(p.manifest, list(clients.values()))
-    md.commit(p.vkey, name)
+    md.versions.commit(p.vkey, name)
     return p.vkey
 
 
@@ -56,9 +56,11 @@ def _unrelated(md: Metadata, start: int, count: int) -> None:
         name = f"other{i}/model.safetensors"
         m = synthetic_manifest(name, i)
         vkey = storage_key(name, m.version_id)
-        md.create_pending(m, vkey, {"host": "test"}, [("a" * 32, "b" * 32)] * len(m.shards))
-        md.commit(vkey, name)
-        md.add_dead_letter(f"transfer-{vkey}-0-1", {"task": "smoltorrent.transfer"})
+        md.versions.create_pending(
+            m, vkey, {"host": "test"}, [("a" * 32, "b" * 32)] * len(m.shards)
+        )
+        md.versions.commit(vkey, name)
+        md.dead_letters.add_dead_letter(f"transfer-{vkey}-0-1", {"task": "smoltorrent.transfer"})
 
 
 def _commands_of_remove(md: Metadata, vkey: str) -> int:
@@ -66,7 +68,7 @@ def _commands_of_remove(md: Metadata, vkey: str) -> int:
     result = tasks.remove.remove(vkey)
     stats = md.r.info("commandstats")
     assert result["removed"] and not result["left_behind"]
-    assert md.state(vkey) == "removed"
+    assert md.versions.state(vkey) == "removed"
     return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_config", "cmdstat_info"))
 
 
@@ -80,4 +82,4 @@ def test_rm_does_the_same_redis_work_beside_1_or_2000_other_versions(world, tmp_
     assert many == few
     # And it did remove: the blobs are gone from both nodes, the others' dead letters stay.
     assert all(NodeClient(n.address).list_blobs() == {} for n in nodes)
-    assert md.dead_letter_depth() == 2000
+    assert md.dead_letters.dead_letter_depth() == 2000

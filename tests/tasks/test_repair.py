@@ -29,15 +29,15 @@ def test_a_repair_sent_twice_makes_one_copy_and_a_trim_sent_twice_keeps_r(make_c
     src = make_ckpt(tmp_path / "twice.safetensors")
     c.cli("store", str(src), "--name", "twice.safetensors")
     md = c.md
-    digest = md.manifest(md.current("twice.safetensors")).shards[0].blob_sha256
+    digest = md.versions.manifest(md.versions.current("twice.safetensors")).shards[0].blob_sha256
     by_id = {n.client().ping(): n for n in c.node_procs}
-    holders = sorted(md.placement(digest))
+    holders = sorted(md.blobs.placement(digest))
     (target,) = set(by_id) - set(holders)
     kwargs = {"digest": digest, "source": holders[0], "target": target}
     results = [send(c, "smoltorrent.repair", kwargs, f"repair-{digest}-{target}") for _ in range(2)]
     outcomes = {r.get(timeout=60) for r in results}
     assert outcomes <= {"stored", "exists"}
-    assert md.placement(digest) == {*holders, target}
+    assert md.blobs.placement(digest) == {*holders, target}
     assert copies(c, digest) == 3  # one per node: the second run found the first's copy
     assert repairs.in_flight(md) == []
 
@@ -48,6 +48,6 @@ def test_a_repair_sent_twice_makes_one_copy_and_a_trim_sent_twice_keeps_r(make_c
     for t in trims:
         t.get(timeout=60)
     wait_until(lambda: copies(c, digest) == 2, timeout=30, what="one surplus copy deleted")
-    assert len(md.placement(digest)) == 2
-    for node_id in md.placement(digest):
+    assert len(md.blobs.placement(digest)) == 2
+    for node_id in md.blobs.placement(digest):
         assert by_id[node_id].client().verify([digest]) == []

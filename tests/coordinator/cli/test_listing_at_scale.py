@@ -42,9 +42,9 @@ def cluster(tmp_path_factory):
     ids = []
     for node in nodes:
         node_id = node.client().stat().node_id
-        md.add_node(node_id, node.address)
+        md.nodes.add_node(node_id, node.address)
         ids.append(node_id)
-    md.add_node("f" * 32, NodeAddress("127.0.0.1", 9))  # registered, never answers
+    md.nodes.add_node("f" * 32, NodeAddress("127.0.0.1", 9))  # registered, never answers
     expected = {}
     for n in range(NAMES):
         name = f"run{n:03d}/model.safetensors"
@@ -52,24 +52,24 @@ def cluster(tmp_path_factory):
             m = synthetic_manifest(name, i, SHARDS)
             vkey = storage_key(name, m.version_id)
             plan = [tuple(ids) for _ in m.shards]
-            md.create_pending(m, vkey, {"path": "/x"}, plan)
+            md.versions.create_pending(m, vkey, {"path": "/x"}, plan)
             # Most versions commit; every 10th is aborted, every 25th stays pending.
             # Shard 1 of every 7th version has one copy only.
             copies = {0: ids, 1: ids[:1] if i % 7 == 0 else ids}
             state, reason = "committed", ""
             if i % 10 == 3:
-                md.settle(vkey, 0, 0, ids[0], m.shards[0].blob_sha256)
-                md.abort(vkey, f"lost {i}")
+                md.transfers.settle(vkey, 0, 0, ids[0], m.shards[0].blob_sha256)
+                md.versions.abort(vkey, f"lost {i}")
                 state, reason, copies = "aborted", f"lost {i}", {0: ids[:1], 1: []}
             elif i % 25 == 4:
                 state, copies = "pending", {0: [], 1: []}
             else:
                 for s, holders in copies.items():
                     for r, node_id in enumerate(holders):
-                        md.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
+                        md.transfers.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
                     if not holders[1:]:
-                        md.settle(vkey, s, 1, None, m.shards[s].blob_sha256)
-                md.commit(vkey, name)
+                        md.transfers.settle(vkey, s, 1, None, m.shards[s].blob_sha256)
+                md.versions.commit(vkey, name)
             expected[vkey] = {
                 "name": name,
                 "version_id": m.version_id,
@@ -174,7 +174,7 @@ def test_versions_recorded_before_the_summaries_are_listed(cluster, tmp_path):
     try:
         _check_rows(reports.checkpoints(md), expected)
         assert md.r.exists(K.SUMMARIES_FILLED)
-        assert sorted(v for v, _ in md.versions_in("pending")) == sorted(
+        assert sorted(v for v, _ in md.listing.versions_in("pending")) == sorted(
             v for v, e in expected.items() if e["state"] == "pending"
         )
     finally:

@@ -185,12 +185,14 @@ def test_dlq_ls_in_a_pipe_shows_each_error_whole(empty_cluster: LocalCluster):
 
     error = "NodeUnavailableError: cannot reach node 10.0.0.7:7411 (timed out): " + "x" * 150
     md = Metadata(empty_cluster.redis_url)
-    md.add_dead_letter("transfer-long-0-1", {"task": "smoltorrent.transfer", "error": error})
+    md.dead_letters.add_dead_letter(
+        "transfer-long-0-1", {"task": "smoltorrent.transfer", "error": error}
+    )
     try:
         result = run("dlq", "ls", env=empty_cluster.env())
         assert result.returncode == 0 and error in result.stdout
     finally:
-        md.remove_dead_letter("transfer-long-0-1")
+        md.dead_letters.remove_dead_letter("transfer-long-0-1")
 
 
 def test_commands_that_only_read_redis_never_import_celery(empty_cluster: LocalCluster):

@@ -12,7 +12,7 @@ from tests.tasks.test_control_plane import make_ckpt, sha
 def store(c, src, name: str) -> list[str]:
     c.cli("store", str(src), "--name", name)
     md = c.md
-    return [s.blob_sha256 for s in md.manifest(md.current(name)).shards]
+    return [s.blob_sha256 for s in md.versions.manifest(md.versions.current(name)).shards]
 
 
 def test_verify_finds_a_flipped_byte_and_a_deleted_copy_and_repairs_both(make_cluster, tmp_path):
@@ -22,8 +22,8 @@ def test_verify_finds_a_flipped_byte_and_a_deleted_copy_and_repairs_both(make_cl
     other = make_ckpt(tmp_path / "w.safetensors", size=1_000_000)
     untouched = store(c, other, "w.safetensors")
     by_id = {n.client().ping(): n for n in c.node_procs}
-    flipped_on = by_id[min(c.md.placement(digests[0]))]
-    deleted_on = by_id[min(c.md.placement(digests[1]))]
+    flipped_on = by_id[min(c.md.blobs.placement(digests[0]))]
+    deleted_on = by_id[min(c.md.blobs.placement(digests[1]))]
     flip_byte(flipped_on, digests[0], 77)
     (deleted_on.data_dir / "blobs" / digests[1][:2] / digests[1]).unlink()
     c.kill_worker()  # verify needs no worker
@@ -37,7 +37,7 @@ def test_verify_finds_a_flipped_byte_and_a_deleted_copy_and_repairs_both(make_cl
     assert not set(untouched) & {r["digest"] for r in report["repaired"]}
     for d in digests:
         assert sum(whole(n, d) for n in c.node_procs) == 2
-        assert len(c.md.placement(d)) == 2
+        assert len(c.md.blobs.placement(d)) == 2
     # The bad copy was repaired in place or elsewhere; either way nothing bad is held.
     assert all(not n.client().scrub(start=False)["quarantined"] for n in c.node_procs)
 

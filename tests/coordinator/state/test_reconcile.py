@@ -29,7 +29,7 @@ def _pending(md, tmp_path, seed: int, host: str, request_id: str):
     free = {"node-a": 10**12, "node-b": 10**12}
     p = prepare_store(path, path.name, free, replicas=2, shards=2)
     fields = {"host": host, "request_id": request_id}
-    assert md.create_pending(p.manifest, p.vkey, fields, list(p.targets)) == "created"
+    assert md.versions.create_pending(p.manifest, p.vkey, fields, list(p.targets)) == "created"
     return p
 
 
@@ -37,7 +37,7 @@ def test_only_what_no_live_task_holds_is_sent_again(md, tmp_path):
     mine = _pending(md, tmp_path, 1, "h1", "r1")
     other_host = _pending(md, tmp_path, 2, "h2", "r2")
     digest = mine.manifest.shards[0].blob_sha256
-    md.settle(mine.vkey, 0, 0, mine.targets[0][0], digest)
+    md.transfers.settle(mine.vkey, 0, 0, mine.targets[0][0], digest)
 
     nothing_held = plan_reconnected(md, "h1", Held())
     assert nothing_held.transfers == [mine.vkey] and nothing_held.busy == {mine.vkey: set()}
@@ -57,14 +57,14 @@ def test_a_complete_barrier_gets_its_commit_unless_one_is_held(md, tmp_path):
     p = _pending(md, tmp_path, 3, "h1", "r3")
     for shard, nodes in enumerate(p.targets):
         for replica, node in enumerate(nodes):
-            md.settle(p.vkey, shard, replica, node, p.manifest.shards[shard].blob_sha256)
+            md.transfers.settle(p.vkey, shard, replica, node, p.manifest.shards[shard].blob_sha256)
     assert plan_reconnected(md, "h1", Held()).commits == [p.vkey]
     assert plan_reconnected(md, "h1", Held(commits=frozenset({p.vkey}))).commits == []
 
 
 def test_open_requests_go_again_unless_their_task_is_held(md, tmp_path):
-    md.open_request("q1", "store", "h1", {"path": "/x", "name": "x"})
-    md.open_request("q2", "gather", "h1", {"vkey": "v", "out": "/y"})
-    md.open_request("q3", "store", "h2", {"path": "/z", "name": "z"})
+    md.requests.open_request("q1", "store", "h1", {"path": "/x", "name": "x"})
+    md.requests.open_request("q2", "gather", "h1", {"vkey": "v", "out": "/y"})
+    md.requests.open_request("q3", "store", "h2", {"path": "/z", "name": "z"})
     actions = plan_reconnected(md, "h1", Held(requests=frozenset({"q2"})))
     assert [rid for rid, _ in actions.requests] == ["q1"]

@@ -1,0 +1,154 @@
+"""Blobs: which versions use each blob (reference sets), the tombstone of a blob being
+deleted, each blob's placement (the nodes holding a verified copy), and what the
+crosscheck and readers find wrong with copies (orphans, bad copies).
+
+Every change to a placement drops the blob's field in PLACEMENTS_LISTED in the same step
+(the listing's copy of it), so a field present always equals its set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+
+import redis
+
+from coordinator.state import redis_keys as K
+from coordinator.state.scripts import load
+from smoltorrent import defaults
+
+
+class Blobs:
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self._deleted = load(r, "blobs/deleted")
+        self._claim_orphan = load(r, "blobs/claim_orphan")
+        self._record_copy = load(r, "blobs/record_copy")
+        self._orphan_deleted = load(r, "blobs/orphan_deleted")
+
+    # --- references and tombstones -------------------------------------------------
+
+    def blob_refs(self, digest: str) -> set[str]:
+        return set(self.r.smembers(K.BLOB_REFS.format(digest=digest)))
+
+    def referenced(self, digests: list[str]) -> dict[str, bool]:
+        """digest -> whether any version (not removing or removed) uses it."""
+        with self.r.pipeline(transaction=False) as p:
+            for d in digests:
+                p.scard(K.BLOB_REFS.format(digest=d))
+            counts = p.execute()
+        return {d: n > 0 for d, n in zip(digests, counts, strict=True)}
+
+    def blob_deleting(self, digest: str) -> bool:
+        """Whether a remove is deleting this blob from the nodes right now."""
+        return bool(self.r.exists(K.BLOB_DELETING.format(digest=digest)))
+
+    def blobs_to_delete(self, vkey: str) -> set[str]:
+        """Blobs a removing version left unreferenced, not yet deleted from the nodes."""
+        return set(self.r.smembers(K.REMOVE_BLOBS.format(vkey=vkey)))
+
+    def blob_deleted(self, vkey: str, digest: str, nodes: Iterable[str]) -> None:
+        """The remove of `vkey` deleted `digest` from every node in `nodes` that held it."""
+        self._deleted(
+            keys=[
+                K.PLACEMENT.format(digest=digest),
+                K.BLOB_REFS.format(digest=digest),
+                K.BLOB_DELETING.format(digest=digest),
+                K.REMOVE_BLOBS.format(vkey=vkey),
+                K.PLACEMENTS_LISTED,
+            ],
+            args=[digest, *nodes],
+        )
+
+    # --- placement -----------------------------------------------------------------
+
+    def placement(self, digest: str) -> set[str]:
+        return set(self.r.smembers(K.PLACEMENT.format(digest=digest)))
+
+    def add_placement(self, digest: str, node_id: str) -> None:
+        with self.r.pipeline() as p:  # MULTI: the listed copy goes with the change
+            p.sadd(K.PLACEMENT.format(digest=digest), node_id)
+            p.hdel(K.PLACEMENTS_LISTED, digest)
+            p.execute()
+
+    def remove_placement(self, digest: str, node_id: str) -> None:
+        with self.r.pipeline() as p:
+            p.srem(K.PLACEMENT.format(digest=digest), node_id)
+            p.hdel(K.PLACEMENTS_LISTED, digest)
+            p.execute()
+
+    def placements(self) -> dict[str, set[str]]:
+        """Every blob's placement: digest -> node ids holding a verified copy."""
+        head, tail = K.PLACEMENT.split("{digest}")
+        keys = list(self.r.scan_iter(match=K.PLACEMENT.format(digest="*"), count=1000))
+        with self.r.pipeline(transaction=False) as p:
+            for key in keys:
+                p.smembers(key)
+            members = p.execute()
+        return {
+            k[len(head) : len(k) - len(tail)]: set(m) for k, m in zip(keys, members, strict=True)
+        }
+
+    def record_copy(self, digest: str, node_id: str) -> bool:
+        """Add a copy a node holds to the placement if a version uses the blob; True if it
+        was not listed before."""
+        keys = [
+            K.PLACEMENT.format(digest=digest),
+            K.BLOB_REFS.format(digest=digest),
+            K.PLACEMENTS_LISTED,
+        ]
+        return bool(self._record_copy(keys=keys, args=[node_id, digest]))
+
+    # --- orphans (the crosscheck) --------------------------------------------------
+
+    def note_orphan(self, digest: str, node_id: str) -> float:
+        """Record (once) that `node_id` holds `digest` with no version using it; seconds
+        since it was first found so, by the Redis clock."""
+        now = self.r.time()[0]
+        field = f"{digest}:{node_id}"
+        self.r.hsetnx(K.ORPHANS, field, now)
+        return now - float(self.r.hget(K.ORPHANS, field) or now)
+
+    def orphan_marks(self) -> set[str]:
+        return set(self.r.hkeys(K.ORPHANS))
+
+    def forget_orphans(self, fields: Iterable[str]) -> None:
+        fields = list(fields)
+        if fields:
+            self.r.hdel(K.ORPHANS, *fields)
+
+    def claim_orphan(self, digest: str, owner: str) -> bool:
+        """Tombstone an unreferenced blob before deleting it from nodes; False if a version
+        uses it or a remove is deleting it."""
+        keys = [K.BLOB_REFS.format(digest=digest), K.BLOB_DELETING.format(digest=digest)]
+        return bool(self._claim_orphan(keys=keys, args=[owner, defaults.BLOB_TOMBSTONE_TTL_S]))
+
+    def orphan_deleted(self, digest: str, owner: str, nodes: Iterable[str]) -> None:
+        """The crosscheck `owner` deleted orphan `digest` from `nodes` (maybe none): drop
+        their placement and orphan marks, and its tombstone."""
+        self._orphan_deleted(
+            keys=[
+                K.PLACEMENT.format(digest=digest),
+                K.BLOB_REFS.format(digest=digest),
+                K.BLOB_DELETING.format(digest=digest),
+                K.ORPHANS,
+                K.PLACEMENTS_LISTED,
+            ],
+            args=[owner, digest, *nodes],
+        )
+
+    # --- bad copies (readers) ------------------------------------------------------
+
+    def record_bad_copy(self, digest: str, node_id: str, reason: str) -> None:
+        """Note a copy that served wrong bytes, for the integrity sweep to repair."""
+        self.r.hset(
+            K.BAD_COPIES, f"{digest}:{node_id}", json.dumps({"reason": reason, "at": time.time()})
+        )
+
+    def reported_bad_copies(self) -> list[tuple[str, str]]:
+        """(digest, node id) of every copy a reader found corrupt, not yet checked."""
+        return [tuple(f.split(":", 1)) for f in self.r.hkeys(K.BAD_COPIES)]
+
+    def forget_bad_copy(self, digest: str, node_id: str) -> None:
+        self.r.hdel(K.BAD_COPIES, f"{digest}:{node_id}")

@@ -1,0 +1,159 @@
+"""The listing: what `ls` and `status` read instead of every version's hash and manifest.
+
+Each listed version has a row (its fields that never change, versions.listing_row) and a
+state in two hashes, and a place in the all-versions zset, kept by the same scripts that
+change the version; a listing reads them a slice at a time in one script
+(lua/listing/slice.lua), with each blob's placement from its listed copy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import redis
+
+from coordinator.plan.manifest import Manifest
+from coordinator.state import redis_keys as K
+from coordinator.state.scripts import load
+from coordinator.state.versions import PENDING, listing_row
+from smoltorrent import defaults
+from smoltorrent.errors import MetadataError
+
+
+class Listing:
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self._slice = load(r, "listing/slice")
+        self._fill_summary = load(r, "listing/fill_summary")
+
+    def version_states(self) -> dict[str, str]:
+        """vkey -> state of every listed version, in one request."""
+        self._fill_summaries()
+        return self.r.hgetall(K.VERSION_STATES)
+
+    def listed_states(self) -> tuple[list[str], dict[str, str]]:
+        """Every listed vkey in request order, and vkey -> state: one round trip whatever
+        their number (no version hash read)."""
+        self._fill_summaries()
+        with self.r.pipeline(transaction=False) as p:
+            p.zrange(K.ALL_VERSIONS, 0, -1)
+            p.hgetall(K.VERSION_STATES)
+            vkeys, found = p.execute()
+        return vkeys, found
+
+    def vkeys_in(self, states: Iterable[str]) -> list[str]:
+        """The vkeys of every listed version in one of `states`, in request order."""
+        vkeys, found = self.listed_states()
+        return [v for v in vkeys if found.get(v) in states]
+
+    def pending_versions(self) -> list[str]:
+        return self.vkeys_in((PENDING,))
+
+    def versions_in(self, *states: str) -> list[tuple[str, dict[str, str]]]:
+        """(vkey, version hash) of every listed version in one of `states`, in request order:
+        the states of all come from one hash, and only the matching versions are read."""
+        vkeys = self.vkeys_in(states)
+        with self.r.pipeline(transaction=False) as p:
+            for vkey in vkeys:
+                p.hgetall(K.VERSION.format(vkey=vkey))
+            hashes = p.execute()
+        return [
+            (vkey, v) for vkey, v in zip(vkeys, hashes, strict=True) if v.get("state") in states
+        ]
+
+    def version_summaries(
+        self,
+        name: str | None,
+        among: Iterable[str],
+        live: Iterable[str] | None = None,
+        digests: bool = False,
+        notable: Iterable[str] | None = None,
+    ) -> list[dict]:
+        """Every listed version (of `name` only, if given) as `ls` shows it, ordered by name,
+        then request: the fields of its listing row (its shards' digests only if `digests`),
+        plus vkey, state, current, transfers_settled, reason, copies (per shard, how many of
+        the nodes `among` hold it), min_copies, under_replicated and live (the same as copies
+        among the nodes `live`, if given; else None). With `notable` (blob digests), only
+        the versions `status` reports: pending, committed with a shard under its replicas
+        (among `live` if given), or using one of those blobs. A few round trips and one reply
+        per slice of LISTING_BATCH_VERSIONS, whatever the number of versions: no version hash
+        or manifest is read. A slice that meets a version not committed or a placement not
+        listed, whose keys it was not passed, names them; the listing runs again with them
+        (a second run at most, unless versions change in between)."""
+        self._fill_summaries()
+        zset = K.ALL_VERSIONS if name is None else K.VERSIONS.format(name=name)
+        count = self.r.zcard(zset)
+        among = list(among)
+        live = None if live is None else list(live)
+        options = ("d" if digests else "") + ("" if notable is None else "n")
+        wanted = list(notable or ())
+        nodes = [len(among), *among, *([-1] if live is None else [len(live), *live])]
+        nodes += [len(wanted), *wanted]
+        batch = defaults.LISTING_BATCH_VERSIONS
+        starts = range(0, count, batch)
+        keyed: list[tuple[list[str], list[str]]] = [([], []) for _ in starts]
+        for _ in range(defaults.SCRIPT_KEY_RETRIES):
+            # One MULTI block: the slices see one state (a remove between two would shift the
+            # ranks), and the last runs to the end (versions added since the count).
+            with self.r.pipeline(transaction=True) as p:
+                for start, (vkeys, blobs) in zip(starts, keyed, strict=True):
+                    stop = -1 if start == starts[-1] else start + batch - 1
+                    keys = [zset, K.VERSION_ROWS, K.VERSION_STATES, K.CURRENT, K.PLACEMENTS_LISTED]
+                    for v in vkeys:
+                        keys += [K.VERSION.format(vkey=v), K.SETTLED.format(vkey=v)]
+                    keys += [K.PLACEMENT.format(digest=d) for d in blobs]
+                    args = [start, stop, options, *nodes, len(vkeys), *vkeys, *blobs]
+                    self._slice(keys=keys, args=args, client=p)
+                replies = p.execute() if count else []
+            stale = False
+            for reply, (vkeys, blobs) in zip(replies, keyed, strict=True):
+                if reply.startswith("{"):  # what the slice needs passed: {"v": ..., "d": ...}
+                    need = json.loads(reply)
+                    vkeys += [v for v in need["v"].split() if v not in vkeys]
+                    blobs += [d for d in need["d"].split() if d not in blobs]
+                    stale = True
+            if not stale:
+                break
+        else:
+            raise MetadataError(
+                f"the versions listed changed under the listing {defaults.SCRIPT_KEY_RETRIES}"
+                " times in a row; try again."
+            )
+        out = [row for reply in replies for row in json.loads(reply)]
+        out.sort(key=lambda r: r["name"])  # stable: request order within a name
+        return out
+
+    def _fill_summaries(self) -> None:
+        """Listing rows and states for the versions recorded before they existed: once per
+        Redis (a marker key says it is done), each version in one atomic step."""
+        if self.r.exists(K.SUMMARIES_FILLED):
+            return
+        listed = [
+            (name, vkey)
+            for name in sorted(self.r.smembers(K.NAMES))
+            for vkey in self.r.zrange(K.VERSIONS.format(name=name), 0, -1)
+        ]
+        for i in range(0, len(listed), defaults.LISTING_BATCH_VERSIONS):
+            batch = listed[i : i + defaults.LISTING_BATCH_VERSIONS]
+            with self.r.pipeline(transaction=False) as p:
+                for _, vkey in batch:
+                    p.hget(K.VERSION.format(vkey=vkey), "transfers")
+                    p.get(K.MANIFEST.format(vkey=vkey))
+                found = p.execute()
+            with self.r.pipeline(transaction=False) as p:
+                for j, (name, vkey) in enumerate(batch):
+                    transfers, raw = found[2 * j], found[2 * j + 1]
+                    if raw is None:
+                        continue  # removed meanwhile
+                    row = listing_row(Manifest.from_json(raw), int(transfers or 0))
+                    keys = [
+                        K.VERSION.format(vkey=vkey),
+                        K.VERSIONS.format(name=name),
+                        K.VERSION_ROWS,
+                        K.VERSION_STATES,
+                        K.ALL_VERSIONS,
+                    ]
+                    self._fill_summary(keys=keys, args=[vkey, row], client=p)
+                p.execute()
+        self.r.set(K.SUMMARIES_FILLED, 1)

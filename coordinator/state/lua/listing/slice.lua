@@ -1,0 +1,177 @@
+--[[
+  One slice of a listing, as the text of a JSON list (one reply parses far faster than
+  thousands of small ones): for each version at ranks `start`..`stop` of the zset that
+  has a listing row (only the notable ones if options has "n": pending, committed with a
+  shard under its replicas, or using one of the notable blobs), that row (with its digests
+  only if options has "d") with "vkey", "state", "current", "transfers_settled" (not
+  counted for a committed version, whose barrier fired: all of them), "reason" (aborted
+  only), "copies" (per shard, how many of the nodes `among` its placement lists),
+  "min_copies", "under_replicated" (shards with fewer copies than its replicas) and
+  "live" (copies per shard among the nodes `live`, if given) added: the row `ls` shows,
+  built here so the client only parses it. Placements are read from their listed copies
+  (PLACEMENTS_LISTED) in one request per slice, a missing one from its set (then kept
+  there): one request per blob made up most of a listing's time.
+
+  Input:
+    KEYS[1] ALL_VERSIONS|VERSIONS: the versions listed, in order
+    KEYS[2] VERSION_ROWS: listing rows
+    KEYS[3] VERSION_STATES: listing states
+    KEYS[4] CURRENT: name -> current vkey
+    KEYS[5] PLACEMENTS_LISTED: the listing's copy of placements
+    KEYS[6..] (VERSION, SETTLED)*, PLACEMENT*: the hash and the settled transfers of each
+      version passed; then the placement of each blob passed
+    ARGV[1] start: first rank
+    ARGV[2] stop: last rank (-1: the end)
+    ARGV[3] options: "d" digests, "n" notable only
+    ARGV[4] among: number of nodes among
+    ARGV[5..] node*, live, node*, notable, digest*, versions, vkey*, digest*: the ids of
+      the nodes among; the number of live nodes (-1: not asked) and their ids; the number
+      of notable blobs and their digests; the number of versions passed and their vkeys;
+      then the digest of each placement passed
+
+  Output:
+    the JSON list of rows; or, if a version not committed has no hash passed or a blob
+    without a listed placement has no placement passed, {"v": "vkey ...", "d": "digest
+    ..."} naming them (nothing read for the rows: the caller passes them and retries)
+]]
+local with_digests = string.find(ARGV[3], 'd', 1, true) ~= nil
+local notable_only = string.find(ARGV[3], 'n', 1, true) ~= nil
+local among, live, wanted = {}, nil, {}
+local pos = 4
+local function take(into)  -- a count, then that many ARGV, into a set (-1: none, nil)
+  local n = tonumber(ARGV[pos])
+  pos = pos + 1
+  if n < 0 then return nil end
+  for i = pos, pos + n - 1 do into[ARGV[i]] = true end
+  pos = pos + n
+  return into
+end
+take(among)
+live = take({})
+take(wanted)
+local hash_of, placement_of = {}, {}  -- vkey -> KEYS index of its hash; digest -> key
+local nv = tonumber(ARGV[pos])
+for i = 1, nv do hash_of[ARGV[pos + i]] = 4 + 2 * i end
+for i = pos + nv + 1, #ARGV do placement_of[ARGV[i]] = KEYS[5 + 2 * nv + i - pos - nv] end
+local function many(key, fields)  -- HMGET in chunks (Lua's unpack has a limit)
+  local out = {}
+  for i = 1, #fields, 1000 do
+    local got = redis.call('HMGET', key, unpack(fields, i, math.min(i + 999, #fields)))
+    for j = 1, #got do out[i + j - 1] = got[j] end
+  end
+  return out
+end
+local vkeys = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
+if #vkeys == 0 then return '[]' end
+local raws, states = many(KEYS[2], vkeys), many(KEYS[3], vkeys)
+local rows, blobs, seen, need_v, need_d = {}, {}, {}, {}, {}
+for k, vkey in ipairs(vkeys) do
+  local raw, state = raws[k], states[k]
+  if raw and state then
+    -- The row is written by listing_row (listing.py): name first, digests last, each
+    -- digest 64 hex digits in quotes. Plain finds, then matches anchored there: far
+    -- cheaper than decoding it, or than a pattern tried at every byte (a quote inside a
+    -- name is escaped, so cannot match).
+    local row = {raw = raw, state = state, vkey = vkey, digests = {}}
+    row.name = string.match(raw, '^{"name":(".-"),"version_id":')
+    local at = string.find(raw, ',"replicas":', 1, true)
+    row.replicas = tonumber(string.match(raw, '^%d+', at + 12))
+    at = string.find(raw, ',"transfers":', at, true)
+    row.settled = string.match(raw, '^%d+', at + 13)
+    row.at = string.find(raw, ',"digests":[', at, true)
+    for i = row.at + 13, #raw - 2, 67 do
+      local d = string.sub(raw, i, i + 63)
+      row.digests[#row.digests + 1] = d
+      if not seen[d] then seen[d] = true; blobs[#blobs + 1] = d end
+    end
+    if state ~= 'committed' and not hash_of[vkey] then need_v[#need_v + 1] = vkey end
+    rows[#rows + 1] = row
+  end
+end
+local holders = {}  -- digest -> its placement, node ids space-separated
+local listed = many(KEYS[5], blobs)
+for i, d in ipairs(blobs) do
+  local h = listed[i]
+  if not h then
+    if placement_of[d] then
+      h = table.concat(redis.call('SMEMBERS', placement_of[d]), ' ')
+      if h ~= '' then redis.call('HSET', KEYS[5], d, h) end
+    else
+      need_d[#need_d + 1] = d
+    end
+  end
+  holders[d] = h
+end
+if #need_v > 0 or #need_d > 0 then
+  return '{"v":"' .. table.concat(need_v, ' ') .. '","d":"' .. table.concat(need_d, ' ') .. '"}'
+end
+-- Copies per shard among `nodes`; a placement's count is worked out once per distinct
+-- placement (a handful of node sets hold every blob).
+local function counter(nodes)
+  local memo = {}
+  return function(digests)
+    local out = {}
+    for i, d in ipairs(digests) do
+      local h = holders[d]
+      local c = memo[h]
+      if c == nil then
+        c = 0
+        for node in string.gmatch(h, '%S+') do
+          if nodes[node] then c = c + 1 end
+        end
+        memo[h] = c
+      end
+      out[i] = c
+    end
+    return out
+  end
+end
+local copies_among, copies_live = counter(among), live and counter(live)
+-- Whether a row is shown when only the notable ones are asked for.
+local function notable(row, copies, live_copies)
+  if not notable_only or row.state == 'pending' then return true end
+  if row.state == 'committed' then
+    for _, c in ipairs(live_copies or copies) do
+      if c < row.replicas then return true end
+    end
+  end
+  for _, d in ipairs(row.digests) do
+    if wanted[d] then return true end
+  end
+  return false
+end
+local current = {}  -- name (as JSON) -> its current vkey, read once per name
+local out = {}
+for _, row in ipairs(rows) do
+  local copies = copies_among(row.digests)
+  local live_copies = live and copies_live(row.digests)
+  if notable(row, copies, live_copies) then
+    local name, state, vkey = row.name, row.state, row.vkey
+    if current[name] == nil then
+      current[name] = redis.call('HGET', KEYS[4], cjson.decode(name)) or false
+    end
+    local settled, reason = row.settled, '""'
+    if state ~= 'committed' then
+      settled = redis.call('SCARD', KEYS[hash_of[vkey] + 1])
+    end
+    if state == 'aborted' then
+      reason = cjson.encode(redis.call('HGET', KEYS[hash_of[vkey]], 'reason') or '')
+    end
+    local least, under = row.replicas, {}
+    for i, c in ipairs(copies) do
+      if c < least then least = c end
+      if c < row.replicas then under[#under + 1] = i - 1 end
+    end
+    local raw = row.raw
+    out[#out + 1] = (with_digests and string.sub(raw, 1, -2) or string.sub(raw, 1, row.at - 1))
+      .. ',"vkey":"' .. vkey .. '","state":"' .. state
+      .. '","current":' .. tostring(current[name] == vkey)
+      .. ',"transfers_settled":' .. settled .. ',"reason":' .. reason
+      .. ',"copies":[' .. table.concat(copies, ',') .. ']'
+      .. ',"min_copies":' .. least
+      .. ',"under_replicated":[' .. table.concat(under, ',') .. ']'
+      .. ',"live":' .. (live_copies and '[' .. table.concat(live_copies, ',') .. ']' or 'null')
+      .. '}'
+  end
+end
+return '[' .. table.concat(out, ',') .. ']'

@@ -1,0 +1,61 @@
+--[[
+  Records the version a store request asks for: a new pending version, or joins the
+  existing one (the same bytes again), raising its sequence number to this request's; a
+  committed version a later request asks for again becomes current (a rollback moves no
+  bytes). The version joins the reference set of each of its blobs in the same step.
+
+  Input:
+    KEYS[1] VERSION: the version hash
+    KEYS[2] MANIFEST: its manifest
+    KEYS[3] PLAN: its placement plan
+    KEYS[4] SETTLED: its settled transfers
+    KEYS[5] READY: its ready shards
+    KEYS[6] ATTEMPTS: its attempt log
+    KEYS[7] NAMES: every checkpoint name
+    KEYS[8] VERSIONS: the versions of its name
+    KEYS[9] CURRENT: name -> current vkey
+    KEYS[10] CURRENT_SEQ: name -> sequence number that made it current
+    KEYS[11] VERSION_ROWS: listing rows
+    KEYS[12] VERSION_STATES: listing states
+    KEYS[13] ALL_VERSIONS: every listed version
+    KEYS[14] SUMMARIES_FILLED: marker that the listing holds every version
+    KEYS[15..] (BLOB_REFS)*: the reference set of each of its blobs
+    ARGV[1] seq: the request's sequence number
+    ARGV[2] name: the checkpoint name
+    ARGV[3] vkey: the version key
+    ARGV[4] fields: JSON object of the version hash's fields
+    ARGV[5] manifest: manifest JSON
+    ARGV[6] plan: JSON list of each shard's target list (as JSON text)
+    ARGV[7] row: the listing row JSON
+
+  Output:
+    "created", or the state of the version joined: "pending", "committed", "removing"
+    (then nothing changed: the caller waits for the remove to finish)
+]]
+--- @include "make_current"
+local seq = tonumber(ARGV[1])
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'removing' then return state end
+for i = 15, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
+if state == 'pending' or state == 'committed' then
+  if seq > tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') then
+    redis.call('HSET', KEYS[1], 'seq', seq)
+    redis.call('ZADD', KEYS[8], seq, ARGV[3])
+    redis.call('ZADD', KEYS[13], seq, ARGV[3])
+  end
+  if state == 'committed' then make_current(KEYS[9], KEYS[10], ARGV[2], ARGV[3], seq) end
+  return state
+end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
+redis.call('HSET', KEYS[1], 'state', 'pending', 'seq', seq)
+redis.call('SET', KEYS[2], ARGV[5])
+for i, t in ipairs(cjson.decode(ARGV[6])) do redis.call('HSET', KEYS[3], tostring(i - 1), t) end
+-- No name yet: nothing recorded before the listing summaries, none to fill.
+if redis.call('SCARD', KEYS[7]) == 0 then redis.call('SET', KEYS[14], 1) end
+redis.call('SADD', KEYS[7], ARGV[2])
+redis.call('ZADD', KEYS[8], seq, ARGV[3])
+redis.call('HSET', KEYS[11], ARGV[3], ARGV[7])
+redis.call('HSET', KEYS[12], ARGV[3], 'pending')
+redis.call('ZADD', KEYS[13], seq, ARGV[3])
+return 'created'

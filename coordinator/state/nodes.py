@@ -1,0 +1,119 @@
+"""Nodes and workers: each storage node's record, whether it answered lately, when it was
+last seen, whether the health sweep declared it dead; and which hosts' workers run (the
+boot id of each)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+
+from coordinator.dataplane.node_client import NodeAddress
+from coordinator.state import redis_keys as K
+from smoltorrent import defaults
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_id: str
+    address: NodeAddress
+    added_at: float
+
+
+class Nodes:
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    def add_node(self, node_id: str, address: NodeAddress) -> None:
+        self.r.hset(
+            K.NODES, node_id, json.dumps({"address": str(address), "added_at": time.time()})
+        )
+
+    def remove_node(self, node_id: str) -> bool:
+        with self.r.pipeline() as p:
+            p.delete(K.NODE_ALIVE.format(node_id=node_id))
+            p.hdel(K.NODE_SEEN, node_id)
+            p.hdel(K.NODE_SCRUB, node_id)
+            p.srem(K.NODES_DEAD, node_id)
+            p.hdel(K.NODES, node_id)
+            *_, removed = p.execute()
+        return bool(removed)
+
+    def nodes(self) -> dict[str, NodeRecord]:
+        out = {}
+        for node_id, raw in self.r.hgetall(K.NODES).items():
+            data = json.loads(raw)
+            out[node_id] = NodeRecord(node_id, NodeAddress.parse(data["address"]), data["added_at"])
+        return out
+
+    # --- liveness ------------------------------------------------------------------
+
+    def mark_alive(self, node_id: str, stat: dict) -> None:
+        """The node answered just now: up for NODE_ALIVE_TTL_S, and last seen now."""
+        with self.r.pipeline() as p:
+            p.set(
+                K.NODE_ALIVE.format(node_id=node_id),
+                json.dumps(stat),
+                ex=defaults.NODE_ALIVE_TTL_S,
+            )
+            p.hset(K.NODE_SEEN, node_id, repr(time.time()))
+            p.execute()
+
+    def mark_down(self, node_id: str) -> None:
+        self.r.delete(K.NODE_ALIVE.format(node_id=node_id))
+
+    def alive(self, node_ids: Iterable[str]) -> dict[str, dict]:
+        """Last stat of every node heard from within NODE_ALIVE_TTL_S."""
+        ids = list(node_ids)
+        if not ids:
+            return {}
+        raws = self.r.mget([K.NODE_ALIVE.format(node_id=n) for n in ids])
+        return {n: json.loads(raw) for n, raw in zip(ids, raws, strict=True) if raw}
+
+    def last_seen(self) -> dict[str, float]:
+        """Node id -> unix time it last answered, for every node that ever did."""
+        return {n: float(t) for n, t in self.r.hgetall(K.NODE_SEEN).items()}
+
+    def declared_dead(self) -> set[str]:
+        """Nodes the health sweep declared dead and has not seen come back."""
+        return set(self.r.smembers(K.NODES_DEAD))
+
+    def declare_dead(self, node_id: str) -> bool:
+        """True the first time a node is declared dead (until it comes back)."""
+        return bool(self.r.sadd(K.NODES_DEAD, node_id))
+
+    def readmit(self, node_id: str) -> bool:
+        """True if the node was declared dead and is now back."""
+        return bool(self.r.srem(K.NODES_DEAD, node_id))
+
+    # --- workers -------------------------------------------------------------------
+
+    def worker_alive(self, host: str, boot: str) -> None:
+        """Refresh the TTL key saying this host's worker (started as `boot`) runs."""
+        with self.r.pipeline() as p:
+            p.set(K.WORKER_ALIVE.format(host=host), boot, ex=defaults.WORKER_ALIVE_TTL_S)
+            p.sadd(K.WORKER_HOSTS, host)
+            p.execute()
+
+    def worker_gone(self, host: str, boot: str) -> None:
+        """Drop the alive key of a worker shutting down cleanly (if it is still ours)."""
+        key = K.WORKER_ALIVE.format(host=host)
+        if self.r.get(key) == boot:
+            self.r.delete(key)
+
+    def worker_boot(self, host: str) -> str | None:
+        """Boot id of the worker serving `host`, None if none was heard from lately."""
+        return self.r.get(K.WORKER_ALIVE.format(host=host))
+
+    def worker_boots(self) -> dict[str, str]:
+        """Host -> boot id of every worker heard from lately (the hosts from their set, not
+        a scan of the keyspace; a host whose alive key expired leaves the set)."""
+        hosts = sorted(self.r.smembers(K.WORKER_HOSTS))
+        boots = self.r.mget([K.WORKER_ALIVE.format(host=h) for h in hosts]) if hosts else []
+        gone = [h for h, boot in zip(hosts, boots, strict=True) if boot is None]
+        if gone:
+            self.r.srem(K.WORKER_HOSTS, *gone)
+        return {h: boot for h, boot in zip(hosts, boots, strict=True) if boot is not None}

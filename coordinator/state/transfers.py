@@ -1,0 +1,181 @@
+"""Transfers of a pending version: its placement plan, its shards' blob spans, its attempt
+log and progress, and the commit barrier that says when every transfer has settled."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+
+import redis
+
+from coordinator.plan.manifest import BlobSpan, blob_spans
+from coordinator.state import redis_keys as K
+from coordinator.state.scripts import load
+from coordinator.state.versions import Versions
+from smoltorrent import defaults
+from smoltorrent.errors import CopyBeingTrimmedError, NotFoundError
+
+
+class Transfers:
+    def __init__(self, r: redis.Redis, versions: Versions) -> None:
+        self.r = r
+        self._versions = versions
+        self._settle = load(r, "versions/settle")
+        self._replace_target = load(r, "versions/replace_target")
+        self._reopen = load(r, "versions/reopen")
+
+    def plan(self, vkey: str) -> list[tuple[str, ...]]:
+        raw = self.r.hgetall(K.PLAN.format(vkey=vkey))
+        return [tuple(json.loads(raw[str(i)])) for i in range(len(raw))]
+
+    def replace_target(self, vkey: str, shard: int, replica: int, old: str, new: str) -> bool:
+        """The plan of a pending version's shard names `new` for `replica` instead of `old` (a
+        node lost mid-store, replaced): re-sends and repairs then aim at the node that holds
+        the copy. A no-op (False) once the plan names another node there or the version left
+        pending."""
+        return bool(
+            self._replace_target(
+                keys=[K.VERSION.format(vkey=vkey), K.PLAN.format(vkey=vkey)],
+                args=[str(shard), replica + 1, old, new],
+            )
+        )
+
+    def keep_spans(self, vkey: str, spans: Iterable[BlobSpan]) -> None:
+        """Record each shard's blob span for the transfers about to run."""
+        mapping = {str(span.index): span.to_json() for span in spans}
+        if not mapping:
+            return
+        with self.r.pipeline() as p:
+            p.hset(K.SPANS.format(vkey=vkey), mapping=mapping)
+            p.expire(K.SPANS.format(vkey=vkey), defaults.SPANS_TTL_S)
+            p.execute()
+
+    def span(self, vkey: str, shard: int) -> BlobSpan:
+        """The blob span of one shard: read alone while the version's spans are kept, else
+        rebuilt from the manifest (a replay after the commit dropped them)."""
+        raw = self.r.hget(K.SPANS.format(vkey=vkey), str(shard))
+        if raw is not None:
+            return BlobSpan.from_json(raw)
+        return blob_spans(self._versions.manifest(vkey))[shard]
+
+    def record_attempt(self, vkey: str, entry: dict) -> None:
+        """Append to the version's attempt log, keeping its last ATTEMPTS_KEPT entries."""
+        key = K.ATTEMPTS.format(vkey=vkey)
+        with self.r.pipeline() as p:
+            p.rpush(key, json.dumps({**entry, "at": time.time()}))
+            p.ltrim(key, -defaults.ATTEMPTS_KEPT, -1)
+            p.execute()
+
+    def attempts(self, vkey: str) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(K.ATTEMPTS.format(vkey=vkey), 0, -1)]
+
+    def last_activity(self, vkey: str, version: dict[str, str]) -> float:
+        """Unix time of the version's last transfer attempt, re-send or creation."""
+        last = self.r.lindex(K.ATTEMPTS.format(vkey=vkey), -1)
+        return max(
+            float(version.get("created_at") or 0),
+            float(version.get("resent_at") or 0),
+            json.loads(last)["at"] if last else 0.0,
+        )
+
+    def mark_resent(self, vkey: str) -> None:
+        self.r.hset(K.VERSION.format(vkey=vkey), "resent_at", repr(time.time()))
+
+    def settle(
+        self,
+        vkey: str,
+        shard: int,
+        replica: int,
+        node_id: str | None,
+        digest: str,
+        held: bool = False,
+    ) -> bool:
+        """Record a finished transfer (node_id None when it failed for good); True when the
+        set is complete and no commit was enqueued yet: the caller enqueues the commit, then
+        calls mark_commit_enqueued. `held`: the caller counted the node from the placement
+        without sending. CopyBeingTrimmedError if the replica cannot count (see
+        lua/versions/settle.lua)."""
+        v = self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
+        done = self._settle(
+            keys=[
+                K.SETTLED.format(vkey=vkey),
+                K.READY.format(vkey=vkey),
+                K.VERSION.format(vkey=vkey),
+                K.PLACEMENT.format(digest=digest),
+                K.TRIM_MARK.format(digest=digest, node_id=node_id or ""),
+                K.PLACEMENTS_LISTED,
+            ],
+            args=[
+                f"{shard}:{replica}",
+                "" if node_id is None else str(shard),
+                node_id or "",
+                v[0] or 0,
+                v[1] or 0,
+                "1" if held else "",
+                digest,
+            ],
+        )
+        if done == -1:
+            raise CopyBeingTrimmedError(
+                f"the copy of {digest} on node {node_id} is being trimmed (or was, since it"
+                " was counted): it is sent there again"
+            )
+        return bool(done)
+
+    def mark_commit_enqueued(self, vkey: str) -> None:
+        """Record that the commit is queued (only after it is: see lua/versions/settle.lua)."""
+        self.r.hset(K.VERSION.format(vkey=vkey), "commit_enqueued", repr(time.time()))
+
+    def reopen_shards(self, vkey: str, shards: list[int]) -> bool:
+        """Send the barrier back for `shards` of a pending version (their copies are gone)."""
+        plan = self.plan(vkey)
+        args = [x for i in shards for x in (i, len(plan[i]))]
+        keys = [K.VERSION.format(vkey=vkey), K.SETTLED.format(vkey=vkey), K.READY.format(vkey=vkey)]
+        return bool(self._reopen(keys=keys, args=args))
+
+    def barrier_complete(self, vkey: str) -> bool:
+        """Every transfer settled and every shard has a verified copy."""
+        with self.r.pipeline() as p:
+            p.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
+            p.scard(K.SETTLED.format(vkey=vkey))
+            p.scard(K.READY.format(vkey=vkey))
+            (transfers, shards), settled, ready = p.execute()
+        return settled >= int(transfers or 0) and ready >= int(shards or 0)
+
+    def snapshot(self, vkey: str) -> tuple[dict[str, str], set[str], set[int]]:
+        """The version hash, its settled transfers and its ready shards in one consistent
+        read (a MULTI block), so a transfer settling in between cannot split them."""
+        with self.r.pipeline(transaction=True) as p:
+            p.hgetall(K.VERSION.format(vkey=vkey))
+            p.smembers(K.SETTLED.format(vkey=vkey))
+            p.smembers(K.READY.format(vkey=vkey))
+            v, settled, ready = p.execute()
+        if not v:
+            raise NotFoundError(f"no version {vkey} in the metadata; see `smoltorrent ls`.")
+        return v, set(settled), {int(x) for x in ready}
+
+    def progress(self, vkey: str) -> tuple[int, int]:
+        """(transfers settled, transfers planned)."""
+        return (
+            self.r.scard(K.SETTLED.format(vkey=vkey)),
+            int(self.r.hget(K.VERSION.format(vkey=vkey), "transfers") or 0),
+        )
+
+    def ready_shards(self, vkey: str) -> set[int]:
+        return {int(x) for x in self.r.smembers(K.READY.format(vkey=vkey))}
+
+    def settled(self, vkey: str) -> set[str]:
+        return set(self.r.smembers(K.SETTLED.format(vkey=vkey)))
+
+    def record_sent(self, vkey: str, shard: int, replica: int, sent: int) -> None:
+        """How far the running transfer of (shard, replica) has got, in bytes."""
+        key = K.SENT.format(vkey=vkey)
+        with self.r.pipeline() as p:
+            p.hset(key, f"{shard}:{replica}", sent)
+            p.expire(key, defaults.SENT_PROGRESS_TTL_S)
+            p.execute()
+
+    def sent(self, vkey: str) -> dict[str, int]:
+        """ "shard:replica" -> bytes sent so far by transfers still running (or just done)."""
+        return {k: int(v) for k, v in self.r.hgetall(K.SENT.format(vkey=vkey)).items()}

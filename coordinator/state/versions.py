@@ -1,0 +1,241 @@
+"""Versions: their records and states, each name's current version and its request order.
+
+A version moves only by a compare-and-set script (lua/versions/, lua/removals/):
+    pending -> committed | aborted;  committed | pending | aborted -> removing -> removed.
+Nothing ever moves committed -> aborted, and nothing leaves removing except to removed.
+A name's versions are ordered by the sequence number of their latest request (never by
+wall clocks); the current one is the committed version of the latest request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+
+import redis
+
+from coordinator.plan.manifest import Manifest, VersionBlobs
+from coordinator.state import redis_keys as K
+from coordinator.state.requests import next_seq
+from coordinator.state.scripts import load
+from smoltorrent import defaults
+from smoltorrent.errors import NotFoundError
+
+PENDING, COMMITTED, ABORTED = "pending", "committed", "aborted"
+REMOVING, REMOVED = "removing", "removed"
+
+
+def version_keys(vkey: str) -> list[str]:
+    """version, manifest, plan, settled, ready, attempts: every per-version key a create or
+    a finished remove replaces."""
+    return [
+        K.VERSION.format(vkey=vkey),
+        K.MANIFEST.format(vkey=vkey),
+        K.PLAN.format(vkey=vkey),
+        K.SETTLED.format(vkey=vkey),
+        K.READY.format(vkey=vkey),
+        K.ATTEMPTS.format(vkey=vkey),
+    ]
+
+
+def digests(manifest: Manifest) -> list[str]:
+    """Each distinct blob of a manifest once, in shard order."""
+    return list(dict.fromkeys(s.blob_sha256 for s in manifest.shards))
+
+
+def listing_row(manifest: Manifest, transfers: int) -> str:
+    """The fields `ls` shows of a version that never change once it is recorded (JSON, name
+    first and digests last: lua/listing/slice.lua finds them there without decoding it)."""
+    return json.dumps(
+        {
+            "name": manifest.name,
+            "version_id": manifest.version_id,
+            "size": manifest.source_size,
+            "shards": len(manifest.shards),
+            "tensors": sum(len(s.tensors) for s in manifest.shards),
+            "replicas": manifest.replicas,
+            "transfers": transfers,
+            "created_at": manifest.created_at,
+            "digests": [s.blob_sha256 for s in manifest.shards],
+        },
+        separators=(",", ":"),
+    )
+
+
+class Versions:
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self._create = load(r, "versions/create")
+        self._commit = load(r, "versions/commit")
+        self._abort = load(r, "versions/abort")
+
+    def create_pending(
+        self,
+        manifest: Manifest,
+        vkey: str,
+        fields: dict,
+        plan: list[tuple[str, ...]],
+        seq: int | None = None,
+    ) -> str:
+        """Record the version a store request asks for, ordered by the request's sequence
+        number (a fresh one if not given). Returns "created" for a new pending version
+        (also over an aborted or removed one), else the state of the existing version it
+        joined: "pending", "committed" (made current again if this request is the latest
+        for the name) or "removing" (the caller waits for the remove to finish)."""
+        if seq is None:
+            seq = next_seq(self.r)
+        transfers = sum(len(t) for t in plan)
+        return self._create(
+            keys=[
+                *version_keys(vkey),
+                K.NAMES,
+                K.VERSIONS.format(name=manifest.name),
+                K.CURRENT,
+                K.CURRENT_SEQ,
+                K.VERSION_ROWS,
+                K.VERSION_STATES,
+                K.ALL_VERSIONS,
+                K.SUMMARIES_FILLED,
+                *(K.BLOB_REFS.format(digest=d) for d in digests(manifest)),
+            ],
+            args=[
+                seq,
+                manifest.name,
+                vkey,
+                json.dumps(
+                    {
+                        **{k: str(v) for k, v in fields.items()},
+                        "name": manifest.name,
+                        "version_id": manifest.version_id,
+                        "size": str(manifest.source_size),
+                        "shards": str(len(manifest.shards)),
+                        "replicas": str(manifest.replicas),
+                        "transfers": str(transfers),
+                        "created_at": repr(manifest.created_at),
+                    }
+                ),
+                manifest.to_json(),
+                json.dumps([json.dumps(list(t)) for t in plan]),
+                listing_row(manifest, transfers),
+            ],
+        )
+
+    def version(self, vkey: str) -> dict[str, str]:
+        data = self.r.hgetall(K.VERSION.format(vkey=vkey))
+        if not data:
+            raise NotFoundError(
+                f"no version {vkey} in the metadata; list them with `smoltorrent ls`."
+            )
+        return data
+
+    def manifest(self, vkey: str) -> Manifest:
+        raw = self.r.get(K.MANIFEST.format(vkey=vkey))
+        if raw is None:
+            raise NotFoundError(
+                f"no manifest for version {vkey}; if Redis was lost, run `smoltorrent rebuild`."
+            )
+        return Manifest.from_json(raw)
+
+    def version_blobs(self, vkeys: Iterable[str]) -> dict[str, VersionBlobs]:
+        """vkey -> its name, replicas and blobs (from its manifest), for those of `vkeys`
+        that have one (a version removed meanwhile is left out): one round trip per
+        LISTING_BATCH_VERSIONS, not per version."""
+        vkeys = list(vkeys)
+        out: dict[str, VersionBlobs] = {}
+        batch = defaults.LISTING_BATCH_VERSIONS
+        for start in range(0, len(vkeys), batch):
+            chunk = vkeys[start : start + batch]
+            with self.r.pipeline(transaction=False) as p:
+                for vkey in chunk:
+                    p.get(K.MANIFEST.format(vkey=vkey))
+                raws = p.execute()
+            out.update(
+                (vkey, VersionBlobs.from_json(raw))
+                for vkey, raw in zip(chunk, raws, strict=True)
+                if raw is not None
+            )
+        return out
+
+    def state(self, vkey: str) -> str | None:
+        return self.r.hget(K.VERSION.format(vkey=vkey), "state")
+
+    def abort(self, vkey: str, reason: str) -> bool:
+        """pending -> aborted; True if this call aborted it (a committed version stays)."""
+        aborted = bool(
+            self._abort(keys=[K.VERSION.format(vkey=vkey), K.VERSION_STATES], args=[reason, vkey])
+        )
+        if aborted:  # no transfer of it runs now (a store of it again keeps them afresh)
+            self.r.delete(K.SPANS.format(vkey=vkey))
+        return aborted
+
+    def claim(self, vkey: str, flag: str) -> bool:
+        """Set a one-time flag on a version; True for the single caller that set it."""
+        return bool(self.r.hsetnx(K.VERSION.format(vkey=vkey), flag, "1"))
+
+    def commit(self, vkey: str, name: str) -> bool:
+        """pending -> committed, and current unless a later request's version already is;
+        True if it is current now. A version aborted or being removed stays as it is."""
+        state, current = self._commit(
+            keys=[K.VERSION.format(vkey=vkey), K.CURRENT, K.CURRENT_SEQ, K.VERSION_STATES],
+            args=[name, vkey, time.time()],
+        )
+        if state == COMMITTED:  # its attempt log is history now: kept a while, then gone
+            with self.r.pipeline(transaction=False) as p:
+                p.expire(K.ATTEMPTS.format(vkey=vkey), defaults.ATTEMPTS_TTL_S)
+                p.delete(K.SPANS.format(vkey=vkey))
+                p.execute()
+        return bool(current)
+
+    def restore_committed(self, manifest: Manifest, vkey: str) -> bool:
+        """Record a version read back from a node's manifest (rebuild); False if Redis
+        knows it already, in any state (a removing or removed one is never brought back).
+        Rebuild calls this oldest first, so sequence numbers keep their order."""
+        if self.r.exists(K.VERSION.format(vkey=vkey)):
+            return False
+        state = self.create_pending(manifest, vkey, {"rebuilt": 1}, [])
+        if state != "created":
+            return False
+        self.commit(vkey, manifest.name)
+        return True
+
+    def names(self) -> list[str]:
+        return sorted(self.r.smembers(K.NAMES))
+
+    def has_name(self, name: str) -> bool:
+        return bool(self.r.sismember(K.NAMES, name))
+
+    def versions(self, name: str) -> list[str]:
+        """The vkeys of `name`, in request order."""
+        return list(self.r.zrange(K.VERSIONS.format(name=name), 0, -1))
+
+    def current(self, name: str) -> str | None:
+        return self.r.hget(K.CURRENT, name)
+
+    def resolve(self, name: str, version: str | None = None) -> str:
+        """vkey of `name` at `version` (a version-id prefix), or its current version."""
+        if version is None:
+            vkey = self.current(name)
+            if vkey is None:
+                known = self.versions(name)
+                raise NotFoundError(
+                    f"{name} has no committed version"
+                    + (
+                        f" ({len(known)} pending or aborted; see `smoltorrent ls`)."
+                        if known
+                        else "; list stored checkpoints with `smoltorrent ls`."
+                    )
+                )
+            return vkey
+        vkeys = self.versions(name)
+        with self.r.pipeline(transaction=False) as p:
+            for v in vkeys:
+                p.hget(K.VERSION.format(vkey=v), "version_id")
+            ids = p.execute()
+        matches = [v for v, i in zip(vkeys, ids, strict=True) if (i or "").startswith(version)]
+        if len(matches) != 1:
+            raise NotFoundError(
+                f"{name} has {'no' if not matches else 'several'} versions matching "
+                f"'{version}'; see `smoltorrent ls`."
+            )
+        return matches[0]

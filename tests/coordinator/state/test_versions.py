@@ -1,0 +1,105 @@
+"""Versions on a real redis-server: states, the current version and the request order."""
+
+from __future__ import annotations
+
+from bench.scale_metadata import CountedMetadata
+from coordinator.local.synthetic import synthetic_manifest
+from coordinator.plan.manifest import VersionBlobs, storage_key
+from coordinator.state.repair_plan import wanted_blobs
+from coordinator.state.versions import COMMITTED
+from tests.coordinator.state.stores import pending, prepared, settle_all
+
+
+def test_an_older_version_committing_late_does_not_become_current(md, tmp_path):
+    old, new = prepared(tmp_path, "latest", 3), prepared(tmp_path, "latest", 4)
+    pending(md, old)  # accepted first: the lower sequence number
+    pending(md, new)
+    assert md.versions.commit(new.vkey, "latest") is True
+    assert md.versions.commit(old.vkey, "latest") is False
+    assert md.versions.current("latest") == new.vkey
+    assert md.versions.version(old.vkey)["state"] == COMMITTED  # still gatherable by version
+    assert md.removals.begin_remove(new.vkey) == COMMITTED
+    assert md.versions.current("latest") == old.vkey  # the newest remaining committed one
+
+
+def test_a_store_of_older_bytes_makes_their_version_current_again(md, tmp_path):
+    """A, B, A under one name: training rolled back and re-saved; the name serves A."""
+    a, b = prepared(tmp_path, "run/latest", 5), prepared(tmp_path, "run/latest", 6)
+    pending(md, a)
+    md.versions.commit(a.vkey, "run/latest")
+    pending(md, b)
+    md.versions.commit(b.vkey, "run/latest")
+    assert md.versions.current("run/latest") == b.vkey
+    assert pending(md, a) is False  # no bytes move: the version exists, committed
+    assert md.versions.current("run/latest") == a.vkey
+    assert md.versions.versions("run/latest") == [b.vkey, a.vkey]  # ordered by latest request
+
+
+def test_a_rollback_while_both_are_pending_ends_on_the_latest_request(md, tmp_path):
+    a, b = prepared(tmp_path, "x", 7), prepared(tmp_path, "x", 8)
+    pending(md, a)
+    pending(md, b)
+    pending(md, a)  # A asked for again before either committed
+    md.versions.commit(a.vkey, "x")
+    assert md.versions.commit(b.vkey, "x") is False
+    assert md.versions.current("x") == a.vkey
+
+
+def test_a_late_transfer_never_changes_a_committed_versions_state(md, tmp_path):
+    p = prepared(tmp_path, "ckpt", 9)
+    pending(md, p)
+    settle_all(md, p)
+    assert md.versions.commit(p.vkey, "ckpt") is True
+    digest = p.manifest.shards[0].blob_sha256
+    assert md.versions.abort(p.vkey, "a late transfer saw the source change") is False
+    assert md.transfers.settle(p.vkey, 0, 1, "node-c", digest) is False  # a dead-letter replay
+    assert md.versions.version(p.vkey)["state"] == COMMITTED
+    assert "node-c" in md.blobs.placement(digest)  # ... which still adds its replica
+
+
+def test_a_removed_version_is_never_committed_nor_made_current(md, tmp_path):
+    p = prepared(tmp_path, "gone", 10)
+    pending(md, p)
+    settle_all(md, p)
+    assert md.removals.begin_remove(p.vkey) == "pending"
+    digest = p.manifest.shards[0].blob_sha256
+    before = md.blobs.placement(digest)
+    assert md.transfers.settle(p.vkey, 0, 0, "node-z", digest) is False
+    assert md.blobs.placement(digest) == before  # a removing version records nothing
+    assert md.versions.commit(p.vkey, "gone") is False
+    assert (
+        md.versions.current("gone") is None and md.versions.version(p.vkey)["state"] == "removing"
+    )
+    assert md.removals.finish_remove(p.vkey) is True
+    assert md.versions.commit(p.vkey, "gone") is False
+    assert md.versions.current("gone") is None and md.versions.version(p.vkey)["state"] == "removed"
+    assert md.versions.versions("gone") == [] and md.versions.names() == []
+    assert md.r.ttl(f"smoltorrent:version:{p.vkey}") > 0  # the tombstone expires
+    assert md.versions.restore_committed(p.manifest, p.vkey) is False  # rebuild leaves it gone
+    assert pending(md, p) is True  # storing the same bytes again starts afresh
+
+
+def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path):
+    """wanted_blobs runs every 30 s over every committed version: its manifests come in
+    batches, not one request each."""
+    vkeys = []
+    for i in range(1500):  # over one batch of LISTING_BATCH_VERSIONS
+        m = synthetic_manifest("many", i)
+        vkey = storage_key(m.name, m.version_id)
+        md.versions.create_pending(m, vkey, {}, [("node-a", "node-b") for _ in m.shards])
+        md.versions.commit(vkey, m.name)
+        vkeys.append(vkey)
+    counted = CountedMetadata(md.url)
+    counted.r.ping()  # the connection's own handshake is not counted below
+    counted.sent = 0
+    got = counted.versions.version_blobs([*vkeys, "0" * 32])  # one never recorded: left out
+    assert list(got) == vkeys
+    m = md.versions.manifest(vkeys[7])
+    assert got[vkeys[7]] == VersionBlobs(
+        m.name, m.replicas, tuple((s.blob_sha256, s.blob_size) for s in m.shards)
+    )
+    assert counted.sent == 2  # 1,501 manifests asked: two batches
+    counted.sent = 0
+    blobs = wanted_blobs(counted)
+    assert len(blobs) == 2 * len(vkeys)
+    assert counted.sent <= 10
