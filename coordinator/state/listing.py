@@ -81,9 +81,14 @@ class Listing:
         or manifest is read. A slice that meets a version not committed or a placement not
         listed, whose keys it was not passed, names them; the listing runs again with them
         (a second run at most, unless versions change in between)."""
-        self._fill_summaries()
         zset = K.ALL_VERSIONS if name is None else K.VERSIONS.format(name=name)
-        count = self.r.zcard(zset)
+        with self.r.pipeline(transaction=False) as p:
+            p.exists(K.SUMMARIES_FILLED)
+            p.zcard(zset)
+            filled, count = p.execute()
+        if not filled:
+            self._fill_summaries()
+            count = self.r.zcard(zset)
         among = list(among)
         live = None if live is None else list(live)
         options = ("d" if digests else "") + ("" if notable is None else "n")
@@ -93,6 +98,7 @@ class Listing:
         batch = defaults.LISTING_BATCH_VERSIONS
         starts = range(0, count, batch)
         keyed: list[tuple[list[str], list[str]]] = [([], []) for _ in starts]
+        loaded = False
         for _ in range(defaults.SCRIPT_KEY_RETRIES):
             # One MULTI block: the slices see one state (a remove between two would shift the
             # ranks), and the last runs to the end (versions added since the count).
@@ -104,8 +110,16 @@ class Listing:
                         keys += [K.VERSION.format(vkey=v), K.SETTLED.format(vkey=v)]
                     keys += [K.PLACEMENT.format(digest=d) for d in blobs]
                     args = [start, stop, options, *nodes, len(vkeys), *vkeys, *blobs]
-                    self._slice(keys=keys, args=args, client=p)
-                replies = p.execute() if count else []
+                    if loaded:  # run again: no SCRIPT EXISTS round trip before it
+                        self._slice.queue_loaded(p, keys, args)
+                    else:
+                        self._slice(keys=keys, args=args, client=p)
+                try:
+                    replies = p.execute() if count else []
+                except redis.exceptions.NoScriptError:  # flushed since the last run
+                    loaded = False
+                    continue
+            loaded = True
             stale = False
             for reply, (vkeys, blobs) in zip(replies, keyed, strict=True):
                 if reply.startswith("{"):  # what the slice needs passed: {"v": ..., "d": ...}

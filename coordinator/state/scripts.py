@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -84,13 +85,25 @@ class Script:
         self.header = header(name)
         self._script = r.register_script(source(name))
 
-    def __call__(self, keys: list, args: list = (), client: redis.client.Pipeline | None = None):
+    def __call__(
+        self, keys: Sequence, args: Sequence = (), client: redis.client.Pipeline | None = None
+    ):
+        self._check(keys, args)
+        return self._script(keys=keys, args=args, client=client)
+
+    def queue_loaded(self, p: redis.client.Pipeline, keys: Sequence, args: Sequence) -> None:
+        """Queue a call on `p` of a script this client ran already, without the SCRIPT EXISTS
+        round trip a pipeline sends first for scripts (NoScriptError from p.execute() if the
+        server has lost it since: call it the usual way then)."""
+        self._check(keys, args)
+        p.evalsha(self._script.sha, len(keys), *keys, *args)
+
+    def _check(self, keys: Sequence, args: Sequence) -> None:
         if not self.header.takes(len(keys), len(args)):
             raise MetadataError(
                 f"lua/{self.name}.lua called with {len(keys)} keys and {len(args)} arguments;"
                 " its header takes others"
             )
-        return self._script(keys=keys, args=args, client=client)
 
 
 _loaded: weakref.WeakKeyDictionary[redis.Redis, dict[str, Script]] = weakref.WeakKeyDictionary()

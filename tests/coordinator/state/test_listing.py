@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinator.state import redis_keys as K
-from coordinator.state import repairs, trim_marks
+from coordinator.state import repairs, scripts, trim_marks
 from tests.coordinator.state.stores import FREE, committed_version, pending, prepared, settle_all
 
 
@@ -63,3 +63,22 @@ def test_status_reads_only_the_versions_it_reports(md, tmp_path):
     ]
     assert row["digests"] == [s.blob_sha256 for s in healthy.manifest.shards]
     assert len(md.listing.version_summaries(None, among)) == 3
+
+
+def test_a_listing_run_again_after_redis_lost_its_scripts_still_answers(md, tmp_path, monkeypatch):
+    """A slice run again (it asked for a pending version's keys) skips the check that its
+    script is loaded; if Redis lost it in between (a restart, SCRIPT FLUSH), it is loaded
+    again."""
+    p = prepared(tmp_path, "flushed", 80)
+    pending(md, p)
+    queue, flushed = scripts.Script.queue_loaded, []
+
+    def flush_first(self, pipe, keys, args):
+        md.r.script_flush()
+        flushed.append(self.name)
+        queue(self, pipe, keys, args)
+
+    monkeypatch.setattr(scripts.Script, "queue_loaded", flush_first)
+    (row,) = md.listing.version_summaries("flushed", ["node-a"])
+    assert row["state"] == "pending" and row["transfers_settled"] == 0
+    assert flushed == ["listing/slice"]

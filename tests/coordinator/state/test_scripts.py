@@ -90,13 +90,18 @@ def test_no_script_builds_a_key():
 def calls(monkeypatch):
     """Every script call made, as (script name, keys, args)."""
     made = []
-    original = scripts.Script.__call__
+    call, queue = scripts.Script.__call__, scripts.Script.queue_loaded
 
-    def record(self, keys, args=(), client=None):
+    def record_call(self, keys, args=(), client=None):
         made.append((self.name, list(keys), list(args)))
-        return original(self, keys, args, client)
+        return call(self, keys, args, client)
 
-    monkeypatch.setattr(scripts.Script, "__call__", record)
+    def record_queued(self, p, keys, args):
+        made.append((self.name, list(keys), list(args)))
+        return queue(self, p, keys, args)
+
+    monkeypatch.setattr(scripts.Script, "__call__", record_call)
+    monkeypatch.setattr(scripts.Script, "queue_loaded", record_queued)
     return made
 
 
