@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, NoReturn
 
@@ -184,74 +184,118 @@ def decode_chunk(
     chunk of exactly that length raises ChunkFormatError; the raw digest is the caller's
     to check (the manifest holds it).
     """
-    reader = _ChunkReader(source, encoded_length)
-    header = ChunkHeader.unpack(reader.take(HEADER_BYTES, "its header"))
+    steps = _decode_steps(encoded_length, write)
+    try:
+        need = next(steps)
+        while True:
+            data = source.read(need)
+            while len(data) < need:  # a short read of a pipe or socket: read on
+                more = source.read(need - len(data))
+                if not more:
+                    _corrupt("its source ends early")
+                data += more
+            need = steps.send(data)
+    except StopIteration as done:
+        return done.value
+
+
+class ChunkDecoder:
+    """decode_chunk for bytes that arrive in pieces of any size (a node's answer on a
+    socket): feed() each piece, then finish(). Holds at most one frame's planes."""
+
+    def __init__(self, encoded_length: int, write: Callable[[memoryview], object]) -> None:
+        self._steps = _decode_steps(encoded_length, write)
+        self._pending = bytearray()
+        self._need: int | None = next(self._steps)
+        self.header: ChunkHeader | None = None
+
+    def feed(self, data: bytes | memoryview) -> None:
+        if self._need is None:
+            _corrupt(f"{len(data)} bytes follow its end")
+        self._pending += data
+        used = 0
+        with memoryview(self._pending) as pending:
+            # Units are cut at an offset and the buffer trimmed once: trimming it for
+            # each 6-byte frame head would move the whole rest of it every time.
+            while self._need is not None and len(pending) - used >= self._need:
+                unit = bytes(pending[used : used + self._need])
+                used += self._need
+                try:
+                    self._need = self._steps.send(unit)
+                except StopIteration as done:
+                    self._need, self.header = None, done.value
+        del self._pending[:used]
+        if self._need is None and self._pending:
+            _corrupt(f"{len(self._pending)} bytes follow its end")
+
+    def finish(self) -> ChunkHeader:
+        """The chunk's header, once every byte has been fed; ChunkFormatError before."""
+        if self.header is None:
+            _corrupt("it ends early")
+        return self.header
+
+
+# A decode is a generator: it yields how many bytes it needs next and is sent them,
+# so one implementation serves a pulling reader (decode_chunk) and pushed pieces
+# (ChunkDecoder). It returns the chunk's header.
+_Steps = Generator[int, bytes, ChunkHeader]
+
+
+class _Budget:
+    """What is left of an encoded chunk of known length: a read past its end is corruption."""
+
+    def __init__(self, length: int) -> None:
+        self.left = length
+
+    def take(self, count: int, what: str) -> Generator[int, bytes, bytes]:
+        if count > self.left:
+            _corrupt(f"it ends inside {what}")
+        self.left -= count
+        return (yield count) if count else b""
+
+
+def _decode_steps(encoded_length: int, write: Callable[[memoryview], object]) -> _Steps:
+    budget = _Budget(encoded_length)
+    header = ChunkHeader.unpack((yield from budget.take(HEADER_BYTES, "its header")))
     if header.encoding == RAW:
-        if reader.left != header.raw_length:
-            _corrupt(f"it holds {reader.left} raw bytes; its header declares {header.raw_length}")
-        view = memoryview(bytearray(min(reader.left, defaults.IO_CHUNK_BYTES)))
-        while reader.left:
-            piece = view[: min(reader.left, len(view))]
-            reader.take_into(piece)
-            write(piece)
+        if budget.left != header.raw_length:
+            _corrupt(f"it holds {budget.left} raw bytes; its header declares {header.raw_length}")
+        while budget.left:
+            piece = yield from budget.take(min(budget.left, defaults.IO_CHUNK_BYTES), "its data")
+            write(memoryview(piece))
         return header
     decompressor = zstandard.ZstdDecompressor()
     buffer = bytearray(header.frame_bytes)
     view = memoryview(buffer)
     done = largest = 0
     while done < header.raw_length:
-        length = _decode_frame(reader, decompressor, buffer, header, done)
+        length = yield from _decode_frame(budget, decompressor, buffer, header, done)
         write(view[:length])
         done += length
         largest = max(largest, length)
-    if reader.left:
-        _corrupt(f"{reader.left} bytes follow its last frame")
+    if budget.left:
+        _corrupt(f"{budget.left} bytes follow its last frame")
     if largest != header.frame_bytes:
         _corrupt(f"its largest frame holds {largest} bytes; its header says {header.frame_bytes}")
     return header
 
 
-class _ChunkReader:
-    """Reads an encoded chunk of known length: a read past its end is corruption."""
-
-    def __init__(self, source: BinaryIO, length: int) -> None:
-        self.source = source
-        self.left = length
-
-    def take(self, count: int, what: str) -> bytes:
-        if count > self.left:
-            _corrupt(f"it ends inside {what}")
-        self.left -= count
-        parts = []
-        while count:
-            part = self.source.read(count)
-            if not part:
-                _corrupt("its source ends early")
-            parts.append(part)
-            count -= len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def take_into(self, view: memoryview) -> None:
-        self.left -= len(view)
-        if not _fill(self.source, view):
-            _corrupt("its source ends early")
-
-
 def _decode_frame(
-    reader: _ChunkReader,
+    budget: _Budget,
     decompressor: zstandard.ZstdDecompressor,
     buffer: bytearray,
     header: ChunkHeader,
     done: int,
-) -> int:
+) -> Generator[int, bytes, int]:
     """Decode the next frame into the front of buffer; returns its raw length."""
     what = f"the frame at raw byte {done}"
-    length, width, coded = _FRAME_HEAD.unpack(reader.take(_FRAME_HEAD.size, what))
+    length, width, coded = _FRAME_HEAD.unpack((yield from budget.take(_FRAME_HEAD.size, what)))
     if not 0 < length <= min(header.frame_bytes, header.raw_length - done):
         _corrupt(f"{what} declares {length} raw bytes")
     if width not in WIDTHS or coded >> width:
         _corrupt(f"{what} has width {width} and coded planes {coded:#x}")
-    stored = struct.unpack(f"<{width}I", reader.take(width * _PLANE_LENGTH.size, what))
+    lengths = yield from budget.take(width * _PLANE_LENGTH.size, what)
+    stored = struct.unpack(f"<{width}I", lengths)
     elements, tail = divmod(length, width)
     grouped = elements * width
     for plane, stored_length in enumerate(stored):
@@ -259,7 +303,7 @@ def _decode_frame(
         is_coded = coded >> plane & 1
         if stored_length > (_zstd_bound(elements) if is_coded else elements):
             _corrupt(f"{where} declares {stored_length} stored bytes for {elements} raw")
-        data = reader.take(stored_length, where)
+        data = yield from budget.take(stored_length, where)
         if is_coded:
             data = _decompress(decompressor, data, elements, where)
         elif stored_length != elements:
@@ -274,7 +318,7 @@ def _decode_frame(
         else:
             buffer[plane:grouped:width] = data  # equal lengths: copies in place
     if tail:
-        buffer[grouped:length] = reader.take(tail, what)
+        buffer[grouped:length] = yield from budget.take(tail, what)
     return length
 
 

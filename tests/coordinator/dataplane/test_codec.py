@@ -49,9 +49,33 @@ def _encode(data: bytes, layout: codec.Layout, **kw: object) -> tuple[codec.Enco
 
 
 def _decode(encoded: bytes) -> bytes:
-    out = bytearray()
-    codec.decode_chunk(io.BytesIO(encoded), len(encoded), out.extend)
-    return bytes(out)
+    """Decoded by a pulling reader and, fed in pieces of random sizes, by a ChunkDecoder:
+    both give the same bytes, or both raise ChunkFormatError."""
+    pulled, pushed = bytearray(), bytearray()
+    outcomes = []
+    try:
+        codec.decode_chunk(io.BytesIO(encoded), len(encoded), pulled.extend)
+        outcomes.append(None)
+    except ChunkFormatError as error:
+        outcomes.append(error)
+    rng = random.Random(len(encoded))
+    try:
+        decoder = codec.ChunkDecoder(len(encoded), pushed.extend)
+        at = 0
+        while at < len(encoded):
+            step = rng.choice((1, 7, 100, 4096, 70_000))
+            decoder.feed(memoryview(encoded)[at : at + step])
+            at += step
+        decoder.finish()
+        outcomes.append(None)
+    except ChunkFormatError as error:
+        outcomes.append(error)
+    pulled_error, pushed_error = outcomes
+    assert (pulled_error is None) == (pushed_error is None), outcomes
+    if pulled_error:
+        raise pulled_error
+    assert pulled == pushed
+    return bytes(pulled)
 
 
 @pytest.mark.parametrize(
@@ -294,3 +318,18 @@ def test_the_codec_takes_no_tensor_library() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_a_pushed_decoder_refuses_bytes_past_the_end_and_an_early_finish() -> None:
+    data = _bf16(20_000)
+    _, encoded = _encode(data, [(len(data), 2)])
+    decoder = codec.ChunkDecoder(len(encoded), lambda _: None)
+    decoder.feed(encoded[:100])
+    with pytest.raises(ChunkFormatError, match="ends early"):
+        decoder.finish()
+    decoder.feed(encoded[100:])
+    assert decoder.finish().raw_length == len(data)
+    with pytest.raises(ChunkFormatError, match="follow its end"):
+        decoder.feed(b"x")
+    with pytest.raises(ChunkFormatError, match="1 bytes follow its last frame"):
+        codec.ChunkDecoder(len(encoded) + 1, lambda _: None).feed(encoded + b"x")
