@@ -12,9 +12,28 @@ from pathlib import Path
 import pytest
 
 SMALL_FS_BYTES = 4 * 1024 * 1024  # small enough to fill in a blink
-# Set by .ci/run: on CI a disk-full test that cannot mount its tmpfs fails instead of
-# skipping, so the suite never goes green without having filled a real disk.
+# Set by .ci/run: on CI a disk-full test that cannot mount its tmpfs, or a link-cut test
+# that cannot make network namespaces, fails instead of skipping, so the suite never goes
+# green without having filled a real disk or unplugged a real link.
 REQUIRE_TMPFS_ENV = "SMOLTORRENT_REQUIRE_TMPFS"
+REQUIRE_NETNS_ENV = "SMOLTORRENT_REQUIRE_NETNS"
+
+
+def skip_unless_required(reason: str, env: str) -> None:
+    """Skip the test for `reason`, or fail it where `env`=1 says this machine must run it."""
+    if os.environ.get(env) == "1":
+        pytest.fail(f"{reason}; {env}=1 says this machine must run it")
+    pytest.skip(reason)
+
+
+def require_network_namespaces() -> None:
+    """Skip (fail on CI) a test that needs network namespaces where none can be made."""
+    from coordinator.local.netns import unavailable
+
+    why = unavailable()
+    if why is not None:
+        skip_unless_required(f"network namespaces: {why}", REQUIRE_NETNS_ENV)
+
 
 # Tests gather into their temp directories; workers and CLIs they start inherit this.
 os.environ.setdefault("SMOLTORRENT_GATHER_DIRS", tempfile.gettempdir())
@@ -49,9 +68,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     )
     if mounted.returncode != 0:
         reason = f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}"
-        if os.environ.get(REQUIRE_TMPFS_ENV) == "1":
-            pytest.fail(f"{reason}; {REQUIRE_TMPFS_ENV}=1 says this machine must run it")
-        pytest.skip(reason)
+        skip_unless_required(reason, REQUIRE_TMPFS_ENV)
     try:
         yield mount_point
     finally:

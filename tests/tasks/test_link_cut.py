@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from coordinator.local.lan_cluster import LanCluster
-from coordinator.local.netns import Lan, unavailable
+from coordinator.local.netns import Lan
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.versions import COMMITTED
+from tests.conftest import require_network_namespaces
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import sha
-
-WHY_NOT = unavailable()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces: {WHY_NOT}")
 
 NODES = ["n1", "n2", "n3", "n4"]
 RATE_MBIT = 16  # per port: 8 MB take ~4 s through the coordinator's, long enough to cut into
@@ -34,6 +32,7 @@ LONG_SOCKET_TIMEOUT_S = 120
 
 @pytest.fixture
 def lan_cluster(request, tmp_path):
+    require_network_namespaces()
     socket_timeout = getattr(request, "param", 2)  # seconds
     lan = Lan(["coord", *NODES], prefix=f"stcut{os.getpid() % 10000}", rate_mbit=RATE_MBIT)
     lan.open()

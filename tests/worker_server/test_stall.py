@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from coordinator.local.netns import Lan, unavailable
+from coordinator.local.netns import Lan
 from smoltorrent import defaults
+from tests.conftest import require_network_namespaces
 
 # Sends up to 200 MB to HOST:PORT with wire.send_all under a socket timeout of TIMEOUT s (or
 # a short request and waits for an answer) and prints how it ended; the receiver never
@@ -84,11 +85,11 @@ def test_a_peer_alive_but_not_reading_gets_the_whole_socket_timeout(how, ended):
     assert out == "timeout: " + ended.format(timeout_s)
 
 
-@pytest.mark.skipif(unavailable() is not None, reason=f"network namespaces: {unavailable()}")
 @pytest.mark.parametrize("how", ["send", "ask"])
 def test_a_peer_whose_host_is_unplugged_is_given_up_after_the_stall_deadline(how):
     """Sending into a full buffer, or waiting for the answer to a request the host never
     acknowledged (a handshake, the tail of a body): both end at the stall deadline."""
+    require_network_namespaces()
     lan = Lan(["a", "b"], prefix=f"ststall{os.getpid() % 10000}").open()
     try:
         out, waited = _send(
