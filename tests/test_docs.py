@@ -1,6 +1,7 @@
-"""docs/architecture.md stays true to the tree: every path and test it cites exists, and
-every module of the packages is named in it, so a newcomer finds the module for any change
-and a rename or a new module that forgets the page fails here."""
+"""docs/architecture.md stays true to the tree: every path, test and Lua script it cites
+exists, and every module of the packages and every script of the state rooms is named in
+it, so a newcomer finds the module for any change and a rename or a new module that
+forgets the page fails here."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def test_every_test_the_architecture_cites_exists() -> None:
         or not re.search(rf"^\s*def {m.group(2)}\(", (ROOT / m.group(1)).read_text(), re.M)
     ]
     assert missing == [], f"docs/architecture.md names tests that do not exist: {missing}"
+
+
+def test_every_lua_script_is_named_where_it_is() -> None:
+    """The state rooms' scripts are cited as `room/name` (coordinator/state/lua/room/name.lua)."""
+    lua = ROOT / "coordinator" / "state" / "lua"
+    rooms = {p.name for p in lua.iterdir() if p.is_dir() and p.name != "includes"}
+    cited = {c for c in CITED.findall(DOC.read_text()) if c.split("/")[0] in rooms}
+    scripts = {f"{p.parent.name}/{p.stem}" for room in rooms for p in (lua / room).glob("*.lua")}
+    assert sorted(cited - scripts) == [], "docs/architecture.md names scripts that do not exist"
+    assert sorted(scripts - cited) == [], "docs/architecture.md does not name these scripts"
 
 
 def test_every_module_is_named_in_the_architecture() -> None:
