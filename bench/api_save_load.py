@@ -1,4 +1,5 @@
-"""The training stall of smoltorrent.save: wait=False against wait=True and against a plain
+"""The training stall of smoltorrent.save: wait=False against an in-memory copy of the same
+tensors (the target: at most 1.2x it), against wait=True and against a plain
 safetensors.torch.save_file of the same state dict to the same disk; and the bytes a
 partial load of ~10% of the tensors moves.
 
@@ -8,6 +9,8 @@ A local cluster (redis-server, 4 node processes, a Celery worker; R=2) is starte
 one child process plays the training script: it builds a bf16 state dict of about
 --mib MiB once, then per repeat (every tensor changed first, so every store moves new
 bytes) times
+  copy         a clone of every tensor into new memory (what any consistent snapshot
+               costs at least)
   plain        safetensors.torch.save_file into SMOLTORRENT_HOME/staging (page cache,
                no fsync: what a training loop's own save costs)
   async_stall  smoltorrent.save(..., wait=False) until it returns: the training stall
@@ -78,6 +81,12 @@ os.unlink(warm)
 os.sync()
 for r in range(repeat):
     bump()
+    t0 = time.perf_counter()
+    copied = {k: v.clone() for k, v in sd.items()}
+    copy = time.perf_counter() - t0
+    del copied
+
+    bump()
     path = os.path.join(staging, f"plain-{r}.safetensors")
     t0 = time.perf_counter()
     safetensors.torch.save_file(sd, path)
@@ -98,7 +107,8 @@ for r in range(repeat):
     smoltorrent.save(sd, "bench/sync.safetensors", wait=True)
     sync = time.perf_counter() - t0
     os.sync()
-    runs.append({"plain": plain, "async_stall": stall, "async_commit": commit, "sync": sync})
+    runs.append({"copy": copy, "plain": plain, "async_stall": stall, "async_commit": commit,
+                 "sync": sync})
     print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
 
 names = sorted(sd)[: max(1, len(sd) // 10)]
@@ -116,7 +126,7 @@ print(json.dumps({"size": size, "tensors": len(sd), "runs": runs,
 
 def summarize(result: dict) -> dict:
     out = {}
-    for key in ("plain", "async_stall", "async_commit", "sync"):
+    for key in ("copy", "plain", "async_stall", "async_commit", "sync"):
         values = [r[key] for r in result["runs"]]
         out[key] = {
             "median_s": statistics.median(values),
@@ -125,6 +135,7 @@ def summarize(result: dict) -> dict:
         }
     plain = out["plain"]["median_s"]
     out["stall_vs_plain"] = out["async_stall"]["median_s"] / plain
+    out["stall_vs_copy"] = out["async_stall"]["median_s"] / out["copy"]["median_s"]
     out["stall_vs_sync"] = out["async_stall"]["median_s"] / out["sync"]["median_s"]
     partial = result["partial"]
     out["partial"] = {**partial, "fraction_of_checkpoint": partial["bytes_sent"] / result["size"]}
@@ -195,6 +206,7 @@ def table(record: dict) -> str:
         "-----------------------------------+----------+-----------",
     ]
     for key, label in (
+        ("copy", "in-memory copy (clone)"),
         ("plain", "safetensors save_file (baseline)"),
         ("async_stall", "save(wait=False): the stall"),
         ("async_commit", "save(wait=False) to commit"),
@@ -204,6 +216,7 @@ def table(record: dict) -> str:
         lines.append(f"{label:<35}| {m['median_s']:8.2f} | {m['min_s']:.2f}-{m['max_s']:.2f}")
     p = s["partial"]
     lines.append(
+        f"stall / in-memory copy: {s['stall_vs_copy']:.2f}x; "
         f"stall / plain save_file: {s['stall_vs_plain']:.2f}x; "
         f"stall / save(wait=True): {s['stall_vs_sync']:.2f}x"
     )

@@ -2,57 +2,50 @@
 
     import smoltorrent
 
-    handle = smoltorrent.save(model.state_dict(), "run1/latest", wait=False)
+    handle = smoltorrent.save(state, "run1/latest", wait=False)
     ...                                     # training goes on while the store runs
     state = smoltorrent.load("run1/latest", framework="torch")
 
-`save` writes a local .safetensors file (under SMOLTORRENT_HOME/staging, or
-`staging_dir`) with the framework's own writer, atomically (a temp name, then a
-rename), then asks for its store through tasks/requests.py, the one way in that the
-CLI and the watcher use too: the request is durable before `save` returns. The
-training step stalls only for the local write. The staged file is deleted once its
-version is committed on the nodes, and kept (the error names it) when the store
-fails.
-
-Saves of one name from one process run in order: a second save while the first is in
-flight writes its file at once and is queued behind the first (never two stores of
-one name interleaved). A queued save is submitted from this process when the one
-before it ends, so it is durable only from then on. The interpreter waits at exit for
-the saves it still has in flight.
+`save` stalls the training step only for one copy of the tensors' bytes into shared
+memory and an fsync'd journal record of the save (smoltorrent/snapshot.py); it raises
+only for what the caller must fix (a bad name, a value a state cannot hold, a full
+disk), never because a worker, Redis or the cluster is away. A writer process of this
+trainer (smoltorrent/snapshot_writer.py, started on the first save, in its own
+session) writes the staged .safetensors file from the snapshot, fsyncs it, and asks
+for its store through tasks/requests.py, the one way in that the CLI and the watcher
+use too, retrying while nothing answers; saves of one name are stored in the order
+they were made. The staged file is deleted once its version is committed, and kept
+(the error names it) when the store fails. The writer outlives the trainer: a script
+that ends, or is killed, right after `save` returns still has its saves stored, and a
+save whose trainer and writer both died is taken up by the next writer on the machine
+(the next save or load).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
-import re
 import struct
+import subprocess
+import sys
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coordinator import config
+from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import parse_header, read_header
 from coordinator.plan.selection import pick
-from smoltorrent import defaults
+from smoltorrent import defaults, snapshot
 from smoltorrent.errors import NotFoundError, SmoltorrentError, StateDictError
 from smoltorrent.keypaths import STATE_KEY, flatten, parse_structure, paths, unflatten
-from smoltorrent.tensors import check_framework, check_metadata, read_file, write_file
+from smoltorrent.tensors import check_framework, check_metadata, read_file
 from tasks.directory_requests import directory_version, is_directory
-from tasks.requests import (
-    StoreRequest,
-    connected_metadata,
-    submit_gather,
-    submit_store,
-    wait_gather,
-    wait_store,
-)
-
-_STEM_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
-_STEM_MAX_CHARS = 80  # characters of the name kept in a staged file's name; the rest is a uuid
+from tasks.requests import connected_metadata, submit_gather, wait_gather
 
 
 @dataclass(frozen=True)
@@ -92,10 +85,6 @@ class SaveHandle:
         return f"<SaveHandle {self.name} {state}>"
 
 
-_lock = threading.Lock()
-_latest: dict[str, SaveHandle] = {}  # per name, the save every new one queues behind
-
-
 def save(
     state: Mapping[str, Any],
     name: str,
@@ -109,7 +98,7 @@ def save(
     or MLX arrays, or a training run's whole state (dicts, lists and tuples of them and
     of plain values: model, optimizer, scheduler, RNG states, step; smoltorrent/
     keypaths.py). With wait=True, return the committed version; with wait=False, return
-    a SaveHandle as soon as the local file is written."""
+    a SaveHandle as soon as the snapshot is taken and the save journalled."""
     handle = start_save(state, name, replicas, metadata, staging_dir)
     return handle.result() if wait else handle
 
@@ -120,123 +109,142 @@ def start_save(
     replicas: int,
     metadata: Mapping[str, str] | None,
     staging_dir: str | os.PathLike[str] | None,
-    then: Callable[[SavedVersion], None] | None = None,
+    step: dict[str, Any] | None = None,
 ) -> SaveHandle:
-    """save(..., wait=False), with `then(saved)` run once the version is committed and
-    before the handle reports it (its error becomes the handle's)."""
+    """save(..., wait=False); `step` (smoltorrent/sharded.py) has the writer record the
+    committed version as a rank's part of a step before the handle reports it."""
     if not isinstance(name, str) or not name.strip():
         raise SmoltorrentError(f"a checkpoint name must be a non-empty string, not {name!r}")
+    check_name(name)
     if replicas < 1:
         raise SmoltorrentError(f"replicas must be at least 1, not {replicas}")
     flat = flatten(state)
     header = check_metadata(metadata, STATE_KEY)
     if flat.structure is not None:
         header = {**(header or {}), STATE_KEY: flat.structure}
-    path = _write_staged(flat.tensors, name, flat.framework, header, staging_dir)
-    handle = SaveHandle(name, path)
-    with _lock:
-        previous = _latest.get(name)
-        _latest[name] = handle
-    request = None
-    if previous is None or previous.done():
-        previous = None
-        try:
-            request = submit_store(path, name, replicas, complete=True)
-        except BaseException:
-            os.unlink(path)
-            with _lock:
-                if _latest.get(name) is handle:
-                    del _latest[name]
-            raise
-    # Not a daemon: the interpreter waits for saves in flight before it exits.
-    threading.Thread(
-        target=_follow,
-        args=(handle, previous, request, replicas, then),
-        name=f"smoltorrent-save-{name}",
-    ).start()
+    directory = _staging_dir(staging_dir)
+    writer = _writer(directory)
+    job = snapshot.take(flat, header, name, replicas, step, directory, writer.pool)
+    handle = SaveHandle(name, job.staged)
+    writer.send(job, handle)
     return handle
 
 
-def _follow(
-    handle: SaveHandle,
-    previous: SaveHandle | None,
-    request: StoreRequest | None,
-    replicas: int,
-    then: Callable[[SavedVersion], None] | None,
-) -> None:
-    try:
-        _fsync(handle.path)
-        if request is None:
-            concurrent.futures.wait([previous._future])
-            request = submit_store(handle.path, handle.name, replicas, complete=True)
-        out = wait_store(request)
-        v = connected_metadata().versions.version(out["vkey"])
-        saved = SavedVersion(handle.name, v["version_id"], bool(out["new"]), int(v["size"]))
-    except BaseException as exc:
-        handle._future.set_exception(
-            SmoltorrentError(
-                f"{exc} The state dict is kept at {handle.path}: `smoltorrent store "
-                f"{handle.path} --name {handle.name}` stores it once the cause is fixed."
+class _WriterClient:
+    """This process's writer for one staging directory: job records in on its stdin,
+    results out on its stdout, each resolving its save's handle."""
+
+    def __init__(self, staging: Path) -> None:
+        self.staging = staging
+        self.lock = threading.Lock()
+        self.pending: dict[str, tuple[snapshot.Job, SaveHandle]] = {}
+        self.proc: subprocess.Popen | None = None
+        self.pool = snapshot.Pool()
+
+    def _start(self) -> subprocess.Popen:
+        journal = snapshot.journal_dir(self.staging)
+        journal.mkdir(parents=True, exist_ok=True)
+        with open(journal / "writer.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "smoltorrent.snapshot_writer", str(self.staging)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,  # a Ctrl-C or kill of the trainer leaves it working
+                cwd=os.getcwd(),
             )
-        )
-    else:
-        os.unlink(handle.path)
-        try:
-            if then is not None:
-                then(saved)
-        except BaseException as exc:
-            wrapped = exc if isinstance(exc, SmoltorrentError) else SmoltorrentError(str(exc))
-            handle._future.set_exception(wrapped)
-        else:
-            handle._future.set_result(saved)
-    finally:
-        with _lock:
-            if _latest.get(handle.name) is handle:
-                del _latest[handle.name]
+        threading.Thread(
+            target=self._results, args=(proc,), name="smoltorrent-writer", daemon=True
+        ).start()
+        return proc
+
+    def start(self) -> None:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = self._start()
+
+    def send(self, job: snapshot.Job, handle: SaveHandle) -> None:
+        with self.lock:
+            self.pending[job.id] = (job, handle)
+            for _ in range(2):
+                if self.proc is None or self.proc.poll() is not None:
+                    self.proc = self._start()
+                try:
+                    self.proc.stdin.write(job.record.encode() + b"\n")
+                    self.proc.stdin.flush()
+                    return
+                except (BrokenPipeError, OSError):
+                    self.proc = None
+            # No writer would take it: the journal keeps it for the next one.
+            del self.pending[job.id]
+            job.release()
+            handle._future.set_exception(
+                SmoltorrentError(
+                    f"no writer process could be started for {handle.name}; the save is "
+                    f"journalled in {snapshot.journal_dir(self.staging)} and the next save "
+                    "or load on this machine stores it"
+                )
+            )
+
+    def _results(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            message = json.loads(line)
+            with self.lock:
+                if message.get("staged"):
+                    entry = self.pending.get(message["id"])
+                else:
+                    entry = self.pending.pop(message["id"], None)
+            if entry is None:
+                continue  # an adopted save of another process
+            job, handle = entry
+            if message.get("staged"):  # its snapshot is on disk: the pages can serve again
+                if job.buffer is not None:
+                    self.pool.put(job.buffer)
+                    job.buffer = None
+                continue
+            job.release()
+            if job.buffer is not None:  # adopted by a new writer, which deleted the file
+                job.buffer.close(unlink=False)
+                job.buffer = None
+            if message["ok"]:
+                handle._future.set_result(
+                    SavedVersion(
+                        handle.name, message["version_id"], message["new"], message["size"]
+                    )
+                )
+            else:
+                handle._future.set_exception(SmoltorrentError(message["error"]))
+        proc.wait()
+        with self.lock:
+            if self.proc is not proc:
+                return
+            self.proc = None
+            orphans = list(self.pending.values())
+            if not orphans:
+                return
+            # The writer died with saves of ours: free their records for a new writer,
+            # which adopts them and reports them here.
+            for job, _ in orphans:
+                job.release()
+            self.proc = self._start()
+
+
+_writers: dict[Path, _WriterClient] = {}
+_writers_lock = threading.Lock()
+
+
+def _writer(staging: Path) -> _WriterClient:
+    with _writers_lock:
+        client = _writers.get(staging)
+        if client is None:
+            client = _writers[staging] = _WriterClient(staging)
+        return client
 
 
 def _staging_dir(staging_dir: str | os.PathLike[str] | None) -> Path:
     directory = Path(staging_dir) if staging_dir is not None else config.home() / "staging"
     directory.mkdir(parents=True, exist_ok=True)
-    return directory
-
-
-def _write_staged(
-    state_dict: Mapping[str, Any],
-    name: str,
-    framework: str,
-    metadata: dict[str, str] | None,
-    staging_dir: str | os.PathLike[str] | None,
-) -> str:
-    """Write the state dict beside its final name, then rename: the store never sees a
-    half-written file. Not fsynced here: the training step would wait for the disk."""
-    directory = _staging_dir(staging_dir)
-    stem = f"{_STEM_CHARS.sub('_', name)[-_STEM_MAX_CHARS:]}.{uuid.uuid4().hex[:12]}"
-    final = directory / f"{stem}.safetensors"
-    # MLX appends .safetensors to any other suffix, so the temp name ends with it too.
-    tmp = directory / f".{stem}.partial.safetensors"
-    try:
-        write_file(state_dict, str(tmp), framework, metadata)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return str(final)
-
-
-def _fsync(path: str) -> None:
-    """Flush the staged file and its directory entry while the store starts, so a power
-    cut after this point cannot hand the re-driven store a torn file."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return directory.resolve()
 
 
 def load(
@@ -271,6 +279,8 @@ def load(
             raise SmoltorrentError("tensors=[] selects nothing; leave it out to load every tensor")
         tensors = list(tensors)
     directory = _staging_dir(staging_dir)
+    if snapshot.has_orphans(directory):
+        _writer(directory).start()  # it adopts the saves a dead trainer left
     if is_directory(name):
         return _load_directory(name, version, framework, tensors, device, directory)
     tree, chosen = None, None

@@ -318,3 +318,24 @@ DISCOVER_REFRESH_S = 60.0
 
 # The original looked every 10 s; a stat is cheap, an unstored checkpoint is not.
 WATCH_RECHECK_S = 2.0  # seconds between looks at files still being written
+
+# --- saves from a training loop (smoltorrent/snapshot.py, smoltorrent/snapshot_writer.py) ---
+
+# Where a save's snapshot lives until the writer process has written it to disk: shared
+# memory (RAM, no disk on the training step's clock) that outlives the training process;
+# the staging directory when there is none (macOS) or it has no room for the snapshot.
+SNAPSHOT_SHM_DIR = "/dev/shm"
+SNAPSHOT_ALIGN_BYTES = 64  # each tensor's bytes start on a cache line in the snapshot
+# seconds between store submissions while no worker, Redis or cluster answers: a worker
+# starting up is found within this, and a down Redis is not hammered
+SAVE_RETRY_S = 2.0
+# seconds a writer keeps trying to submit or follow a save before the handle reports the
+# failure; the journal keeps the save, and the next save or load on this machine takes it
+# up again. An hour covers a worker restart or a Redis failover; a trainer waiting on
+# handle.result() learns of a longer outage.
+SAVE_PATIENCE_S = 3600.0
+WRITER_IDLE_POLL_S = 0.5  # seconds between a writer's checks that its trainer is done
+# snapshot buffers a trainer keeps mapped for its next save once the writer has staged
+# them: one makes a steady save cadence fault no page, at the cost of one state's size of
+# shared memory held between saves
+SNAPSHOT_POOL_BUFFERS = 1

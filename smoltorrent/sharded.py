@@ -100,20 +100,24 @@ def save_sharded(
         WORLD_SIZE_KEY: str(world_size),
     }
     part = part_name(name, step, rank, world_size)
-
-    def record(saved: SavedVersion) -> None:
-        vkey = storage_key(part, saved.version_id)
-        done = steps.complete(
-            name, step, world_size, Part(rank, part, vkey, saved.version_id, saved.size)
-        )
-        _raise_conflict(name, step, world_size, done)
-        if done == [COMMITTED] and keep_last is not None:
-            prune(name, keep_last)
-
-    handle = start_save(
-        state_dict, part, replicas, {**(metadata or {}), **own}, staging_dir, record
-    )
+    spec = {"name": name, "step": step, "rank": rank, "world_size": world_size}
+    if keep_last is not None:
+        spec["keep_last"] = keep_last
+    handle = start_save(state_dict, part, replicas, {**(metadata or {}), **own}, staging_dir, spec)
     return handle.result() if wait else handle
+
+
+def record_part(spec: dict[str, Any], part: str, saved: SavedVersion) -> None:
+    """Record a committed part in its step (the writer process runs this before the save's
+    handle reports it); the last part commits the step, then keep_last prunes."""
+    name, step, world_size = spec["name"], spec["step"], spec["world_size"]
+    vkey = storage_key(part, saved.version_id)
+    done = _steps().complete(
+        name, step, world_size, Part(spec["rank"], part, vkey, saved.version_id, saved.size)
+    )
+    _raise_conflict(name, step, world_size, done)
+    if done == [COMMITTED] and spec.get("keep_last") is not None:
+        prune(name, spec["keep_last"])
 
 
 def _raise_conflict(name: str, step: int, world_size: int, answer: Sequence[str]) -> None:

@@ -1,0 +1,327 @@
+"""The writer process: turns a training process's snapshots into stored versions, off
+the trainer's CPU and GIL.
+
+    python -m smoltorrent.snapshot_writer STAGING_DIR
+
+The trainer (smoltorrent/api.py) starts one in its own session, so a Ctrl-C or a
+SIGKILL of the trainer does not stop it, and writes the path of each journal record
+(smoltorrent/snapshot.py) to its stdin. For each, in order: the staged .safetensors
+file is written from the shared-memory snapshot by safetensors' serializer, fsync'd
+with its directory entry, and the snapshot deleted; then the store is submitted and
+followed to its commit, one save of a name after another. While no worker, Redis or
+cluster answers, submitting is retried every SAVE_RETRY_S for SAVE_PATIENCE_S. One
+JSON line per save goes back on stdout ({"id", "ok", "version_id", "new", "size"} or
+{"id", "ok": false, "error"}), which the trainer turns into its handle's result.
+
+At start and with every save it is handed, a writer adopts the journal's orphans (a
+record no live process holds a lock on: its trainer and writer died) and stores them
+in the order they were saved. It exits once its trainer has closed its stdin and every
+save it holds has ended. A committed save leaves nothing behind; a failed store keeps
+its staged file (the error names it); a save not submitted within SAVE_PATIENCE_S
+keeps its record, for the next writer.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import fcntl
+import json
+import logging
+import mmap
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.plan.safetensors_header import read_header
+from smoltorrent import defaults
+from smoltorrent.errors import MetadataError, SmoltorrentError
+from smoltorrent.snapshot import fsync_dir, journal_dir
+
+log = logging.getLogger("smoltorrent.snapshot_writer")
+
+
+class Lost(SmoltorrentError):
+    """A journalled save whose snapshot and staged file are both gone (a power cut before
+    the staged file was written)."""
+
+
+class Writer:
+    def __init__(self, staging: Path) -> None:
+        self.staging = staging
+        self.journal = journal_dir(staging)
+        # (record, lock fd, handed over by the trainer rather than adopted)
+        self.jobs: collections.deque[tuple[str, int, bool]] = collections.deque()
+        self.lent: set[str] = set()  # snapshots staged and left to the trainer to reuse
+        self.held: set[str] = set()  # records this writer holds
+        self.names: dict[str, collections.deque[dict[str, Any]]] = {}
+        self.lock = threading.Condition()
+        self.trainer_done = False
+        self.out_lock = threading.Lock()
+        self.out = sys.stdout
+
+    # --- intake -----------------------------------------------------------------
+
+    def read_trainer(self) -> None:
+        for line in sys.stdin:
+            path = line.strip()
+            if path:
+                self.take(path, fcntl.LOCK_SH)
+                self.adopt()
+        with self.lock:
+            self.trainer_done = True
+            self.lock.notify_all()
+
+    def take(self, path: str, mode: int) -> bool:
+        """Hold the record's lock (shared beside the trainer's, or exclusive to adopt an
+        orphan) and queue it; False when it cannot be held or is gone."""
+        with self.lock:
+            if path in self.held:
+                return False
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return False
+            try:
+                fcntl.flock(fd, mode if mode == fcntl.LOCK_SH else mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            if mode != fcntl.LOCK_SH:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # adopted: now held like any other
+                log.info("adopted %s", os.path.basename(path))
+            self.held.add(path)
+            self.jobs.append((path, fd, mode == fcntl.LOCK_SH))
+            self.lock.notify_all()
+            return True
+
+    def adopt(self) -> None:
+        if self.journal.is_dir():
+            for path in sorted(self.journal.glob("*.json")):  # named by time: saved order
+                self.take(str(path), fcntl.LOCK_EX)
+
+    # --- the work -----------------------------------------------------------------
+
+    def run(self) -> None:
+        self.adopt()
+        while True:
+            with self.lock:
+                while not self.jobs and not (self.trainer_done and not self.held):
+                    self.lock.wait(defaults.WRITER_IDLE_POLL_S)
+                if not self.jobs:
+                    break
+                path, fd, from_trainer = self.jobs.popleft()
+            record = json.loads(Path(path).read_text())
+            try:
+                self.stage(record, from_trainer)
+            except BaseException as exc:
+                self.finish(path, fd, record, exc, keep_record=not isinstance(exc, Lost))
+                continue
+            self.sequence(path, fd, record)
+        for snapshot in self.lent:  # the trainer is gone: nobody reuses its buffers
+            Path(snapshot).unlink(missing_ok=True)
+
+    def stage(self, record: dict[str, Any], from_trainer: bool) -> None:
+        """Write the staged file from the snapshot (unless it is there already), fsync it.
+        The snapshot goes back to a live trainer, which reuses its pages for its next save."""
+        staged = Path(record["staged"])
+        snapshot = record["snapshot"]
+        if not staged.exists():
+            if snapshot is None or not os.path.exists(snapshot):
+                raise Lost(
+                    f"the snapshot of {record['name']} is gone (the machine restarted before "
+                    "it was written to disk); save it again"
+                )
+            tmp = staged.with_name(f".{staged.stem}.partial.safetensors")
+            _serialize(snapshot, record["layout"], record["header"], str(tmp))
+            _fsync(str(tmp))
+            os.replace(tmp, staged)
+        else:
+            _fsync(str(staged))  # written by the framework's writer in the trainer
+        fsync_dir(staged.parent)
+        if snapshot is None:
+            return
+        with self.lock:
+            lend = from_trainer and not self.trainer_done
+            if lend:
+                self.lent.add(snapshot)
+        if lend:
+            self.report({"id": record["id"], "staged": True})
+        else:
+            Path(snapshot).unlink(missing_ok=True)
+
+    def sequence(self, path: str, fd: int, record: dict[str, Any]) -> None:
+        """Saves of one name are stored one after another, in the order they were made."""
+        record["_path"], record["_fd"] = path, fd
+        with self.lock:
+            queue = self.names.get(record["name"])
+            if queue is not None:
+                queue.append(record)
+                return
+            self.names[record["name"]] = collections.deque([record])
+        threading.Thread(target=self.store_name, args=(record["name"],), daemon=True).start()
+
+    def store_name(self, name: str) -> None:
+        while True:
+            with self.lock:
+                queue = self.names[name]
+                if not queue:
+                    del self.names[name]
+                    return
+                record = queue.popleft()
+            path, fd = record.pop("_path"), record.pop("_fd")
+            try:
+                saved = self.store(path, record)
+            except BaseException as exc:
+                self.finish(path, fd, record, exc, keep_record=isinstance(exc, _Pending))
+            else:
+                self.finish(path, fd, record, saved, keep_record=False)
+
+    def store(self, path: str, record: dict[str, Any]) -> Any:
+        from redis.exceptions import RedisError
+
+        from smoltorrent.api import SavedVersion
+        from tasks.requests import StoreRequest, connected_metadata, submit_store, wait_store
+
+        staged, name = record["staged"], record["name"]
+        read_header(staged)  # a bad file fails for good here, never retried
+        sidecar = Path(_request_path(path))
+        request = sidecar.read_text() if sidecar.exists() else None
+        deadline = time.monotonic() + defaults.SAVE_PATIENCE_S
+        last_error = None
+        while True:
+            try:
+                if request is None:
+                    request = submit_store(staged, name, record["replicas"], complete=True).task_id
+                    # A writer adopting the save follows this request instead of a new one.
+                    _write_atomically(sidecar, request)
+                out = wait_store(StoreRequest(request, name, staged))
+                v = connected_metadata().versions.version(out["vkey"])
+                break
+            except (SmoltorrentError, RedisError, OSError) as exc:
+                if request is not None and not isinstance(exc, (RedisError, MetadataError)):
+                    raise  # submitted, and the store itself ended badly: no retry mends it
+                if str(exc) != last_error:
+                    log.warning("%s not stored yet, retrying: %s", name, exc)
+                    last_error = str(exc)
+                if time.monotonic() > deadline:
+                    raise _Pending(
+                        f"{name} is not stored: {exc} The snapshot is kept at {staged} and "
+                        "journalled; the next save or load on this machine stores it once "
+                        "the cause is fixed."
+                    ) from None
+                time.sleep(defaults.SAVE_RETRY_S)
+        saved = SavedVersion(name, v["version_id"], bool(out["new"]), int(v["size"]))
+        if record.get("step") is not None:
+            from smoltorrent.sharded import record_part
+
+            record_part(record["step"], name, saved)
+        return saved
+
+    def finish(
+        self, path: str, fd: int, record: dict[str, Any], outcome: Any, *, keep_record: bool
+    ) -> None:
+        if isinstance(outcome, BaseException):
+            error = str(outcome)
+            if not isinstance(outcome, (Lost, _Pending)):
+                error += (
+                    f" The state is kept at {record['staged']}: `smoltorrent store "
+                    f"{record['staged']} --name {record['name']}` stores it once the cause "
+                    "is fixed."
+                )
+            log.error("%s", error)
+            message = {"id": record["id"], "ok": False, "error": error}
+        else:
+            Path(record["staged"]).unlink(missing_ok=True)
+            log.info("%s stored as %s", record["name"], outcome.version_id[:12])
+            message = {
+                "id": record["id"],
+                "ok": True,
+                "version_id": outcome.version_id,
+                "new": outcome.new,
+                "size": outcome.size,
+            }
+        if not keep_record:
+            Path(path).unlink(missing_ok=True)
+            Path(_request_path(path)).unlink(missing_ok=True)
+        os.close(fd)
+        with self.lock:
+            self.held.discard(path)
+            self.lock.notify_all()
+        self.report(message)
+
+    def report(self, message: dict[str, Any]) -> None:
+        with self.out_lock:
+            try:
+                self.out.write(json.dumps(message) + "\n")
+                self.out.flush()
+            except (BrokenPipeError, ValueError):  # the trainer is gone: the store is not
+                self.out = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
+
+
+class _Pending(SmoltorrentError):
+    """Not submitted within SAVE_PATIENCE_S; the record stays for the next writer."""
+
+
+def _serialize(snapshot: str, layout: list[list[Any]], header: dict | None, out: str) -> None:
+    """The safetensors file of the snapshot, by safetensors' own serializer reading the
+    shared pages in place: the same bytes its torch and numpy writers write."""
+    from safetensors import TensorSpec, serialize_file
+
+    size = max((off + n for _, _, _, off, n in layout), default=0)
+    with open(snapshot, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), size) if size else None
+    try:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm)) if mm is not None else 0
+        specs = {
+            name: TensorSpec(dtype=dtype, shape=shape, data_ptr=base + off if n else 0, data_len=n)
+            for name, dtype, shape, off, n in layout
+        }
+        serialize_file(specs, out, metadata=header)
+    finally:
+        if mm is not None:
+            del base
+            mm.close()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _request_path(record: str) -> str:
+    """Beside the record, not in it: rewriting the record would make a new file, and the
+    locks that say who holds the save are on the old one."""
+    return record.removesuffix(".json") + ".request"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s writer[{os.getpid()}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    writer = Writer(Path(argv[1]))
+    writer.journal.mkdir(parents=True, exist_ok=True)
+    threading.Thread(target=writer.read_trainer, daemon=True).start()
+    writer.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

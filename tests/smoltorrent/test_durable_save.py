@@ -1,0 +1,154 @@
+"""A save is durable before save() returns, and nothing outside the training process
+makes it raise or lose a save: no worker, a trainer SIGKILLed right after its save, a
+trainer and its writer process both SIGKILLed. Real Redis, nodes, worker and processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+from tests.smoltorrent.conftest import run_api
+
+
+def stored(c, name: str, count: int, timeout: float = 90) -> list[dict]:
+    """The committed versions of `name` once there are `count` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [v for v in c.cli_json("ls") if v["name"] == name and v["state"] == "committed"]
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.5)
+
+
+def writer_pids(c) -> list[int]:
+    """The writer processes the test's trainers left running (they exit once done)."""
+    ps = subprocess.run(["ps", "-axo", "pid=,command="], capture_output=True, text=True)
+    return [
+        int(line.split(None, 1)[0])
+        for line in ps.stdout.splitlines()
+        if "smoltorrent.snapshot_writer" in line and str(c.root) in line
+    ]
+
+
+def kill_writers(c) -> None:
+    for pid in writer_pids(c):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def current_value(c, name: str) -> float:
+    return run_api(
+        c,
+        f"""
+        import json, smoltorrent
+        print(json.dumps(float(smoltorrent.load({name!r})["w"][0, 0])))
+        """,
+    )
+
+
+def test_without_a_worker_save_returns_and_the_version_is_stored_once_one_starts(make_cluster):
+    c = make_cluster(2, worker=False)
+    try:
+        out = run_api(
+            c,
+            """
+            import json, os, torch, smoltorrent
+            handle = smoltorrent.save({"w": torch.full((64, 64), 3.0)}, "durable/no-worker",
+                                      wait=False)
+            journal = os.path.join(os.environ["SMOLTORRENT_HOME"], "staging", "journal")
+            print(json.dumps({"done": handle.done(),
+                              "journalled": len([f for f in os.listdir(journal)
+                                                 if f.endswith(".json")])}))
+            """,
+        )
+        assert out == {"done": False, "journalled": 1}  # returned, and recorded on disk
+        assert stored(c, "durable/no-worker", 1, timeout=3) == []
+        c.start_worker()
+        assert len(stored(c, "durable/no-worker", 1)) == 1
+        assert current_value(c, "durable/no-worker") == 3.0
+        deadline = time.monotonic() + 30
+        while writer_pids(c) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert writer_pids(c) == []  # the writer ends once its saves are stored
+        assert list((c.root / "staging" / "journal").glob("*.json")) == []
+    finally:
+        kill_writers(c)
+
+
+def test_a_trainer_killed_right_after_a_second_queued_save_has_it_stored(make_cluster):
+    c = make_cluster(2)
+    try:
+        proc = run_api(
+            c,
+            """
+            import os, signal, torch, smoltorrent
+            smoltorrent.save({"w": torch.full((256, 256), 1.0)}, "durable/queued", wait=False)
+            smoltorrent.save({"w": torch.full((256, 256), 2.0)}, "durable/queued", wait=False)
+            os.kill(os.getpid(), signal.SIGKILL)
+            """,
+            check=False,
+        )
+        assert proc.returncode == -signal.SIGKILL
+        assert len(stored(c, "durable/queued", 2)) == 2
+        assert current_value(c, "durable/queued") == 2.0  # stored in the order they were made
+    finally:
+        kill_writers(c)
+
+
+def test_saves_whose_trainer_and_writer_were_killed_are_stored_by_the_next_save(make_cluster):
+    c = make_cluster(2, worker=False)  # nothing is stored before both die
+    try:
+        proc = run_api(
+            c,
+            """
+            import os, signal, time, torch, smoltorrent
+            from smoltorrent import api
+            smoltorrent.save({"w": torch.full((256, 256), 1.0)}, "durable/orphan", wait=False)
+            smoltorrent.save({"w": torch.full((256, 256), 2.0)}, "durable/orphan", wait=False)
+            time.sleep(1)  # the writer has them (it holds their records)
+            (writer,) = api._writers.values()
+            os.kill(writer.proc.pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+            """,
+            check=False,
+        )
+        assert proc.returncode == -signal.SIGKILL
+        c.start_worker()
+        assert stored(c, "durable/orphan", 1, timeout=3) == []  # nobody holds them now
+        out = run_api(
+            c,
+            """
+            import json, torch, smoltorrent
+            saved = smoltorrent.save({"w": torch.zeros(2)}, "durable/other")
+            print(json.dumps(saved.size > 0))
+            """,
+        )
+        assert out is True
+        assert len(stored(c, "durable/orphan", 2)) == 2
+        assert current_value(c, "durable/orphan") == 2.0
+    finally:
+        kill_writers(c)
+
+
+def test_an_update_right_after_save_returns_never_reaches_the_stored_version(make_cluster):
+    c = make_cluster(2)
+    out = run_api(
+        c,
+        """
+        import json, numpy as np, torch, smoltorrent
+        w = torch.zeros(512, 512)
+        a = np.zeros((64, 64), dtype=np.float32)
+        h1 = smoltorrent.save({"model": {"w": w}}, "durable/inplace", wait=False)
+        w.add_(1.0)  # the next optimizer step, in place, before the store has read anything
+        h2 = smoltorrent.save({"a": a}, "durable/inplace-numpy", wait=False)
+        a += 1.0
+        h1.result(), h2.result()
+        back = smoltorrent.load("durable/inplace")["model"]["w"]
+        back_np = smoltorrent.load("durable/inplace-numpy", framework="numpy")["a"]
+        print(json.dumps([float(back.abs().max()), float(np.abs(back_np).max())]))
+        """,
+    )
+    assert out == [0.0, 0.0]
