@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from coordinator.dataplane.chunk_engine import gather_chunks
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.dataplane.replicas import BadCopy, first_intact
 from coordinator.dataplane.staged_output import staged_output
@@ -35,7 +36,7 @@ Progress = Callable[[int], None]
 class GatherReport:
     path: str
     size: int
-    served_by: dict[int, str] = field(default_factory=dict)  # shard -> node address
+    served_by: dict[int, str] = field(default_factory=dict)  # shard or chunk -> node address
     fallbacks: list[str] = field(default_factory=list)  # one line per replica that failed
     bad_copies: list[BadCopy] = field(default_factory=list)  # copies that proved corrupt
 
@@ -70,10 +71,12 @@ def gather_checkpoint(
     in the order to try them. on_bad_copy(copy) runs for every corrupt copy met, whether
     the gather then succeeds or fails."""
     out_path = os.path.abspath(os.fspath(out_path))
-    if len(sources) != len(manifest.shards):
+    kind, count = (
+        ("chunk", len(manifest.chunks)) if manifest.chunked else ("shard", len(manifest.shards))
+    )
+    if len(sources) != count:
         raise SmoltorrentError(
-            f"gather of {manifest.name}: {len(sources)} replica lists for "
-            f"{len(manifest.shards)} shards"
+            f"gather of {manifest.name}: {len(sources)} replica lists for {count} {kind}s"
         )
     report = GatherReport(path=out_path, size=manifest.source_size)
     lock = threading.Lock()
@@ -113,12 +116,19 @@ def gather_checkpoint(
             tensors = _names(shard.tensors)
             return f"shard {index} ({shard.blob_sha256[:12]}, tensors {tensors}): {where}"
 
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            missing = [m for m in pool.map(one_shard, range(len(manifest.shards))) if m]
+        if manifest.chunked:
+            served, fallbacks, missing = gather_chunks(
+                manifest, sources, fd, threads=threads, progress=progress, on_bad_copy=bad_copy
+            )
+            report.served_by.update(served)
+            report.fallbacks.extend(fallbacks)
+        else:
+            with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+                missing = [m for m in pool.map(one_shard, range(count)) if m]
         if missing:
             raise GatherError(
                 f"cannot rebuild {manifest.name} (version {manifest.version_id[:12]}): "
-                f"{len(missing)} of {len(manifest.shards)} shards have no good replica: "
+                f"{len(missing)} of {count} {kind}s have no good replica: "
                 + " | ".join(missing)
                 + f". Nothing was written to {out_path}. Bring a node holding them back "
                 "(`smoltorrent status`) and gather again."

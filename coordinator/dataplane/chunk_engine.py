@@ -1,0 +1,387 @@
+"""Store and gather in chunks: encoded on the way to the nodes, decoded on the way back.
+
+A chunked version (manifest schema 3) keeps each chunk of the data section as one blob:
+the chunk encoded (coordinator/dataplane/codec.py), named by the SHA-256 of the encoded
+bytes, which is what a node verifies on every put and scrub; it never decodes. The store
+encodes each new chunk once, into a spool file beside the others of this store, and
+sends it with sendfile; a chunk no encoding shrinks is sent as its RAW header followed by
+the source's own bytes. A chunk whose raw digest is already known to be stored (a
+fine-tune's unchanged tensors) is never encoded nor sent again.
+
+The gather decodes each chunk as its bytes arrive, writes the raw bytes at its offset and
+checks both digests: the encoded one (the node's copy is what it should be) and the raw
+one (the decode gave the source's bytes). A copy failing either is a bad copy, and the
+next replica is read, as for whole shards.
+
+Plain Python, no Celery and no Redis: the tasks are not wired to it yet (issue 25).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from coordinator.dataplane import codec
+from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.replicas import BadCopy, first_intact
+from coordinator.dataplane.store_engine import hash_blob, probe_nodes, write_manifest
+from coordinator.plan.chunks import ChunkPlan, plan_chunks
+from coordinator.plan.manifest import (
+    SCHEMA_VERSION,
+    ChunkEntry,
+    Manifest,
+    chunk_entries,
+    chunked_version_id,
+)
+from coordinator.plan.placement import place
+from coordinator.plan.safetensors_header import CheckpointHeader, read_header
+from coordinator.plan.source_file import SourceIdentity
+from smoltorrent import defaults
+from smoltorrent.errors import (
+    ChunkFormatError,
+    DigestMismatchError,
+    NodeError,
+    NodeUnavailableError,
+    ProtocolError,
+    SmoltorrentError,
+    SourceChangedError,
+)
+
+# raw SHA-256 -> (blob SHA-256, blob size) of chunks already stored
+KnownChunks = Mapping[str, tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class ChunkSource:
+    """What sending one encoded chunk takes: `prefix`, then `length` bytes of `path` at
+    `offset` (a spool file holding the whole FRAMED chunk, or the source after a RAW
+    chunk's header)."""
+
+    prefix: bytes
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PreparedChunks:
+    """A planned, encoded and placed chunked version, before any byte is sent."""
+
+    path: str
+    manifest: Manifest
+    sources: tuple[ChunkSource | None, ...]  # None: already stored, never encoded here
+    targets: tuple[tuple[str, ...], ...]  # per chunk, the node ids chosen for it
+    identity: SourceIdentity
+    spool: str  # the directory of this store's encoded chunks: remove it once they are sent
+    encoded_raw_bytes: int = 0  # raw bytes this store encoded (the others were known)
+
+
+def prepare_chunked_store(
+    path: str | os.PathLike,
+    name: str,
+    free_bytes: Mapping[str, int],
+    spool: str | os.PathLike,
+    *,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    known: KnownChunks | None = None,
+    threads: int = defaults.HASH_THREADS,
+) -> PreparedChunks:
+    """Plan the chunks, encode the ones not `known` into a directory of their own under
+    `spool` (threads at once: zstd and hashlib release the GIL), place every chunk.
+
+    With `known`, every chunk is hashed first and only the unknown ones are encoded."""
+    path = os.fspath(path)
+    identity = SourceIdentity.of(path)
+    header = read_header(path)
+    identity.check(path)
+    plans = plan_chunks(header)
+    known = known or {}
+    raw_digests: list[str | None] = [None] * len(plans)
+    if known:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            raw_digests = list(
+                pool.map(
+                    lambda p: hash_blob(
+                        path, p.index, b"", header.data_start + p.data_start, p.size
+                    ),
+                    plans,
+                )
+            )
+
+    def one(plan: ChunkPlan) -> tuple[tuple[str, str, int], ChunkSource | None]:
+        raw = raw_digests[plan.index]
+        if raw in known:
+            blob, size = known[raw]
+            return (raw, blob, size), None
+        return _encode(path, header, plan, spooled, raw)
+
+    os.makedirs(spool, exist_ok=True)
+    spooled = tempfile.mkdtemp(prefix="store-", dir=spool)
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            encoded = list(pool.map(one, plans))
+        identity.check(path)
+    except BaseException:
+        shutil.rmtree(spooled, ignore_errors=True)
+        raise
+    digests = [digest for digest, _ in encoded]
+    targets = place([size for _, _, size in digests], free_bytes, replicas) if plans else []
+    manifest = Manifest(
+        name=name,
+        version_id=chunked_version_id(header.header_bytes, [raw for raw, _, _ in digests]),
+        source_size=header.file_size,
+        header_bytes=header.header_bytes,
+        replicas=replicas,
+        shards=(),
+        created_at=time.time(),
+        schema_version=SCHEMA_VERSION,
+        chunks=chunk_entries(plans, digests),
+    )
+    return PreparedChunks(
+        path=path,
+        manifest=manifest,
+        sources=tuple(source for _, source in encoded),
+        targets=tuple(tuple(t) for t in targets),
+        identity=identity,
+        spool=spooled,
+        encoded_raw_bytes=sum(p.size for p, (_, s) in zip(plans, encoded, strict=True) if s),
+    )
+
+
+def _encode(
+    path: str, header: CheckpointHeader, plan: ChunkPlan, spool: str, hashed: str | None
+) -> tuple[tuple[str, str, int], ChunkSource]:
+    """Encode one chunk into spool/<index>.chunk; its digests and where to send it from."""
+    offset = header.data_start + plan.data_start
+    spooled = os.path.join(spool, f"{plan.index}.chunk")
+    with open(path, "rb") as source, open(spooled, "w+b") as sink:
+        source.seek(offset)
+        result = codec.encode_chunk(source, plan.size, plan.layout, sink)
+    if hashed is not None and result.raw_sha256 != hashed:
+        raise SourceChangedError(
+            f"{path} changed while chunk {plan.index} was encoded; the partial version was"
+            " abandoned. Store it again once training has finished writing it."
+        )
+    digests = (result.raw_sha256, result.sha256, result.size)
+    if result.encoding == codec.RAW:
+        os.unlink(spooled)
+        return digests, ChunkSource(codec.raw_header(plan.size), path, offset, plan.size)
+    return digests, ChunkSource(b"", spooled, 0, result.size)
+
+
+@dataclass
+class ChunkStoreResult:
+    manifest: Manifest
+    holders: dict[int, list[str]] = field(default_factory=dict)  # chunk -> node ids
+    errors: list[str] = field(default_factory=list)
+    bytes_sent: int = 0  # blob bytes that moved, from the coordinator or node to node
+    encoded_raw_bytes: int = 0  # raw bytes this store encoded
+
+
+def store_chunked(
+    path: str | os.PathLike,
+    addresses: Sequence[NodeAddress],
+    spool: str | os.PathLike,
+    *,
+    name: str | None = None,
+    replicas: int = defaults.DEFAULT_REPLICAS,
+    known: KnownChunks | None = None,
+    cluster_key: bytes | None = None,
+    threads: int = defaults.TRANSFER_THREADS,
+) -> ChunkStoreResult:
+    """Store a checkpoint in chunks on the given nodes without Celery.
+
+    A chunk a node already holds is kept there; one the store did not encode (`known`)
+    is copied node to node from a holder. The manifest goes to every node holding one
+    of its chunks."""
+    path = os.fspath(path)
+    by_address = {str(a): a for a in addresses}
+    stats = probe_nodes(by_address, cluster_key)
+    ids = {stat.node_id: by_address[addr] for addr, stat in stats.items()}
+    clients = {n: NodeClient(a, cluster_key=cluster_key) for n, a in ids.items()}
+    # Only a chunk some node still holds can be left unencoded: it is copied from there.
+    on_nodes = set().union(*_held({b for b, _ in (known or {}).values()}, clients).values())
+    known = {raw: blob for raw, blob in (known or {}).items() if blob[0] in on_nodes}
+    prepared = prepare_chunked_store(
+        path,
+        name or os.path.basename(path),
+        {stat.node_id: stat.free_bytes for stat in stats.values()},
+        spool,
+        replicas=replicas,
+        known=known,
+    )
+    manifest = prepared.manifest
+    result = ChunkStoreResult(
+        manifest,
+        holders={c.index: [] for c in manifest.chunks},
+        encoded_raw_bytes=prepared.encoded_raw_bytes,
+    )
+    lock = threading.Lock()
+
+    held = _held({c.blob_sha256 for c in manifest.chunks}, clients)
+
+    def one(chunk: ChunkEntry) -> None:
+        holding = sorted(n for n, blobs in held.items() if chunk.blob_sha256 in blobs)
+        wanted = prepared.targets[chunk.index]
+        targets = holding[: len(wanted)]
+        targets += [n for n in wanted if n not in targets][: len(wanted) - len(targets)]
+        for node_id in targets:
+            try:
+                sent = _send(prepared, chunk, clients[node_id], [clients[h] for h in holding])
+            except (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError) as exc:
+                with lock:
+                    result.errors.append(f"chunk {chunk.index} -> node {node_id}: {exc}")
+                continue
+            with lock:
+                result.holders[chunk.index].append(node_id)
+                result.bytes_sent += chunk.blob_size if sent else 0
+            if node_id not in holding:
+                holding.append(node_id)
+
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(one, manifest.chunks))
+    finally:
+        _drop_spool(prepared)
+    missing = [i for i, h in result.holders.items() if not h]
+    if missing:
+        raise SmoltorrentError(
+            f"{path}: chunk(s) {missing} reached no node ({'; '.join(result.errors)}). "
+            "Nothing was committed; check the nodes with `smoltorrent status` and store again."
+        )
+    holders = {n for h in result.holders.values() for n in h}
+    write_manifest(manifest, [clients[n] for n in holders])
+    return result
+
+
+def _held(blobs: set[str], clients: Mapping[str, NodeClient]) -> dict[str, set[str]]:
+    """Which of the blobs each node holds (none, for a node that does not answer)."""
+    digests = sorted(blobs)
+
+    def one(node_id: str) -> set[str]:
+        try:
+            return clients[node_id].has(digests) if digests else set()
+        except (NodeUnavailableError, NodeError, ProtocolError):
+            return set()
+
+    if not clients:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(clients))) as pool:
+        return dict(zip(clients, pool.map(one, clients), strict=True))
+
+
+def _send(
+    prepared: PreparedChunks,
+    chunk: ChunkEntry,
+    target: NodeClient,
+    holders: Sequence[NodeClient],
+) -> bool:
+    """Make target hold the chunk's blob; True if bytes moved to it."""
+    source = prepared.sources[chunk.index]
+    if source is None:
+        # Not encoded by this store: only a node holding it can pass it on.
+        if any(holder.address == target.address for holder in holders):
+            return False
+        for holder in holders:
+            try:
+                return holder.replicate(chunk.blob_sha256, target.address)
+            except (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError):
+                continue
+        raise NodeError(
+            "missing",
+            f"no node holds chunk {chunk.index} ({chunk.blob_sha256[:12]}) to copy from",
+        )
+    if source.path == prepared.path:
+        prepared.identity.check(prepared.path)
+    with open(source.path, "rb") as f:
+        return target.put_blob(
+            chunk.blob_sha256, source.prefix, f.fileno(), source.offset, source.length
+        )
+
+
+def _drop_spool(prepared: PreparedChunks) -> None:
+    shutil.rmtree(prepared.spool, ignore_errors=True)
+
+
+def gather_chunks(
+    manifest: Manifest,
+    sources: Sequence[Sequence[NodeClient]],
+    fd: int,
+    *,
+    threads: int = defaults.TRANSFER_THREADS,
+    progress: Callable[[int], None] | None = None,
+    on_bad_copy: Callable[[BadCopy], None],
+) -> tuple[dict[int, str], list[str], list[str]]:
+    """Write every chunk of a chunked manifest's data section into fd at its offset;
+    sources[i] lists chunk i's replicas in the order to try them. Returns which node
+    served each chunk, one line per replica that failed, one line per chunk none served."""
+    served: dict[int, str] = {}
+    fallbacks: list[str] = []
+    lock = threading.Lock()
+
+    def one(chunk: ChunkEntry) -> str | None:
+        def read(client: NodeClient) -> None:
+            _read_chunk(client, chunk, fd, manifest.data_start + chunk.data_start, progress)
+
+        by, tried = first_intact(
+            chunk.index, chunk.blob_sha256, sources[chunk.index], read, on_bad_copy
+        )
+        with lock:
+            fallbacks.extend(f"chunk {chunk.index} {line}" for line in tried)
+            if by is not None:
+                served[chunk.index] = by
+                return None
+        where = "; ".join(tried) or "no node holds a copy"
+        return f"chunk {chunk.index} ({chunk.blob_sha256[:12]}): {where}"
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        missing = [m for m in pool.map(one, manifest.chunks) if m]
+    return served, fallbacks, missing
+
+
+def _read_chunk(
+    client: NodeClient,
+    chunk: ChunkEntry,
+    fd: int,
+    offset: int,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Decode one replica's copy into [offset, offset + raw size) of fd, both digests
+    checked; a copy failing either, or not decoding, raises DigestMismatchError."""
+    raw_size = chunk.data_end - chunk.data_start
+    encoded, raw = hashlib.sha256(), hashlib.sha256()
+    written = 0
+
+    def write(piece: memoryview) -> None:
+        nonlocal written
+        if written + len(piece) > raw_size:
+            raise ChunkFormatError(f"it decodes to more than its {raw_size} bytes")
+        raw.update(piece)
+        os.pwrite(fd, piece, offset + written)
+        written += len(piece)
+        if progress:
+            progress(len(piece))
+
+    decoder = codec.ChunkDecoder(chunk.blob_size, write)
+
+    def arrive(piece: memoryview) -> None:
+        encoded.update(piece)
+        decoder.feed(piece)
+
+    where = f"chunk {chunk.index} ({chunk.blob_sha256[:12]}) from node {client.address}"
+    try:
+        client.read_blob(chunk.blob_sha256, arrive, size=chunk.blob_size)
+        decoder.finish()
+    except ChunkFormatError as exc:
+        raise DigestMismatchError(f"{where}: {exc}") from exc
+    if encoded.hexdigest() != chunk.blob_sha256:
+        raise DigestMismatchError(f"{where} hashed to {encoded.hexdigest()[:12]}: a bad copy")
+    if written != raw_size or raw.hexdigest() != chunk.raw_sha256:
+        raise DigestMismatchError(f"{where} decoded to other bytes than the source's")
