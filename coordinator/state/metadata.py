@@ -54,6 +54,11 @@ class Metadata:
         self.dead_letters = DeadLetters(self.r)
         self.sweeps = Sweeps(self.r)
 
+    def close(self) -> None:
+        """Close the client's connections (a long-lived process that makes many clients,
+        a test run, would otherwise hold a socket for each)."""
+        self.r.close()
+
     def ping(self) -> None:
         try:
             self.r.ping()

@@ -6,6 +6,7 @@ assertions read Redis through coordinator.state.metadata.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -39,9 +40,17 @@ class Cluster(LocalCluster):
     def cli_json(self, *argv: str):
         return json.loads(self.cli(*argv, "--json").stdout)
 
-    @property
+    @functools.cached_property
     def md(self) -> Metadata:
+        # One client for the cluster's life (redis-py reconnects after a Redis restart): a
+        # new one per use left a socket open each time, and a pytest worker ran out of
+        # descriptors below select's limit.
         return Metadata(self.redis_url)
+
+    def stop(self) -> None:
+        super().stop()
+        if "md" in self.__dict__:
+            self.md.close()
 
     def register_nodes(self) -> None:
         self.cli("nodes", "add", *(str(n.address) for n in self.node_procs))

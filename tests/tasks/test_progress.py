@@ -32,9 +32,12 @@ def run_on_a_terminal(argv: list[str], env: dict[str, str], timeout: float = 180
     os.close(slave)
     out = b""
     deadline = time.monotonic() + timeout
+    # poll, not select: a pytest worker that has run hundreds of cluster tests can hold a
+    # descriptor numbered past select's limit of 1024
+    poller = select.poll()
+    poller.register(master, select.POLLIN)
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([master], [], [], 0.2)
-        if ready:
+        if poller.poll(200):
             try:
                 chunk = os.read(master, 65536)
             except OSError:  # the child closed its end
