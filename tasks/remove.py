@@ -34,8 +34,12 @@ def remove(self, vkey: str) -> dict:
     involved = set().union(*(md.blobs.placement(s.blob_sha256) for s in manifest.shards))
     deleted, kept = 0, []
     # Only blobs no other version uses: the reference sets decided, atomically with the
-    # state change, which ones (a second run resumes the ones not yet deleted).
+    # state change, which ones (a second run resumes the ones not yet deleted). Asked
+    # again just before the delete: a remove a down node keeps open can be sent again
+    # long after, when a new version has stored the same bytes.
     for digest in sorted(md.blobs.blobs_to_delete(vkey)):
+        if not md.blobs.claim_delete(vkey, digest):
+            continue
         gone, left = [], False
         for node_id in sorted(md.blobs.placement(digest)):
             if node_id not in registered:
@@ -49,6 +53,11 @@ def remove(self, vkey: str) -> dict:
                 left = True
         if not left:
             md.blobs.blob_deleted(vkey, digest, gone)
+        else:
+            # The copies deleted are gone now, whatever is left: a store of the same bytes
+            # must not count on them.
+            for node_id in gone:
+                md.blobs.remove_placement(digest, node_id)
     # Ask every node: a manifest left on any of them would let rebuild bring it back.
     # Only a node that held its blobs and cannot answer keeps the remove open.
     for node_id in registered:

@@ -23,6 +23,7 @@ class Blobs:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
         self._deleted = load(r, "blobs/deleted")
+        self._claim_delete = load(r, "blobs/claim_delete")
         self._claim_orphan = load(r, "blobs/claim_orphan")
         self._record_copy = load(r, "blobs/record_copy")
         self._orphan_deleted = load(r, "blobs/orphan_deleted")
@@ -47,6 +48,19 @@ class Blobs:
     def blobs_to_delete(self, vkey: str) -> set[str]:
         """Blobs a removing version left unreferenced, not yet deleted from the nodes."""
         return set(self.r.smembers(K.REMOVE_BLOBS.format(vkey=vkey)))
+
+    def claim_delete(self, vkey: str, digest: str) -> bool:
+        """Whether the remove of `vkey` may delete `digest` from the nodes now: no version
+        uses it (its tombstone is then renewed); one that does takes it off the remove's
+        list. Asked again before every delete: a remove can stay open for hours."""
+        keys = [
+            K.BLOB_REFS.format(digest=digest),
+            K.BLOB_DELETING.format(digest=digest),
+            K.REMOVE_BLOBS.format(vkey=vkey),
+        ]
+        return bool(
+            self._claim_delete(keys=keys, args=[digest, vkey, defaults.BLOB_TOMBSTONE_TTL_S])
+        )
 
     def blob_deleted(self, vkey: str, digest: str, nodes: Iterable[str]) -> None:
         """The remove of `vkey` deleted `digest` from every node in `nodes` that held it."""

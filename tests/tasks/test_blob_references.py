@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from coordinator.dataplane.node_client import NodeClient
+from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED
 from tests.tasks.test_control_plane import make_ckpt, sha
 
@@ -80,3 +81,37 @@ def test_rebuild_restores_only_versions_whose_every_shard_is_on_a_node(make_clus
     out = tmp_path / "out.safetensors"
     c.cli("gather", "whole.safetensors", "-o", str(out))
     assert sha(out) == sha(whole)
+
+
+def test_a_stalled_remove_sent_again_never_deletes_a_newer_versions_blobs(make_cluster, tmp_path):
+    """rm of A while one holder of its blob is SIGKILLed (still registered): the remove
+    deletes the other copy and stays open. Its tombstone then lapses (deleted here: an
+    hour of re-sends), and B with the same bytes is stored and committed on the live
+    nodes. The old remove sent again must leave B's copies: it deleted every node in the
+    blob's placement without looking at its references again, and B was lost."""
+    c = make_cluster(3)
+    src = make_ckpt(tmp_path / "a.safetensors")
+    c.cli("store", str(src), "--name", "a", "--shards", "1")
+    a = c.md.versions.current("a")
+    [digest] = [s.blob_sha256 for s in c.md.versions.manifest(a).shards]
+    holders = sorted(c.md.blobs.placement(digest))
+    dead = next(n for n in c.node_procs if n.client().ping() == holders[0])
+    dead.kill()
+    proc = c.cli("rm", "a")
+    assert "left behind" in " ".join(proc.stdout.split() + proc.stderr.split())
+    assert c.md.versions.version(a)["state"] == "removing"
+    c.md.r.delete(K.BLOB_DELETING.format(digest=digest))  # the tombstone's hour is over
+    row = c.cli_json("store", str(src), "--name", "b", "--shards", "1")
+    assert row["state"] == COMMITTED
+    live = [n for n in c.node_procs if n is not dead]
+
+    def holding() -> list[str]:
+        return [str(n.address) for n in live if digest in NodeClient(n.address).list_blobs()]
+
+    before = holding()
+    assert before  # B's bytes are on a live node (the copy A's remove deleted is not counted)
+    c.cli("rm", "a")  # the remove sent again (reconcile does, every minute)
+    assert holding() == before
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "b", "-o", str(out))
+    assert sha(out) == sha(src)

@@ -144,6 +144,7 @@ def test_every_caller_passes_the_keys_its_script_names(md, calls):
     assert md.removals.begin_remove(c) == "committed"  # the current one: b becomes current
     assert md.versions.current("ckpt") == b
     for d in md.blobs.blobs_to_delete(c):
+        assert md.blobs.claim_delete(c, d)
         md.blobs.blob_deleted(c, d, ["node-a"])
     assert md.removals.finish_remove(c)
     digest = mc.shards[0].blob_sha256

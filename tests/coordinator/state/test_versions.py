@@ -45,6 +45,23 @@ def test_a_rollback_while_both_are_pending_ends_on_the_latest_request(md, tmp_pa
     assert md.versions.current("x") == a.vkey
 
 
+def test_the_current_content_stored_again_while_a_newer_store_is_pending_stays_current(
+    md, tmp_path
+):
+    """A current; B asked for (still uploading); A asked for again: it moves no bytes and
+    is already current, but it is the latest request, so B committing later does not
+    take the name. make_current returned early for a version already current without
+    raising the name's request order, and B won."""
+    a, b = prepared(tmp_path, "y", 11), prepared(tmp_path, "y", 12)
+    pending(md, a)
+    md.versions.commit(a.vkey, "y")
+    pending(md, b)
+    assert pending(md, a) is False and md.versions.current("y") == a.vkey
+    assert md.versions.commit(b.vkey, "y") is False
+    assert md.versions.current("y") == a.vkey
+    assert md.versions.version(b.vkey)["state"] == COMMITTED  # gatherable by its version
+
+
 def test_a_late_transfer_never_changes_a_committed_versions_state(md, tmp_path):
     p = prepared(tmp_path, "ckpt", 9)
     pending(md, p)
