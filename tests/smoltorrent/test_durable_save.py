@@ -152,3 +152,27 @@ def test_an_update_right_after_save_returns_never_reaches_the_stored_version(mak
         """,
     )
     assert out == [0.0, 0.0]
+
+
+def test_a_store_that_fails_shows_on_the_handle_and_keeps_the_staged_file(make_cluster):
+    c = make_cluster(2)
+    for node in c.node_procs:  # no node registered: the store fails for good
+        c.cli("nodes", "rm", str(node.address))
+    out = run_api(
+        c,
+        """
+        import json, os, torch, smoltorrent
+        from smoltorrent.errors import SmoltorrentError
+        handle = smoltorrent.save({"w": torch.ones(8)}, "durable/failed", wait=False)
+        try:
+            handle.result(timeout=120)
+            error = None
+        except SmoltorrentError as exc:
+            error = str(exc)
+        print(json.dumps({"error": error, "path": handle.path,
+                          "kept": os.path.exists(handle.path)}))
+        """,
+    )
+    assert out["error"] is not None and out["kept"]
+    assert out["path"] in out["error"] and "smoltorrent store" in out["error"]
+    assert list((c.root / "staging" / "journal").glob("*.json")) == []  # not retried forever
