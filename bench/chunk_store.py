@@ -7,6 +7,8 @@ hidden 1024: bf16 matrices of N(0, 0.02) values, fp32 norms of ones) is stored o
 processes at R=2, each of the first two ways from nodes that hold nothing:
   shards   store_checkpoint (4 whole-shard blobs, raw), then gather_checkpoint
   chunks   store_chunked (coordinator/dataplane/chunk_engine.py), then gather_checkpoint
+  raw      the same with encode=False: every chunk RAW, sent from the source (what a link
+           faster than the encoder would use)
 Then version 2 changes q_proj in every layer (about 8% of the bytes, spread over the
 whole file) and each way stores it again on the nodes that hold version 1; the chunk
 store is told version 1's chunks (raw digest -> blob). Printed per row: seconds, blob
@@ -88,7 +90,7 @@ def main() -> int:
         size = header.file_size
         changed_bytes = sum(t.size for t in header.tensors if t.name in changed)
         digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (first, second)}
-        for way in ("shards", "chunks"):
+        for way in ("shards", "chunks", "raw"):
             nodes = [
                 NodeProcess(root / way / f"node{i}", env=child_env()).start() for i in range(4)
             ]
@@ -103,7 +105,12 @@ def main() -> int:
                         count = len(result.manifest.shards)
                     else:
                         result = store_chunked(
-                            path, addresses, root / "spool", replicas=2, known=known
+                            path,
+                            addresses,
+                            root / "spool",
+                            replicas=2,
+                            known=known,
+                            encode=way == "chunks",
                         )
                         count = len(result.manifest.chunks)
                         known = {

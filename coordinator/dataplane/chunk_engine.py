@@ -80,7 +80,7 @@ class PreparedChunks:
     targets: tuple[tuple[str, ...], ...]  # per chunk, the node ids chosen for it
     identity: SourceIdentity
     spool: str  # the directory of this store's encoded chunks: remove it once they are sent
-    encoded_raw_bytes: int = 0  # raw bytes this store encoded (the others were known)
+    encoded_raw_bytes: int = 0  # raw bytes this store encoded or hashed RAW (not known)
 
 
 def prepare_chunked_store(
@@ -91,12 +91,15 @@ def prepare_chunked_store(
     *,
     replicas: int = defaults.DEFAULT_REPLICAS,
     known: KnownChunks | None = None,
+    encode: bool = True,
     threads: int = defaults.HASH_THREADS,
 ) -> PreparedChunks:
     """Plan the chunks, encode the ones not `known` into a directory of their own under
     `spool` (threads at once: zstd and hashlib release the GIL), place every chunk.
 
-    With `known`, every chunk is hashed first and only the unknown ones are encoded."""
+    With `known`, every chunk is hashed first and only the unknown ones are encoded.
+    Without `encode`, every new chunk is RAW (for a link faster than the encoder): hashed,
+    never spooled."""
     path = os.fspath(path)
     identity = SourceIdentity.of(path)
     header = read_header(path)
@@ -120,7 +123,7 @@ def prepare_chunked_store(
         if raw in known:
             blob, size = known[raw]
             return (raw, blob, size), None
-        return _encode(path, header, plan, spooled, raw)
+        return _encode(path, header, plan, spooled if encode else None, raw)
 
     os.makedirs(spool, exist_ok=True)
     spooled = tempfile.mkdtemp(prefix="store-", dir=spool)
@@ -156,14 +159,22 @@ def prepare_chunked_store(
 
 
 def _encode(
-    path: str, header: CheckpointHeader, plan: ChunkPlan, spool: str, hashed: str | None
+    path: str, header: CheckpointHeader, plan: ChunkPlan, spool: str | None, hashed: str | None
 ) -> tuple[tuple[str, str, int], ChunkSource]:
-    """Encode one chunk into spool/<index>.chunk; its digests and where to send it from."""
+    """Encode one chunk into spool/<index>.chunk (RAW without a spool); its digests and
+    where to send it from."""
     offset = header.data_start + plan.data_start
-    spooled = os.path.join(spool, f"{plan.index}.chunk")
-    with open(path, "rb") as source, open(spooled, "w+b") as sink:
+    spooled = ""
+    with open(path, "rb") as source:
         source.seek(offset)
-        result = codec.encode_chunk(source, plan.size, plan.layout, sink)
+        if spool is None:
+            result = codec.raw_chunk(source, plan.size)
+        else:
+            spooled = os.path.join(spool, f"{plan.index}.chunk")
+            with open(spooled, "w+b") as sink:
+                result = codec.encode_chunk(source, plan.size, plan.layout, sink)
+            if result.encoding == codec.RAW:
+                os.unlink(spooled)  # empty: a RAW chunk is sent from the source
     if hashed is not None and result.raw_sha256 != hashed:
         raise SourceChangedError(
             f"{path} changed while chunk {plan.index} was encoded; the partial version was"
@@ -171,7 +182,6 @@ def _encode(
         )
     digests = (result.raw_sha256, result.sha256, result.size)
     if result.encoding == codec.RAW:
-        os.unlink(spooled)
         return digests, ChunkSource(codec.raw_header(plan.size), path, offset, plan.size)
     return digests, ChunkSource(b"", spooled, 0, result.size)
 
@@ -193,6 +203,7 @@ def store_chunked(
     name: str | None = None,
     replicas: int = defaults.DEFAULT_REPLICAS,
     known: KnownChunks | None = None,
+    encode: bool = True,
     cluster_key: bytes | None = None,
     threads: int = defaults.TRANSFER_THREADS,
 ) -> ChunkStoreResult:
@@ -216,6 +227,7 @@ def store_chunked(
         spool,
         replicas=replicas,
         known=known,
+        encode=encode,
     )
     manifest = prepared.manifest
     result = ChunkStoreResult(
@@ -249,7 +261,7 @@ def store_chunked(
         with ThreadPoolExecutor(max_workers=threads) as pool:
             list(pool.map(one, manifest.chunks))
     finally:
-        _drop_spool(prepared)
+        shutil.rmtree(prepared.spool, ignore_errors=True)
     missing = [i for i, h in result.holders.items() if not h]
     if missing:
         raise SmoltorrentError(
@@ -304,10 +316,6 @@ def _send(
         return target.put_blob(
             chunk.blob_sha256, source.prefix, f.fileno(), source.offset, source.length
         )
-
-
-def _drop_spool(prepared: PreparedChunks) -> None:
-    shutil.rmtree(prepared.spool, ignore_errors=True)
 
 
 def gather_chunks(

@@ -174,6 +174,29 @@ def encode_chunk(
     )
 
 
+def raw_chunk(source: BinaryIO, raw_length: int) -> EncodedChunk:
+    """The RAW form of the next raw_length bytes of `source`, without trying to encode
+    them (a link faster than the encoder): one pass, hashing the raw bytes and the chunk
+    a node would keep, `raw_header(raw_length)` followed by them."""
+    raw_hash = hashlib.sha256()
+    raw_form = hashlib.sha256(raw_header(raw_length))
+    view = memoryview(bytearray(min(raw_length, defaults.IO_CHUNK_BYTES)))
+    left = raw_length
+    while left:
+        piece = view[: min(left, len(view))]
+        if not _fill(source, piece):
+            raise SourceChangedError(
+                f"the source ended inside a {raw_length}-byte chunk; it is being rewritten."
+                " Store it again once training has finished writing it."
+            )
+        raw_hash.update(piece)
+        raw_form.update(piece)
+        left -= len(piece)
+    return EncodedChunk(
+        RAW, raw_length, raw_hash.hexdigest(), HEADER_BYTES + raw_length, raw_form.hexdigest()
+    )
+
+
 def decode_chunk(
     source: BinaryIO, encoded_length: int, write: Callable[[memoryview], object]
 ) -> ChunkHeader:

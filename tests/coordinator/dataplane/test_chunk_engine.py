@@ -136,6 +136,24 @@ def test_a_corrupt_chunk_is_read_from_another_replica_and_reported(nodes, tmp_pa
     assert report.served_by[chunk.index] != str(victim.address)
 
 
+def test_a_store_told_not_to_encode_keeps_raw_chunks_a_later_one_reuses(nodes, tmp_path):
+    """A link faster than the encoder: every chunk RAW, sent from the source; the same
+    content stored again with encoding, told the first store's chunks, moves nothing."""
+    src = tmp_path / "model.safetensors"
+    save_file(bf16_model(layers=2), src)
+    addresses = [n.address for n in nodes]
+    plain = store_chunked(src, addresses, tmp_path / "spool", replicas=2, encode=False)
+    for chunk in plain.manifest.chunks:
+        assert chunk.blob_size == codec.HEADER_BYTES + chunk.data_end - chunk.data_start
+    known = {c.raw_sha256: (c.blob_sha256, c.blob_size) for c in plain.manifest.chunks}
+    again = store_chunked(src, addresses, tmp_path / "spool", replicas=2, known=known)
+    assert again.manifest.version_id == plain.manifest.version_id
+    assert (again.bytes_sent, again.encoded_raw_bytes) == (0, 0)
+    out = tmp_path / "out.safetensors"
+    gather(plain, nodes, out)
+    assert sha(out) == sha(src)
+
+
 def test_incompressible_chunks_are_stored_raw_and_gather_byte_identical(nodes, tmp_path):
     src = tmp_path / "random.safetensors"
     write_checkpoint(src, 24 * 1024 * 1024, hidden=512)  # random bytes: nothing to gain

@@ -333,3 +333,15 @@ def test_a_pushed_decoder_refuses_bytes_past_the_end_and_an_early_finish() -> No
         decoder.feed(b"x")
     with pytest.raises(ChunkFormatError, match="1 bytes follow its last frame"):
         codec.ChunkDecoder(len(encoded) + 1, lambda _: None).feed(encoded + b"x")
+
+
+def test_the_raw_form_without_trying_to_encode() -> None:
+    data = _bf16(50_000)  # would compress: raw_chunk does not try
+    result = codec.raw_chunk(io.BytesIO(data), len(data))
+    encoded = codec.raw_header(len(data)) + data
+    assert (result.encoding, result.size) == (codec.RAW, len(encoded))
+    assert result.sha256 == hashlib.sha256(encoded).hexdigest()
+    assert result.raw_sha256 == hashlib.sha256(data).hexdigest()
+    assert _decode(encoded) == data
+    with pytest.raises(SourceChangedError):
+        codec.raw_chunk(io.BytesIO(data[:-1]), len(data))
