@@ -58,14 +58,13 @@ GATHER_DIRS_ENV = "SMOLTORRENT_GATHER_DIRS"
 
 
 def gather_dirs() -> list[Path]:
-    """Where a gather may write: SMOLTORRENT_GATHER_DIRS (separated by os.pathsep), else
-    the user's home, the current directory (never the root of the file system) and the
-    staging directory where smoltorrent.load gathers."""
-    text = os.environ.get(GATHER_DIRS_ENV)
-    if text:
-        return [Path(part).expanduser() for part in text.split(os.pathsep) if part]
-    roots = [Path.home(), Path.cwd(), home() / "staging"]
-    return [root for root in roots if root != Path(root.anchor)]
+    """Where a worker writes a gather sent to it through the broker (whoever reaches the
+    broker can send one): the staging directory, where smoltorrent.load gathers, and
+    SMOLTORRENT_GATHER_DIRS (separated by os.pathsep). Never the whole home: a message
+    could otherwise overwrite a user's files. A gather run in the asking process (the CLI,
+    load) writes wherever its user can."""
+    text = os.environ.get(GATHER_DIRS_ENV, "")
+    return [home() / "staging", *(Path(p).expanduser() for p in text.split(os.pathsep) if p)]
 
 
 def _int_from_env(name: str, default: int, what: str) -> int:

@@ -41,43 +41,59 @@ def gather(
     md = metadata()
     if request_id is not None and md.requests.start_request(request_id, BOOT_ID) == DONE:
         return json.loads(md.requests.request(request_id)["result"])  # re-driven after it finished
-    v = md.versions.version(vkey)
-    what = f"{v['name']} version {v.get('version_id', vkey)[:12]}"
-    # The reader mark keeps retention off this version until the file is complete.
-    reader = f"{config.host_id()}:{os.getpid()}:{self.request.id}"
-    with reading(md, vkey, reader, what):
-        if tensors is not None:
-            result = _gather_tensors(md, vkey, out_path, tensors)
-        else:
-            result = _gather(self, md, vkey, out_path)
+    task_id = self.request.id  # the request is thread-local; progress comes from threads
+
+    def progress(done: int, total: int) -> None:
+        self.update_state(task_id=task_id, state="PROGRESS", meta={"done": done, "total": total})
+
+    reader = f"{config.host_id()}:{os.getpid()}:{task_id}"
+    result = run_gather(md, vkey, out_path, tensors, reader, progress)
     if request_id is not None:
         md.requests.finish_request(request_id, DONE, result=json.dumps(result))
     return result
 
 
-def _gather(self, md: Metadata, vkey: str, out_path: str) -> dict:
+def run_gather(
+    md: Metadata,
+    vkey: str,
+    out_path: str,
+    tensors: list[str] | None,
+    reader: str,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Rebuild version `vkey` into out_path (with `tensors`, only the tensors they select)
+    in this process, whoever it is: the gather task, or a reader with no worker
+    (tasks/requests.py). Its report. on_progress(done, total) at most every
+    GATHER_PROGRESS_INTERVAL_S while bytes arrive."""
+    v = md.versions.version(vkey)
+    what = f"{v['name']} version {v.get('version_id', vkey)[:12]}"
+    # The reader mark keeps retention off this version until the file is complete.
+    with reading(md, vkey, reader, what):
+        if tensors is not None:
+            return _gather_tensors(md, vkey, out_path, tensors)
+        return _gather(md, vkey, out_path, on_progress)
+
+
+def _gather(
+    md: Metadata, vkey: str, out_path: str, on_progress: Callable[[int, int], None] | None
+) -> dict:
     """Pull every shard of `vkey` into out_path; the gather's report."""
     manifest = md.versions.manifest(vkey)
     nodes = md.nodes.nodes()
     sources = _sources(md, manifest, nodes)
 
-    task_id = self.request.id  # the request is thread-local; progress comes from threads
     done = 0
     last = 0.0
     lock = threading.Lock()
 
-    def progress(n: int) -> None:
+    def progress(n: int) -> None:  # from the engine's threads, as bytes arrive
         nonlocal done, last
         with lock:
             done += n
             now = time.monotonic()
-            if now - last >= defaults.GATHER_PROGRESS_INTERVAL_S:
+            if on_progress is not None and now - last >= defaults.GATHER_PROGRESS_INTERVAL_S:
                 last = now
-                self.update_state(
-                    task_id=task_id,
-                    state="PROGRESS",
-                    meta={"done": done, "total": manifest.source_size},
-                )
+                on_progress(done, manifest.source_size)
 
     started = time.monotonic()
     report = gather_checkpoint(

@@ -7,6 +7,7 @@ ordered lives here and in the tasks behind it, once.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -21,13 +22,14 @@ from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.selection import select
 from coordinator.state.metadata import Metadata
-from coordinator.state.requests import DONE, FAILED
+from coordinator.state.requests import DONE, FAILED, IN_PROCESS_GATHER
 from coordinator.state.versions import ABORTED, COMMITTED, REMOVED, REMOVING
 from smoltorrent import defaults
-from smoltorrent.errors import OutcomeUnknownError, SmoltorrentError
+from smoltorrent.errors import DestinationNotAllowedError, OutcomeUnknownError, SmoltorrentError
 from tasks.app import app
 from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import new_request_id, send_gather, send_remove, send_store
+from tasks.gather import run_gather
 
 T = TypeVar("T")
 # What an unreachable Redis raises: the metadata client's errors and the broker's (kombu
@@ -49,6 +51,10 @@ class GatherRequest:
     vkey: str
     out: str
     size: int
+    tensors: list[str] | None = None
+    # No worker takes it (none serves this host, or the output lies outside where this
+    # host's worker writes): wait_gather runs it in the calling process.
+    in_process: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,9 +214,10 @@ def _wait_commit(
 def submit_gather(
     name: str, out: str, version: str | None = None, tensors: list[str] | None = None
 ) -> GatherRequest:
-    """Queue a gather of `name` (its current version, or a version id prefix) into the
-    file `out` on this host; with `tensors` (globs), of the tensors they match only, as
-    a .safetensors file of their own. A glob matching no tensor fails here."""
+    """Ask for a gather of `name` (its current version, or a version id prefix) into the
+    file `out` on this host: queued for this host's worker or, with none to take it, run
+    by wait_gather in this process. With `tensors` (globs), of the tensors they match
+    only, as a .safetensors file of their own. A glob matching no tensor fails here."""
     md = connected_metadata()
     vkey = md.versions.resolve(name, version)
     size = int(md.versions.version(vkey)["size"])
@@ -221,24 +228,73 @@ def submit_gather(
         out = os.path.join(out, os.path.basename(name))
     if not os.path.isdir(os.path.dirname(out)):
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
-    check_destination(out, config.gather_dirs())  # fail here, before anything is queued
     host = config.host_id()
-    require_worker(host)
     request_id = new_request_id()
-    args = {"vkey": vkey, "out": out} | ({} if tensors is None else {"tensors": tensors})
-    md.requests.open_request(request_id, "gather", host, args)
+    if not _worker_takes(md, host, out):
+        if not os.access(os.path.dirname(out), os.W_OK):
+            raise SmoltorrentError(
+                f"cannot write in {os.path.dirname(out)}: permission denied. Choose an output"
+                " in a directory you can write."
+            )
+        return GatherRequest(request_id, name, vkey, out, size, tensors, in_process=True)
+    md.requests.open_request(
+        request_id, "gather", host, {"vkey": vkey, "out": out} | _tensors(tensors)
+    )
     _ride_out(
         lambda: send_gather(vkey, out, host, request_id, name, tensors),
         f"queuing the gather of {name} (request {request_id})",
     )
-    return GatherRequest(task_id=request_id, name=name, vkey=vkey, out=out, size=size)
+    return GatherRequest(request_id, name, vkey, out, size, tensors)
+
+
+def _tensors(tensors: list[str] | None) -> dict:
+    return {} if tensors is None else {"tensors": tensors}
+
+
+def _worker_takes(md: Metadata, host: str, out: str) -> bool:
+    """Whether this host's worker gathers into `out`: one serves the host (its heartbeat
+    key is there) and `out` lies where it writes a gather sent through the broker (the
+    staging directory and SMOLTORRENT_GATHER_DIRS). Otherwise the caller gathers."""
+    try:
+        check_destination(out, config.gather_dirs())
+    except DestinationNotAllowedError:
+        return False
+    return md.nodes.worker_boot(host) is not None
+
+
+def _gather_here(request: GatherRequest, on_progress: Callable[[int, int], None] | None) -> dict:
+    """Run an in-process gather request through the gather task's own code (engine,
+    replica fallback, verification, reader mark) and close its record."""
+    md = metadata()
+    host = config.host_id()
+    args = {"vkey": request.vkey, "out": request.out} | _tensors(request.tensors)
+    # Recorded all the same, before a byte moves, under a kind the reconcile sweep never
+    # sends to a worker: this process is what runs it.
+    md.requests.open_request(request.task_id, IN_PROCESS_GATHER, host, args)
+    md.requests.start_request(request.task_id, f"process:{host}:{os.getpid()}")
+    reader = f"{host}:{os.getpid()}:{request.task_id}"
+    try:
+        result = run_gather(md, request.vkey, request.out, request.tensors, reader, on_progress)
+    except BaseException as exc:
+        md.requests.finish_request(request.task_id, FAILED, error=str(exc) or type(exc).__name__)
+        if isinstance(exc, OSError):  # the output's disk or directory, as the user can fix
+            raise SmoltorrentError(
+                f"gather of {request.name} into {request.out} failed: {exc}. Nothing was"
+                " written there."
+            ) from exc
+        raise
+    md.requests.finish_request(request.task_id, DONE, result=json.dumps(result))
+    return result
 
 
 def wait_gather(
     request: GatherRequest, on_progress: Callable[[int, int], None] | None = None
 ) -> dict:
-    """Follow a gather to its end; its report, or SmoltorrentError naming what failed.
-    on_progress(done_bytes, total_bytes) is called as bytes arrive."""
+    """Follow a gather to its end (run it, when it is in_process); its report, or
+    SmoltorrentError naming what failed. on_progress(done_bytes, total_bytes) is called as
+    bytes arrive."""
+    if request.in_process:
+        return _gather_here(request, on_progress)
     res = app.AsyncResult(request.task_id)
     what = f"waiting for the gather of {request.name} (request {request.task_id})"
 

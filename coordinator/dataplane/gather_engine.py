@@ -52,9 +52,10 @@ def check_destination(out_path: str | os.PathLike, allowed: Sequence[os.PathLike
             return out
     shown = ", ".join(os.fspath(root) for root in allowed) or "nowhere"
     raise DestinationNotAllowedError(
-        f"refusing to write {out}: gathers write only under {shown}. Choose an output"
-        " there, or list more directories in SMOLTORRENT_GATHER_DIRS (separated by"
-        f" {os.pathsep!r}) for both the worker and this command"
+        f"refusing to write {out}: gathers sent to this worker write only under {shown}."
+        " Choose an output there, list more directories in SMOLTORRENT_GATHER_DIRS"
+        f" (separated by {os.pathsep!r}) for the worker, or run the gather on its machine"
+        " with `smoltorrent gather`, which writes wherever its user can"
     )
 
 

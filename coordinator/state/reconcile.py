@@ -12,8 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.state.metadata import Metadata
-from coordinator.state.requests import QUEUED, RUNNING
+from coordinator.state.requests import IN_PROCESS_GATHER, QUEUED, RUNNING
 from coordinator.state.versions import PENDING, REMOVING
+
+
+def _open_requests(md: Metadata) -> list[tuple[str, dict[str, str]]]:
+    """The open requests a task runs: the ones the sweep may send again."""
+    found = md.requests.open_requests()
+    return [(rid, r) for rid, r in found if r.get("kind") != IN_PROCESS_GATHER]
 
 
 @dataclass
@@ -61,15 +67,13 @@ def plan(
     out = Actions()
     if started_host is not None:
         # Nothing of this host can still be running: send everything it left now.
-        out.requests = [
-            (rid, r) for rid, r in md.requests.open_requests() if r.get("host") == started_host
-        ]
+        out.requests = [(rid, r) for rid, r in _open_requests(md) if r.get("host") == started_host]
         for vkey, v in md.listing.versions_in(PENDING):
             if v.get("host") == started_host:
                 (out.commits if md.transfers.barrier_complete(vkey) else out.transfers).append(vkey)
         return out
     boots = md.nodes.worker_boots()
-    for rid, rec in md.requests.open_requests():
+    for rid, rec in _open_requests(md):
         host, state = rec.get("host"), rec.get("state")
         since = float(rec.get("started_at") or rec.get("created_at") or now)
         # A request can only run once its host has a worker; one running under another
@@ -104,7 +108,7 @@ def plan_reconnected(md: Metadata, host: str, held: Held) -> Actions:
     out = Actions()
     out.requests = [
         (rid, r)
-        for rid, r in md.requests.open_requests()
+        for rid, r in _open_requests(md)
         if r.get("host") == host and rid not in held.requests
     ]
     for vkey, v in md.listing.versions_in(PENDING):

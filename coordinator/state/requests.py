@@ -18,6 +18,10 @@ from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError
 
 QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
+# The kind of a gather that the process asking for it runs itself (a reader with no
+# worker; tasks/requests.py): no task stands behind it, so the reconcile sweep never
+# sends one for it.
+IN_PROCESS_GATHER = "gather-in-process"
 
 
 def next_seq(r: redis.Redis) -> int:

@@ -12,7 +12,8 @@ from coordinator.dataplane.store_engine import prepare_store
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
-from coordinator.state.reconcile import Held, plan_reconnected
+from coordinator.state.reconcile import Held, plan, plan_reconnected
+from coordinator.state.requests import IN_PROCESS_GATHER
 
 
 @pytest.fixture
@@ -68,3 +69,15 @@ def test_open_requests_go_again_unless_their_task_is_held(md, tmp_path):
     md.requests.open_request("q3", "store", "h2", {"path": "/z", "name": "z"})
     actions = plan_reconnected(md, "h1", Held(requests=frozenset({"q2"})))
     assert [rid for rid, _ in actions.requests] == ["q1"]
+
+
+def test_a_gather_its_own_process_runs_is_never_sent_to_a_worker(md):
+    """A reader's gather (tasks/requests.py) is open while its process runs it; a worker
+    starting on that host, or one whose broker connection came back, sends nothing for it
+    (it would write the file a second time, or refuse the path)."""
+    md.requests.open_request("r-here", IN_PROCESS_GATHER, "h1", {"vkey": "v", "out": "/srv/x"})
+    md.requests.start_request("r-here", "process:h1:4242")
+    md.requests.open_request("r-task", "gather", "h1", {"vkey": "v", "out": "/srv/y"})
+    started = plan(md, 0.0, grace=0, stale_after=None, deadline=1e9, started_host="h1")
+    assert [rid for rid, _ in started.requests] == ["r-task"]
+    assert [rid for rid, _ in plan_reconnected(md, "h1", Held()).requests] == ["r-task"]
