@@ -156,10 +156,7 @@ def encode_chunk(
     put(ChunkHeader(FRAMED, raw_length, largest).pack())
     for length, width in frames:
         if not _fill(source, view[:length]):
-            raise SourceChangedError(
-                f"the source ended inside a {raw_length}-byte chunk; it is being rewritten."
-                " Store it again once training has finished writing it."
-            )
+            _source_ended(raw_length)
         raw_hash.update(view[:length])
         raw_form.update(view[:length])
         for piece in _encode_frame(compressor, buffer, length, width, min_gain):
@@ -185,10 +182,7 @@ def raw_chunk(source: BinaryIO, raw_length: int) -> EncodedChunk:
     while left:
         piece = view[: min(left, len(view))]
         if not _fill(source, piece):
-            raise SourceChangedError(
-                f"the source ended inside a {raw_length}-byte chunk; it is being rewritten."
-                " Store it again once training has finished writing it."
-            )
+            _source_ended(raw_length)
         raw_hash.update(piece)
         raw_form.update(piece)
         left -= len(piece)
@@ -427,6 +421,13 @@ def _fill(source: BinaryIO, view: memoryview) -> bool:
             return False
         done += n
     return True
+
+
+def _source_ended(raw_length: int) -> NoReturn:
+    raise SourceChangedError(
+        f"the source ended inside a {raw_length}-byte chunk; it is being rewritten."
+        " Store it again once training has finished writing it."
+    )
 
 
 def _corrupt(problem: str) -> NoReturn:
