@@ -285,8 +285,9 @@ def listen_address(host: str | None, port: int, has_key: bool, insecure: bool) -
         return host
     raise UnsafeListenError(
         f"refusing to listen on {host} without a cluster key: anyone who can reach it could"
-        f" read, write and delete blobs. Set {CLUSTER_KEY_ENV} (or --cluster-key) to the same"
-        " secret on every node and coordinator, or pass --insecure if you accept that"
+        f" read, write and delete blobs. Make a key once (openssl rand -hex 32), then run"
+        f" `export {CLUSTER_KEY_ENV}=<that key>` (or pass --cluster-key) with the same key on"
+        " every node, training and reading machine; or pass --insecure if you accept that"
     )
 
 

@@ -70,12 +70,16 @@ EPILOG = """\
 Quick start on one machine (everything local, nothing to configure):
   smoltorrent demo
 
-A real cluster:
+A real cluster across machines (a node with no cluster key listens on loopback only):
+  once:                   openssl rand -hex 32     # the cluster key
+  on every machine:       export SMOLTORRENT_CLUSTER_KEY=<that key>
+                          export SMOLTORRENT_REDIS_URL=redis://:<password>@<redis host>:6379/0
   on each storage node:   smoltorrent serve --data-dir /srv/smoltorrent
   on the training box:    smoltorrent nodes add pi1:7411 pi2:7411 pi3:7411 pi4:7411
                           smoltorrent worker &          # runs the transfers
                           smoltorrent store ckpt/step_100.safetensors
-                          smoltorrent gather step_100.safetensors -o restored.safetensors
+  on any machine:         smoltorrent gather step_100.safetensors -o restored.safetensors
+                          (a machine that only reads needs no worker)
 
 Environment:
   SMOLTORRENT_REDIS_URL    Redis for metadata and Celery (default: an embedded one)

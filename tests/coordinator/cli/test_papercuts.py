@@ -228,3 +228,27 @@ def test_a_malformed_node_address_is_a_usage_error_before_any_node_is_added(
     error = one_line_error(result)
     assert "'notaport:xyz' is not a node address" in error and "127.0.0.1:1" not in error
     assert run("rebuild", "host:99999", env=empty_cluster.env()).returncode == 2
+
+
+def test_the_help_recipe_sets_the_key_a_node_needs_beyond_loopback(tmp_path: Path) -> None:
+    """`--help`'s cross-machine recipe ran `serve` with no key, so the node listened on
+    loopback only and `nodes add pi1:7411` was refused; the recipe now sets the key first,
+    and a node refusing a non-loopback bind says how to make and set one."""
+    recipe = run("--help").stdout.split("A real cluster")[1].split("Environment:")[0]
+    lines = recipe.splitlines()
+    key_line = next(i for i, line in enumerate(lines) if "export SMOLTORRENT_CLUSTER_KEY=" in line)
+    serve_line = next(i for i, line in enumerate(lines) if "smoltorrent serve" in line)
+    assert key_line < serve_line, recipe
+    refused = run(
+        "serve",
+        "--data-dir",
+        str(tmp_path / "n"),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        env=clean_env(tmp_path),
+    )
+    assert refused.returncode == 2
+    assert "openssl rand -hex 32" in refused.stderr
+    assert "export SMOLTORRENT_CLUSTER_KEY=" in refused.stderr
