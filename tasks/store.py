@@ -40,9 +40,11 @@ def store(
     replicas: int = defaults.DEFAULT_REPLICAS,
     shards: int | None = None,
     request_id: str | None = None,
+    no_node_tries: int = 0,
 ) -> dict:
     """Store the checkpoint at `path` (on this host) as a new version of `name`, for the
-    request `request_id` (recorded by tasks/requests.py before this task was queued)."""
+    request `request_id` (recorded by tasks/requests.py before this task was queued).
+    `no_node_tries`: how many times it has found no live node so far."""
     md = metadata()
     if request_id is not None:
         if md.requests.start_request(request_id, BOOT_ID) == DONE:
@@ -58,11 +60,20 @@ def store(
         raise self.retry(countdown=defaults.STABLE_AFTER_S - age + 0.1)
     live = probe_registered(md, config.cluster_key(), trust_recent=True)
     if not live:
-        raise NotEnoughNodesError(
+        error = NotEnoughNodesError(
             "no storage node is reachable"
             + (f" ({len(md.nodes.nodes())} registered, all down)" if md.nodes.nodes() else "")
             + ". Start nodes with `smoltorrent serve` and register them with "
             "`smoltorrent nodes add HOST:PORT`."
+        )
+        # Nodes restarting (a power cut, an upgrade) come back in seconds: back off and
+        # plan again, NO_NODE_RETRIES times, before failing the request for good.
+        if no_node_tries >= defaults.NO_NODE_RETRIES:
+            raise error
+        raise self.retry(
+            exc=error,
+            countdown=defaults.RETRY_BACKOFF_BASE_S * 2**no_node_tries,
+            kwargs={**self.request.kwargs, "no_node_tries": no_node_tries + 1},
         )
     prepared = prepare_store(
         path,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -68,6 +70,37 @@ def test_a_failed_request_is_reported_and_closed(make_cluster, tmp_path):
     assert proc.returncode == 1 and "no storage node is reachable" in " ".join(proc.stderr.split())
     assert c.md.requests.open_requests() == []
     assert [v for v in c.cli_json("ls") if v["state"] == COMMITTED] == []
+
+
+def test_a_store_while_every_node_restarts_waits_for_them_and_commits(make_cluster, tmp_path):
+    """Every node down (restarting) when the store task plans: it backs off and tries
+    again, and commits once they are back a few seconds later. It failed at once with
+    "no storage node is reachable" and a dead letter."""
+    c = make_cluster(2)
+    src = make_ckpt(tmp_path / "n.safetensors")
+    for node in c.node_procs:
+        node.kill()
+    for node_id in c.md.nodes.nodes():
+        c.md.nodes.mark_down(node_id)  # not counted alive from an earlier probe
+    store = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "store", str(src), "--json"],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # The phase: the store task has met no node (it is waiting out its backoff).
+    wait_until(
+        lambda: "no storage node is reachable" in c.worker_log() or store.poll() is not None,
+        timeout=60,
+        what="the store task to find no node",
+    )
+    for node in c.node_procs:
+        node.start()
+    out, err = store.communicate(timeout=120)
+    assert store.returncode == 0, err
+    assert json.loads(out)["state"] == COMMITTED
+    assert c.cli_json("dlq", "ls") == []
 
 
 def test_redis_killed_mid_store_and_restarted_from_its_aof(make_cluster, tmp_path):
