@@ -76,6 +76,14 @@ def send_transfers(
     return sent
 
 
+def chain_time_limit(transfer_limit: int) -> int:
+    """Hard limit for one chain task: its nodes copy in parallel, so a chain takes about
+    one transfer's time, plus the rounds that place what the chain missed (twice the
+    transfer's). Never past MAX_TRANSFER_TIME_S: the visibility timeout is sized from it,
+    and a task still running when it passes is delivered again and runs twice at once."""
+    return min(2 * transfer_limit, defaults.MAX_TRANSFER_TIME_S)
+
+
 def send_chain(
     vkey: str,
     manifest: Manifest,
@@ -100,10 +108,8 @@ def send_chain(
         },
         task_id=f"chain-{vkey}-{index}-{replicas_text}",
         queue=config.transfer_queue(host),
-        # The chain's nodes copy in parallel, so one chain takes about one transfer's time,
-        # plus the rounds that place what the chain missed.
-        time_limit=2 * limit,
-        soft_time_limit=max(1, 2 * limit - config.transfer_time_base() // 2),
+        time_limit=chain_time_limit(limit),
+        soft_time_limit=max(1, chain_time_limit(limit) - config.transfer_time_base() // 2),
     )
 
 
