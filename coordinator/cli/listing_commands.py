@@ -80,9 +80,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     s = reports.status(metadata(), config.cluster_key())
+    # Non-zero when a shard has no live copy, for cron and monitoring: that data cannot be
+    # read until a node holding it comes back (a shard merely short is repaired).
+    code = 0 if s["summary"]["healthy"] else 1
     if args.json:
         emit_json(s)
-        return 0
+        return code
     if not s["nodes"]:
         console.print(
             "no storage nodes registered yet: run `smoltorrent serve --data-dir DIR` on each"
@@ -174,7 +177,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"dead letters: {s['dead_letters']}"
         + (" (see `smoltorrent dlq ls`)" if s["dead_letters"] else "")
     )
-    return 0
+    console.print(_summary_line(s["summary"]))
+    return code
+
+
+def _summary_line(summary: dict) -> str:
+    up = f"{summary['nodes_up']}/{summary['nodes']} nodes up"
+    short = summary["under_replicated_shards"]
+    if not summary["healthy"]:
+        return (
+            f"NOT HEALTHY: {up}, {summary['shards_without_copy']} shard(s) with no live copy"
+            " (unreadable until a node holding them comes back; start it, or see the tables"
+            " above)"
+        )
+    if short:
+        return f"healthy: {up}, {short} shard(s) short of their replicas (being repaired)"
+    return f"healthy: {up}, every shard has all its live copies"
 
 
 def _ago(t: float | None, now: float) -> str:

@@ -106,6 +106,7 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
                     }
                 )
     return {
+        "summary": _summary(nodes, under),
         "nodes": nodes,
         "under_replicated": under,
         "unrepairable": [
@@ -135,6 +136,20 @@ def status(md: Metadata, cluster_key: bytes | None) -> dict:
         "repairs_done": repairs.counts(md),
         "pending": [c for c in ckpts if c["state"] == "pending"],
         "dead_letters": md.dead_letters.dead_letter_depth(),
+    }
+
+
+def _summary(nodes: list[dict], under: list[dict]) -> dict:
+    """The one line a person or a monitor reads first: healthy means every committed
+    shard has a live copy (a shard short of its replicas is repaired by the sweeps; a shard
+    with none can be read by no one until a node holding it comes back)."""
+    without_copy = sum(u["live_copies"] == 0 for u in under)
+    return {
+        "healthy": without_copy == 0,
+        "nodes_up": sum(n["up"] for n in nodes),
+        "nodes": len(nodes),
+        "under_replicated_shards": len(under),
+        "shards_without_copy": without_copy,
     }
 
 
