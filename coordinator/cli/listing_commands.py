@@ -17,30 +17,40 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(rows)
         return 0
+    if not rows and args.name:
+        console.print(f"nothing stored under {args.name}; `smoltorrent ls` lists every name.")
+        return 0
     if not rows:
         console.print("no checkpoints stored yet; store one with `smoltorrent store PATH`.")
         return 0
     columns = ["name", "version", "state", "tensors", "size", "shards", "copies", "created"]
-    table(
-        args.name or "checkpoints",
-        columns[1:] if args.name else columns,
-        [
-            (
-                # The current marker goes on the first column: the name, or with one
-                # name listed, the version.
-                *(() if args.name else (r["name"] + (" *" if r["current"] else ""),)),
-                r["version_id"][:12] + (" *" if r["current"] and args.name else ""),
-                r["state"],
-                r["tensors"],
-                human_bytes(r["size"]),
-                r["shards"],
-                f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])),
-            )
-            for r in rows
-        ],
-    )
-    console.print("* current version   ! under-replicated")
+    one_name = args.name is not None and not args.name.endswith("/")
+    if one_name:
+        columns = columns[1:]
+    # On a terminal the current marker goes on the first column, with a legend below; a
+    # pipe gets only rows, the marker in a column of its own.
+    legend = console.is_terminal
+    if not legend:
+        columns.insert(1 if one_name else 2, "current")
+
+    def cells(r: dict) -> tuple:
+        version = r["version_id"][:12]
+        key = (version,) if one_name else (r["name"], version)
+        current = "*" if r["current"] else ""
+        key = (key[0] + (" *" if current else ""), *key[1:]) if legend else (*key, current)
+        return (
+            *key,
+            r["state"],
+            r["tensors"],
+            human_bytes(r["size"]),
+            r["shards"],
+            f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])),
+        )
+
+    table(args.name or "checkpoints", columns, [cells(r) for r in rows])
+    if legend:
+        console.print("* current version   ! under-replicated")
     return 0
 
 

@@ -194,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("ls", help="list checkpoints and their versions")
-    ls.add_argument("name", nargs="?", help="list this checkpoint's versions only")
+    ls.add_argument(
+        "name",
+        nargs="?",
+        help="list this checkpoint's versions only; NAME/ lists every name under that prefix",
+    )
     ls.add_argument("--json", action="store_true")
 
     sh = sub.add_parser(

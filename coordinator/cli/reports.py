@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 from coordinator import config
+from coordinator.plan.directory import RECORD_FILE
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
 from coordinator.state import repairs, scrub_reports
 from coordinator.state.liveness import node_health, probe_registered
@@ -16,10 +17,20 @@ from smoltorrent.errors import NotFoundError
 
 
 def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
-    """Every version of every checkpoint, or of `name` only (NotFoundError if unknown)."""
-    if name is not None and not md.versions.has_name(name):
-        raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
-    return [row for row, _, _ in _versions(md, name)]
+    """Every version of every checkpoint, or of `name` only (NotFoundError if unknown), or,
+    with `name` ending in "/", of every name under that prefix. A directory's own record
+    (NAME/.directory.safetensors, internal) is listed only when named."""
+    if name is not None and not name.endswith("/"):
+        if not md.versions.has_name(name):
+            raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
+        return [row for row, _, _ in _versions(md, name)]
+    # A prefix reads every summary and keeps its own: the listing is one sorted set of all
+    # versions, a few round trips whatever their number.
+    return [
+        row
+        for row, _, _ in _versions(md)
+        if row["name"].startswith(name or "") and row["name"].rpartition("/")[2] != RECORD_FILE
+    ]
 
 
 def _versions(

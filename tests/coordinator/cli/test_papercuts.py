@@ -149,7 +149,7 @@ def test_ls_in_a_pipe_is_tab_separated_and_cuts_nothing(tmp_path: Path) -> None:
         header, row = listing.stdout.splitlines()[:2]
         assert header.split("\t")[:2] == ["name", "version"]
         cells = row.split("\t")
-        assert cells[0] == name + " *"
+        assert cells[0] == name and header.split("\t")[2] == "current" and cells[2] == "*"
         version = json.loads(run("ls", "--json", env=cluster.env()).stdout)[0]["version_id"]
         assert version.startswith(cells[1]) and len(cells[1]) >= 12
         assert "…" not in listing.stdout and "\n " not in listing.stdout

@@ -36,8 +36,9 @@ def test_ls_name_lists_its_versions_and_show_reads_only_the_manifest(make_cluste
     assert [r["state"] for r in rows] == ["committed", "committed"]
     assert rows[0]["tensors"] == len(first) and rows[1]["tensors"] == len(second)
     text = c.cli("ls", "run/latest.safetensors").stdout.splitlines()
-    assert text[0].split("\t")[:4] == ["version", "state", "tensors", "size"]
-    assert text[2].split("\t")[0] == new["version_id"][:12] + " *"
+    assert text[0].split("\t")[:5] == ["version", "current", "state", "tensors", "size"]
+    assert text[2].split("\t")[:2] == [new["version_id"][:12], "*"]
+    assert text[1].split("\t")[1] == ""
     assert all("run/other" not in line for line in text)
 
     sent_before = bytes_sent(c.node_procs)

@@ -59,3 +59,39 @@ def test_status_sums_up_and_fails_when_a_blob_has_no_copy(cluster: LocalCluster,
     assert answer.returncode == 1
     summary = json.loads(answer.stdout)["summary"]
     assert summary["healthy"] is False and summary["shards_without_copy"] > 0
+
+
+def test_ls_in_a_pipe_is_clean_rows_lists_a_prefix_and_hides_directory_records(
+    cluster: LocalCluster, tmp_path: Path
+):
+    """In a pipe `ls` printed `name *` and the legend line among its rows; `ls run2/` listed
+    nothing; a directory's internal NAME/.directory.safetensors record showed as a row."""
+    from tests.checkpoints import write_hf_dir
+
+    model = tmp_path / "model"
+    write_hf_dir(model, parts=2)
+    past = time.time() - 60
+    for f in model.iterdir():
+        os.utime(f, (past, past))
+    stored = run("store", str(model), "--name", "model", "--replicas", "1", env=cluster.env())
+    assert stored.returncode == 0, stored.stderr
+    for name in ("run2/a.safetensors", "run2/b.safetensors", "run3/a.safetensors"):
+        assert store(cluster, tmp_path, name, "--replicas", "1").returncode == 0
+    listing = run("ls", env=cluster.env())
+    assert listing.returncode == 0, listing.stderr
+    header, *rows = [line.split("\t") for line in listing.stdout.splitlines()]
+    assert header[:3] == ["name", "version", "current"]
+    assert all(len(row) == len(header) for row in rows), listing.stdout  # no legend line
+    names = [row[0] for row in rows]
+    assert "run2/a.safetensors" in names and all(row[2] == "*" for row in rows)
+    assert any(n.startswith("model/") for n in names)
+    assert not any(n.endswith(".directory.safetensors") for n in names), names
+    prefix = run("ls", "run2/", env=cluster.env())
+    assert prefix.returncode == 0, prefix.stderr
+    assert [line.split("\t")[0] for line in prefix.stdout.splitlines()[1:]] == [
+        "run2/a.safetensors",
+        "run2/b.safetensors",
+    ]
+    answer = json.loads(run("ls", "model/", "--json", env=cluster.env()).stdout)
+    assert answer and all(r["name"].startswith("model/") for r in answer)
+    assert not any(r["name"].endswith(".directory.safetensors") for r in answer)
