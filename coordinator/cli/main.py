@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--replicas",
         type=_count(1),
-        default=defaults.DEFAULT_REPLICAS,
-        help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS})",
+        help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS}); more than the nodes"
+        " up is refused",
     )
     st.add_argument("--shards", type=_count(1), help="shard count (default: number of live nodes)")
     st.add_argument("--no-wait", action="store_true", help="return once the store is queued")

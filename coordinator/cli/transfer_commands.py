@@ -7,10 +7,13 @@ import argparse
 import os
 import time
 
+from coordinator import config
 from coordinator.cli import reports
 from coordinator.cli.cluster import metadata
 from coordinator.cli.output import console, emit_json, human_bytes, warn
+from coordinator.state.liveness import probe_registered
 from coordinator.state.versions import COMMITTED
+from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError, UsageError
 
 
@@ -63,6 +66,10 @@ def _progress(as_json: bool = False):
 def cmd_store(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):  # said before the task modules start Redis
         raise SmoltorrentError(f"{os.path.abspath(args.path)}: no such file")
+    if args.replicas is not None:
+        _check_replicas(args.replicas)
+    else:
+        args.replicas = defaults.DEFAULT_REPLICAS
     from tasks.requests import submit_store, wait_store
 
     if os.path.isdir(args.path):
@@ -93,6 +100,14 @@ def cmd_store(args: argparse.Namespace) -> int:
     md = metadata()
     vkey = out["vkey"]
     row = next(c for c in reports.checkpoints(md, name) if c["vkey"] == vkey)
+    if not out["new"] and args.replicas > row["replicas"]:
+        # The same bytes were stored before with fewer copies; this store added none.
+        raise UsageError(
+            f"{name} version {row['version_id'][:12]} is already stored with"
+            f" {row['replicas']} replicas, so --replicas {args.replicas} was not applied (no"
+            " bytes moved): raising the copies of a stored version is not supported yet;"
+            f" store it under another --name to keep {args.replicas} copies of it"
+        )
     if args.json:
         emit_json({**row, "new": out["new"], "hashed_bytes": out["hashed_bytes"]})
     else:
@@ -108,6 +123,25 @@ def cmd_store(args: argparse.Namespace) -> int:
                 "see `smoltorrent status`."
             )
     return 0 if out["state"] == COMMITTED else 1
+
+
+def _check_replicas(replicas: int) -> None:
+    """Refuse, before anything is recorded, copies the nodes up now cannot hold (each copy
+    of a shard goes to a different node): such a store was recorded with R, got fewer copies,
+    and was reported unrepairable for ever. With no node up at all the store itself waits
+    for nodes restarting together, so only a count no registered nodes could meet is
+    refused then."""
+    md = metadata()
+    registered = len(md.nodes.nodes())
+    up = len(probe_registered(md, config.cluster_key(), trust_recent=True))
+    if replicas > up and (up or replicas > registered):
+        raise UsageError(
+            f"--replicas {replicas} asks for more copies than there are storage nodes up"
+            f" ({up} of {registered} registered), and each copy of a shard goes to a different"
+            f" node; store with --replicas {up} or fewer"
+            + (", or " if up else ": ")
+            + "start and register more nodes (`smoltorrent nodes add HOST`) first"
+        )
 
 
 def _store_directory(args: argparse.Namespace) -> int:

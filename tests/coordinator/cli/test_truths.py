@@ -95,3 +95,29 @@ def test_ls_in_a_pipe_is_clean_rows_lists_a_prefix_and_hides_directory_records(
     answer = json.loads(run("ls", "model/", "--json", env=cluster.env()).stdout)
     assert answer and all(r["name"].startswith("model/") for r in answer)
     assert not any(r["name"].endswith(".directory.safetensors") for r in answer)
+
+
+def test_replicas_above_the_nodes_up_is_refused_before_anything_is_recorded(
+    cluster: LocalCluster, tmp_path: Path
+):
+    """`--replicas 5` with 4 nodes recorded the store at 5, warned and exited 0; from then
+    on `verify` failed and `status` listed its blobs as unrepairable for ever."""
+    refused = store(cluster, tmp_path, "r3.safetensors", "--replicas", "3")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert "(2 of 2 registered)" in refused.stderr and "--replicas 2 or fewer" in refused.stderr
+    assert json.loads(run("ls", "--json", env=cluster.env()).stdout) == []
+
+
+def test_store_with_more_replicas_than_the_stored_content_has_is_refused(
+    cluster: LocalCluster, tmp_path: Path
+):
+    """`store --replicas 3` of content already stored at 2 printed `already stored ... x 2
+    replicas` and exited 0, as if it now held the copies asked for."""
+    assert store(cluster, tmp_path, "same.safetensors", "--replicas", "1").returncode == 0
+    again = store(cluster, tmp_path, "same.safetensors", "--replicas", "2")
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "already stored" not in again.stdout
+    assert "already stored with 1 replicas" in again.stderr and "--replicas 2" in again.stderr
+    fewer = store(cluster, tmp_path, "same.safetensors", "--replicas", "1")
+    assert fewer.returncode == 0 and "already stored" in fewer.stdout, fewer.stderr
