@@ -1,4 +1,5 @@
-"""The retention sweep: keep the last K committed versions of every name.
+"""The retention sweep: keep the last K committed versions of every name, and dead
+letters for DEAD_LETTER_MAX_AGE_S.
 
 Which versions are past K is decided here from the versions zset (ordered by the
 sequence number of their latest request, never by wall clocks); the decision is
@@ -19,6 +20,7 @@ from beat.sweeps import sweep
 from coordinator import config
 from coordinator.state.metadata import Metadata
 from coordinator.state.versions import ABORTED, COMMITTED
+from smoltorrent import defaults
 from tasks.context import metadata
 from tasks.enqueue import send_remove
 
@@ -56,6 +58,9 @@ def run_pass(keep: int | None = None) -> dict[str, int]:
                 send_remove(vkey)
             elif outcome == "reading":
                 log.info("retention: %s %s is being gathered; removed later", name, vkey[:12])
+    pruned = md.dead_letters.prune(defaults.DEAD_LETTER_MAX_AGE_S)
+    if pruned:
+        outcomes["dead letters pruned"] = pruned
     if outcomes:
         log.warning("retention (keep %d): %s", keep, dict(outcomes))
     return dict(outcomes)

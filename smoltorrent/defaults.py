@@ -134,6 +134,10 @@ CODEC_MIN_GAIN = 0.05
 REDIS_TIMEOUT_S = 10.0  # seconds; a local or LAN Redis answers in milliseconds
 NODE_ALIVE_TTL_S = 30  # seconds a node counts as up after it last answered a probe
 DLQ_STREAM_MAXLEN = 10_000  # entries kept in the dead-letter index stream, approximate
+# seconds a dead letter is kept before the retention sweep forgets it: weeks to look at
+# and replay it, past PENDING_DEADLINE_S (a version it could still complete is aborted by
+# then), and Redis does not grow by one record per failure for ever
+DEAD_LETTER_MAX_AGE_S = 30 * 24 * 3600
 EMBEDDED_REDIS_START_S = 10.0  # seconds to wait for our own redis-server to answer
 # seconds a removed version's tombstone stays: far longer than any late transfer or
 # dead-letter replay that could still name it, short enough that Redis stays bounded

@@ -71,5 +71,23 @@ class DeadLetters:
         self.r.delete(key)
         return dropped
 
+    def prune(self, older_than_s: float, now: float | None = None) -> int:
+        """Forget the dead letters recorded more than `older_than_s` ago (their version
+        indexes too); how many. Read in pages, so a long queue is never one reply."""
+        cutoff = (time.time() if now is None else now) - older_than_s
+        old: list[tuple[str, str | None]] = []
+        for task_id, raw in self.r.hscan_iter(K.DLQ, count=500):
+            record = json.loads(raw)
+            if record.get("at", 0) < cutoff:
+                vkey = (record.get("kwargs") or {}).get("vkey") or _vkey_of_task(task_id)
+                old.append((task_id, vkey))
+        with self.r.pipeline() as p:
+            for task_id, vkey in old:
+                p.hdel(K.DLQ, task_id)
+                if vkey:
+                    p.srem(K.DLQ_OF.format(vkey=vkey), task_id)
+            p.execute()
+        return len(old)
+
     def dead_letter_depth(self) -> int:
         return self.r.hlen(K.DLQ)
