@@ -28,11 +28,14 @@ def test_a_directory_with_an_hf_index_round_trips(make_cluster, tmp_path):
     assert stored["index"] == "model.safetensors.index.json"
     assert len(stored["files"]) == 3 and stored["ignored"] == ["config.json"]
     assert sorted(stored["new_files"]) == sorted(stored["files"])
-    # Each file is a checkpoint of its own, listed and shown as any other.
-    # The directory's own record (no tensors) is one too: the nodes keep the unit.
+    # Each file is a checkpoint of its own, listed and shown as any other. The directory's
+    # own record (no tensors) is one too, so the nodes keep the unit, but `ls` hides it
+    # unless it is named exactly.
     listed = {r["name"] for r in c.cli_json("ls") if r["state"] == "committed"}
     files = {f"hf/llama-tiny/{f}" for f in stored["files"]}
-    assert listed == files | {"hf/llama-tiny/.directory.safetensors"}
+    assert listed == files
+    record = c.cli_json("ls", "hf/llama-tiny/.directory.safetensors")
+    assert [r["state"] for r in record] == ["committed"]
 
     out = tmp_path / "restored"
     report = c.cli_json("gather", "hf/llama-tiny", "-o", str(out))
