@@ -1,7 +1,7 @@
 """The Grafana dashboard's panels, drawn from real Prometheus data after a demo run.
 
     .venv/bin/python -m bench.dashboard [--size-mb 64] [--rounds 12] [--pause 4]
-                                        [--out bench/results/dashboard.png] [--json PATH]
+                                        [--out docs/images/dashboard.png] [--json PATH]
 
 Needs Debian's `prometheus` and matplotlib (`pip install '.[bench]'`); no Grafana.
 
@@ -230,7 +230,7 @@ def main() -> None:
     p.add_argument("--tail", type=float, default=15.0, help="seconds recorded after healing")
     p.add_argument("--window", default="5s", help="rate window in place of 1m and 5m")
     p.add_argument("--scrub-rate-mbps", type=float, default=20.0)
-    p.add_argument("--out", type=Path, default=Path("bench/results/dashboard.png"))
+    p.add_argument("--out", type=Path, default=Path("docs/images/dashboard.png"))
     p.add_argument("--json", type=Path, help="also write the queried series here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="smoltorrent-dashboard-") as tmp:

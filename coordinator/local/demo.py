@@ -108,7 +108,7 @@ def run_demo(
             shutil.rmtree(root, ignore_errors=True)
 
 
-# Sweeps on a demo's time scale (the defaults are minutes: see the README's sweeps table).
+# Sweeps on a demo's time scale (the defaults are minutes: docs/self-healing.md's table).
 DEMO_SWEEPS = {
     "SMOLTORRENT_HEALTH_INTERVAL_S": "1",
     "SMOLTORRENT_DEAD_AFTER_S": "3",
