@@ -161,6 +161,13 @@ ATTEMPTS_TTL_S = 7 * 24 * 3600  # seconds a committed version's attempt log stay
 # transfer after that (a replay) rebuilds its span from the manifest
 SPANS_TTL_S = 24 * 3600
 REQUEST_TTL_S = 7 * 24 * 3600  # seconds a finished request stays readable (CLI, API, audit)
+# seconds a store or gather task's hold on its request lasts unless renewed: a second
+# delivery of the task (a redelivery, a re-drive) while the first still runs waits for
+# it instead of running it again; a run killed where nobody can tell (another host, a
+# stopped process) is taken over once its lease lapses (on the Redis clock)
+REQUEST_LEASE_S = 60.0
+REQUEST_LEASE_REFRESH_S = 15.0  # seconds between renewals: four chances before it lapses
+REQUEST_DEFER_MIN_S = 1.0  # seconds a deferred delivery waits at least before trying again
 
 # --- Celery control plane (tasks/) ------------------------------------------
 

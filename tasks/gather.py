@@ -25,8 +25,9 @@ from coordinator.state.nodes import NodeRecord
 from coordinator.state.reader_mark import reading
 from coordinator.state.requests import DONE
 from smoltorrent import defaults
+from tasks import request_runs
 from tasks.app import app
-from tasks.context import BOOT_ID, client, metadata
+from tasks.context import client, metadata
 from tasks.enqueue import send_bad_copy
 
 
@@ -39,8 +40,18 @@ def gather(
     # Whoever can reach the broker can send this task: the worker decides where it writes.
     out_path = check_destination(out_path, config.gather_dirs())
     md = metadata()
-    if request_id is not None and md.requests.start_request(request_id, BOOT_ID) == DONE:
+    if request_id is None:
+        return _gather_task(self, md, vkey, out_path, None, tensors)
+    if request_runs.start(self, md, request_id).done:
         return json.loads(md.requests.request(request_id)["result"])  # re-driven after it finished
+    # Held while it runs: a second delivery waits instead of writing a second temp file.
+    with md.requests.holding(request_id, request_runs.this_run()):
+        return _gather_task(self, md, vkey, out_path, request_id, tensors)
+
+
+def _gather_task(
+    self, md: Metadata, vkey: str, out_path: str, request_id: str | None, tensors: list[str] | None
+) -> dict:
     task_id = self.request.id  # the request is thread-local; progress comes from threads
 
     def progress(done: int, total: int) -> None:

@@ -13,12 +13,14 @@ from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.plan.chains import chain_order
 from coordinator.state.liveness import probe_registered
+from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE
 from coordinator.state.versions import PENDING, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import NotEnoughNodesError
+from tasks import request_runs
 from tasks.app import app
-from tasks.context import BOOT_ID, REDIS_TRANSIENT, metadata
+from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import send_transfers
 
 log = get_task_logger(__name__)
@@ -46,14 +48,27 @@ def store(
     request `request_id` (recorded by tasks/requests.py before this task was queued).
     `no_node_tries`: how many times it has found no live node so far."""
     md = metadata()
-    if request_id is not None:
-        if md.requests.start_request(request_id, BOOT_ID) == DONE:
-            return _result(
-                md.requests.request(request_id)
-            )  # a re-drive of a request already served
-        seq = int(md.requests.request(request_id)["seq"])
-    else:
-        seq = md.requests.next_seq()
+    if request_id is None:
+        return _store(self, md, path, name, replicas, shards, None, md.requests.next_seq())
+    if request_runs.start(self, md, request_id).done:
+        return _result(md.requests.request(request_id))  # a re-drive of a request served
+    seq = int(md.requests.request(request_id)["seq"])
+    # Held while it runs: a second delivery of this task waits instead of storing twice.
+    with md.requests.holding(request_id, request_runs.this_run()):
+        return _store(self, md, path, name, replicas, shards, request_id, seq, no_node_tries)
+
+
+def _store(
+    self,
+    md: Metadata,
+    path: str,
+    name: str,
+    replicas: int,
+    shards: int | None,
+    request_id: str | None,
+    seq: int,
+    no_node_tries: int = 0,
+) -> dict:
     age = time.time() - os.stat(path).st_mtime
     if age < defaults.STABLE_AFTER_S:
         # Still being written: store it once training has finished the file.

@@ -7,8 +7,12 @@ States: queued until a task picks it up, running, then done or failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import redis
 
@@ -24,6 +28,20 @@ QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
 IN_PROCESS_GATHER = "gather-in-process"
 
 
+@dataclass(frozen=True)
+class Start:
+    """What start_request found. `holder`: another run holds the request's lease (for
+    `lease_left_s` more): this delivery must not run it now."""
+
+    found: str  # the state found: queued, running, failed, done or missing
+    holder: str = ""
+    lease_left_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.found == DONE
+
+
 def next_seq(r: redis.Redis) -> int:
     """A new sequence number from the one counter that orders requests."""
     return int(r.incr(K.SEQ))
@@ -34,6 +52,7 @@ class Requests:
         self.r = r
         self._open = load(r, "requests/open")
         self._start = load(r, "requests/start")
+        self._renew = load(r, "requests/renew")
 
     def next_seq(self) -> int:
         """A new sequence number from the one counter that orders requests."""
@@ -54,10 +73,53 @@ class Requests:
             raise NotFoundError(f"no request {rid} in the metadata.")
         return data
 
-    def start_request(self, rid: str, boot: str) -> str:
-        """Mark a request running by the worker started as `boot`; the state found
-        ("done" means an earlier run finished it: do not run it again)."""
-        return self._start(keys=[K.REQUEST.format(rid=rid)], args=[boot, time.time()])
+    def start_request(
+        self,
+        rid: str,
+        boot: str,
+        owner: str | None = None,
+        *,
+        dead_owner: str = "",
+        lease_s: float = defaults.REQUEST_LEASE_S,
+    ) -> Start:
+        """Mark a request running by `owner` (a run of the worker started as `boot`) and
+        give it the request's lease, unless another run holds it (Start.holder) or an
+        earlier run finished it (Start.done: do not run it again). `dead_owner`: a run
+        the caller knows is dead, whose lease it takes at once."""
+        found, holder, left_ms = self._start(
+            keys=[K.REQUEST.format(rid=rid)],
+            args=[boot, time.time(), owner or boot, int(lease_s * 1000), dead_owner],
+        )
+        return Start(found, holder, int(left_ms) / 1000)
+
+    def renew_lease(self, rid: str, owner: str, lease_s: float) -> bool:
+        """Extend `owner`'s lease on a running request (lease_s 0 drops it); False if it
+        no longer holds it."""
+        args = [owner, int(lease_s * 1000)]
+        return bool(self._renew(keys=[K.REQUEST.format(rid=rid)], args=args))
+
+    @contextlib.contextmanager
+    def holding(self, rid: str, owner: str) -> Iterator[None]:
+        """Keep `owner`'s lease on the request while the body runs (a thread renews it);
+        dropped when the body ends, so a retry of the task takes it at once. A run killed
+        stops renewing and its lease lapses after REQUEST_LEASE_S."""
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(defaults.REQUEST_LEASE_REFRESH_S):
+                # Redis briefly away: the next renewal tries again, well within the lease.
+                with contextlib.suppress(redis.RedisError):
+                    self.renew_lease(rid, owner, defaults.REQUEST_LEASE_S)
+
+        thread = threading.Thread(target=renew, name="smoltorrent-request-lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            with contextlib.suppress(redis.RedisError):  # if Redis is gone, it lapses anyway
+                self.renew_lease(rid, owner, 0)
 
     def finish_request(self, rid: str, state: str, **fields) -> None:
         """Close a request as done or failed, with what its caller needs to know; it stays

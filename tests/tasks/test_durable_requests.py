@@ -231,3 +231,63 @@ def test_a_refused_manifest_is_retried_not_dead_lettered(make_cluster, tmp_path)
     for node in c.node_procs:
         assert vkey in NodeClient(node.address).list_manifests()
     assert c.cli_json("dlq", "ls") == []
+
+
+def test_a_gather_delivered_again_while_it_runs_waits_for_the_first_run(make_cluster, tmp_path):
+    """Two real deliveries of one gather request: the first run is held mid-transfer (both
+    holders SIGSTOPped, its temp file already reserved), the second is sent with the same
+    request id. The second must leave the request to the first (one temp file, one run),
+    and the gather ends once with the right bytes. It ran in full beside the first:
+    start_request short-circuited only a done request."""
+    c = make_cluster(2, concurrency=2)
+    src = make_ckpt(tmp_path / "d.safetensors", 2_000_000)
+    c.cli("store", str(src), "--replicas", "2")
+    out = c.root / "d-out.safetensors"
+    for node in c.node_procs:
+        node.send_signal(signal.SIGSTOP)
+    gather = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "gather", "d.safetensors", "-o", str(out)],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def partials() -> list[str]:
+            return [p.name for p in c.root.iterdir() if p.name.endswith(".partial")]
+
+        # The phase held: the first run owns the request and has reserved its temp file.
+        rid, record = wait_until(
+            lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
+        )
+        wait_until(lambda: c.md.requests.request(rid).get("owner"), what="the first run")
+        wait_until(partials, what="the first run's temp file")
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import json, sys; from tasks.enqueue import redrive_request; "
+                "redrive_request(sys.argv[1], json.loads(sys.argv[2]))",
+                rid,
+                json.dumps(record),
+            ],
+            env=c.env(),
+            check=True,
+            timeout=60,
+        )
+        # The second delivery either defers to the first run or starts a gather of its own.
+        wait_until(
+            lambda: c.md.requests.request(rid).get("deferred") or len(partials()) > 1,
+            what="the second delivery",
+        )
+        assert len(partials()) == 1, partials()
+        assert c.md.requests.request(rid)["state"] == "running"
+    finally:
+        for node in c.node_procs:
+            node.send_signal(signal.SIGCONT)
+    _, err = gather.communicate(timeout=120)
+    assert gather.returncode == 0, err
+    assert sha(out) == sha(src) and partials() == []
+    assert c.md.requests.request(rid)["state"] == "done"
+    assert "event=deferred task=gather" in c.worker_log()

@@ -155,7 +155,8 @@ def test_every_caller_passes_the_keys_its_script_names(md, calls):
     assert trim_marks.mark(md, shared, "node-c", 2, ["node-a", "node-b", "node-c"]) == 1
     assert repairs.placed(md, shared, "node-c")
     seq = md.requests.open_request("r1", "store", "host", {"path": "/x"})
-    assert seq > 0 and md.requests.start_request("r1", "boot") == "queued"
+    assert seq > 0 and md.requests.start_request("r1", "boot", "boot:1").found == "queued"
+    assert md.requests.renew_lease("r1", "boot:1", 30)
     steps = Steps(md.r)
     assert steps.begin("sharded", 7, 1) == ["ok"]
     part = Part(rank=0, name="sharded/rank0", vkey=b, version_id="v", size=1)
