@@ -107,6 +107,51 @@ def socket_timeout() -> float:
     return value
 
 
+BWLIMIT_ENV = "SMOLTORRENT_BWLIMIT"
+_RATE = re.compile(r"(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*?)(?:/s)?", re.I)
+# Decimal like the MB/s of every summary line; binary and bit units as rsync and tc write them.
+_RATE_UNITS = {
+    "": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30,
+    "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
+}  # fmt: skip
+
+
+def parse_rate(text: str) -> int:
+    """A rate in bytes per second from text such as 50M (50 MB/s), 12.5MB/s, 400Mbit, 8MiB
+    or 0 (no limit); ValueError, saying what is understood, otherwise."""
+    match = _RATE.fullmatch(text.strip())
+    unit = match["unit"].lower() if match else None
+    if unit not in _RATE_UNITS:
+        raise ValueError(
+            f"{text!r} is not a rate: write bytes per second such as 50M (50 MB/s), 8MiB,"
+            " or a bit rate such as 400Mbit; 0 means no limit"
+        )
+    return int(float(match["number"]) * _RATE_UNITS[unit])
+
+
+def bwlimit() -> int | None:
+    """The cluster's default limit on a store's or gather's traffic through this host, in
+    bytes/s (SMOLTORRENT_BWLIMIT, e.g. 50M; 0: none; None when unset), for a store or
+    gather that names none (--bwlimit): checkpoint traffic then leaves room for training's
+    own. Set it where the worker runs; a CLI or API call that has it set passes it on."""
+    text = os.environ.get(BWLIMIT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise ConfigError(f"{BWLIMIT_ENV}: {exc}; or unset it for no limit") from None
+
+
+def bwlimit_for(named: str | int | None) -> int:
+    """The bytes/s a store or gather keeps to (0: no limit): the one its request named,
+    else this process's SMOLTORRENT_BWLIMIT."""
+    if named is not None and named != "":
+        return int(named)
+    return bwlimit() or 0
+
+
 def chain_replication() -> bool:
     """Whether a store of R >= 2 copies sends each shard once, down a chain of its nodes
     (SMOLTORRENT_CHAIN, default 1); 0 sends every copy from this host, one transfer each."""
@@ -204,6 +249,7 @@ def check_environment() -> None:
     crosscheck_interval()
     orphan_grace()
     discover_enabled()
+    bwlimit()
 
 
 def host_queue(host: str) -> str:

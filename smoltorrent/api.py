@@ -93,13 +93,17 @@ def save(
     wait: bool = True,
     metadata: Mapping[str, str] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
+    bwlimit: int | None = None,
 ) -> SavedVersion | SaveHandle:
     """Store a state as a version of `name`: a state dict of torch tensors, numpy arrays
     or MLX arrays, or a training run's whole state (dicts, lists and tuples of them and
     of plain values: model, optimizer, scheduler, RNG states, step; smoltorrent/
     keypaths.py). With wait=True, return the committed version; with wait=False, return
-    a SaveHandle as soon as the snapshot is taken and the save journalled."""
-    handle = start_save(state, name, replicas, metadata, staging_dir)
+    a SaveHandle as soon as the snapshot is taken and the save journalled.
+
+    bwlimit: bytes/s the store's sends from this host keep to together, so the training's
+    own traffic keeps the rest of the link (0: none; default SMOLTORRENT_BWLIMIT)."""
+    handle = start_save(state, name, replicas, metadata, staging_dir, bwlimit=bwlimit)
     return handle.result() if wait else handle
 
 
@@ -110,6 +114,8 @@ def start_save(
     metadata: Mapping[str, str] | None,
     staging_dir: str | os.PathLike[str] | None,
     step: dict[str, Any] | None = None,
+    *,
+    bwlimit: int | None = None,
 ) -> SaveHandle:
     """save(..., wait=False); `step` (smoltorrent/sharded.py) has the writer record the
     committed version as a rank's part of a step before the handle reports it."""
@@ -124,7 +130,7 @@ def start_save(
         header = {**(header or {}), STATE_KEY: flat.structure}
     directory = _staging_dir(staging_dir)
     writer = _writer(directory)
-    job = snapshot.take(flat, header, name, replicas, step, directory, writer.pool)
+    job = snapshot.take(flat, header, name, replicas, step, directory, writer.pool, bwlimit=bwlimit)
     handle = SaveHandle(name, job.staged)
     writer.send(job, handle)
     return handle
@@ -255,6 +261,7 @@ def load(
     tensors: Sequence[str] | None = None,
     device: str | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
+    bwlimit: int | None = None,
 ) -> Any:
     """The state of `name` (its current version, or a version id prefix) as it was saved,
     with `framework` tensors, gathered and verified byte for byte: a flat state dict as a
@@ -265,7 +272,8 @@ def load(
     tensors' byte ranges alone are read from the shards holding them, in parallel, each
     checked against the SHA-256 recorded for it at store time (versions stored before
     those digests existed have their needed shards read whole and checked against the
-    shard's digest). A glob matching nothing is an error."""
+    shard's digest). A glob matching nothing is an error. bwlimit: bytes/s the gather
+    receives at most (0: none; default SMOLTORRENT_BWLIMIT)."""
     check_framework(framework)
     if device is not None and framework != "torch":
         raise StateDictError(f"device= applies to framework='torch' only, not {framework!r}")
@@ -282,6 +290,11 @@ def load(
     if snapshot.has_orphans(directory):
         _writer(directory).start()  # it adopts the saves a dead trainer left
     if is_directory(name):
+        if bwlimit:
+            raise SmoltorrentError(
+                f"bwlimit applies to a checkpoint file, and {name} is a directory checkpoint:"
+                " load one of its files (name/FILE), or leave bwlimit out"
+            )
         return _load_directory(name, version, framework, tensors, device, directory)
     tree, chosen = None, None
     if tensors is not None:
@@ -289,7 +302,7 @@ def load(
     out = directory / f".load.{uuid.uuid4().hex}.safetensors"
     try:
         if tensors is None or tensors:
-            wait_gather(submit_gather(name, str(out), version, tensors))
+            wait_gather(submit_gather(name, str(out), version, tensors, bwlimit=bwlimit))
             loaded = read_file(str(out), framework, device)
             if tree is None:
                 tree = parse_structure(read_header(str(out)).metadata)

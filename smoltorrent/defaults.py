@@ -112,6 +112,21 @@ TRANSFER_THREADS = 8  # parallel transfers per store/gather; saturates a few lin
 DIGEST_CACHE_ENTRIES = 4096  # files; plan digests kept per source identity (a few KiB each)
 HASH_THREADS = 2  # threads hashing shards at plan time; hashlib releases the GIL, 2 cores here
 
+# --bwlimit and SMOLTORRENT_BWLIMIT (coordinator/dataplane/bandwidth.py): a limited transfer
+# moves its bytes in slices of at most BWLIMIT_SLICE_BYTES (a sendfile call, a recv) and
+# pays each to one token bucket shared by all its sends. 256 KiB is 21 ms of a 100 Mbit/s
+# link, so the training's own packets never queue behind a long burst, and at 1 GB/s
+# still only 4,000 slices a second, each a lock on a small file: nothing next to the bytes.
+BWLIMIT_SLICE_BYTES = 256 * 1024
+# seconds of the rate a bucket lets through at once after an idle spell: short, so the
+# rate counted over any second stays close to the limit; longer than a slice at every
+# rate worth limiting (100 ms is 1.25 MB at 100 Mbit/s)
+BWLIMIT_BURST_S = 0.1
+# seconds a transfer's shared bucket file is kept (a store's transfers may retry for hours;
+# the longest a store's transfers can run is MAX_TRANSFER_TIME_S): older ones are removed
+# when a new one is made, so the directory holds only recent stores' 8-byte files
+BWLIMIT_STATE_MAX_AGE_S = 24 * 3600
+
 # --- encoded chunks (coordinator/dataplane/codec.py) ----------------------------
 
 # raw bytes per frame: the encoder's and decoder's buffers are a few of these, whatever the

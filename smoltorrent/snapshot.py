@@ -139,6 +139,8 @@ def take(
     step: dict[str, Any] | None,
     staging: Path,
     pool: Pool,
+    *,
+    bwlimit: int | None = None,
 ) -> Job:
     """Snapshot the tensors and journal the save; returns once both are in place."""
     job_id = uuid.uuid4().hex
@@ -160,6 +162,7 @@ def take(
         "snapshot": snapshot,
         "staged": str(staged),
         "step": step,
+        "bwlimit": bwlimit,
         "created": time.time(),
     }
     try:

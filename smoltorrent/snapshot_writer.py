@@ -195,7 +195,13 @@ class Writer:
         while True:
             try:
                 if request is None:
-                    request = submit_store(staged, name, record["replicas"], complete=True).task_id
+                    request = submit_store(
+                        staged,
+                        name,
+                        record["replicas"],
+                        complete=True,
+                        bwlimit=record.get("bwlimit"),
+                    ).task_id
                     # A writer adopting the save follows this request instead of a new one.
                     _write_atomically(sidecar, request)
                 out = wait_store(StoreRequest(request, name, staged))

@@ -16,6 +16,7 @@ from collections import Counter
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.dataplane.bandwidth import raw_size
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
@@ -31,7 +32,7 @@ from tasks.app import app
 from tasks.context import metadata, node_client
 from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
 from tasks.enqueue import settle
-from tasks.sent_progress import sent_recorder
+from tasks.sent_progress import delivery_meter, record_wire, sent_recorder
 
 log = get_task_logger(__name__)
 
@@ -82,14 +83,18 @@ def chain_transfer(
         return {"how": "exists", "nodes": {}}
     keep_off = set(plan) | holding | {n for _, n in todo}
     blob_size = span.size
+    meter = delivery_meter(v, vkey)  # what the source sends, on one bucket with the others
 
     def spare(seen: set[str]) -> Target | None:
-        return spare_for(registered, keep_off | seen, blob_size, md.transfers.plan(vkey), digest)
+        found = spare_for(registered, keep_off | seen, blob_size, md.transfers.plan(vkey), digest)
+        if found is not None:
+            found.client = found.client.paced(meter.wire)
+        return found
 
     targets, lost = [], []
     for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)
         if n in registered:
-            targets.append(Target(r, n, node_client(n, registered)))
+            targets.append(Target(r, n, node_client(n, registered).paced(meter.wire)))
         else:
             lost.append((r, n))
     for r, n in lost:  # its node was removed from the cluster: another takes the replica
@@ -119,10 +124,14 @@ def chain_transfer(
             spare,
             sent_recorder(md, vkey, shard),
         )
+        # Raw bytes once per send from the source (one send feeds the whole chain).
+        meter.raw(raw_size(span) * (outcome.bytes_from_source // max(span.size, 1)))
     except SourceChangedError as exc:
         md.transfers.record_attempt(vkey, {**base, "error": str(exc)})
         abandon(vkey, v, str(exc))
         return {"how": "source changed", "nodes": {}}
+    finally:
+        record_wire(md, vkey, meter)
     for r, (old, new) in outcome.replaced.items():
         if r in outcome.placed and md.transfers.replace_target(vkey, shard, r, old, new):
             log.warning(

@@ -44,4 +44,5 @@ def abandon(vkey: str, version: dict, reason: str) -> None:
             shards,
             version["host"],
             countdown=defaults.STABLE_AFTER_S,
+            bwlimit=int(version["bwlimit"]) if "bwlimit" in version else None,
         )

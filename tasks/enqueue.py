@@ -137,18 +137,20 @@ def send_store(
     host: str,
     countdown: float = 0,
     request_id: str | None = None,
+    bwlimit: int | None = None,
 ) -> str:
     """A store on the host that has the file (it reads the source), recorded as a request
     first (unless `request_id` names one already recorded) so no crash loses it; the
-    request id, which is also the task id."""
+    request id, which is also the task id. `bwlimit`: bytes/s for all its sends (None: the
+    worker's SMOLTORRENT_BWLIMIT)."""
     if request_id is None:
         request_id = new_request_id()
         args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
-        metadata().requests.open_request(request_id, "store", host, args)
+        metadata().requests.open_request(request_id, "store", host, args | bwlimit_arg(bwlimit))
     app.send_task(
         "smoltorrent.store",
         args=(path, name, replicas, shards),
-        kwargs={"request_id": request_id},
+        kwargs={"request_id": request_id} | bwlimit_arg(bwlimit),
         task_id=request_id,
         queue=config.host_queue(host),
         countdown=countdown,
@@ -163,13 +165,16 @@ def send_gather(
     request_id: str,
     name: str | None = None,
     tensors: list[str] | None = None,
+    bwlimit: int | None = None,
 ) -> None:
     """A gather on the host that will hold the output, for a recorded request; with
-    `tensors` (globs), of the tensors they select only."""
+    `tensors` (globs), of the tensors they select only; `bwlimit` as for send_store."""
     app.send_task(
         "smoltorrent.gather",
         args=(vkey, out),
-        kwargs={"request_id": request_id} | ({} if tensors is None else {"tensors": tensors}),
+        kwargs={"request_id": request_id}
+        | ({} if tensors is None else {"tensors": tensors})
+        | bwlimit_arg(bwlimit),
         task_id=request_id,
         queue=config.host_queue(host),
         **(
@@ -187,6 +192,11 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def bwlimit_arg(bwlimit: int | None) -> dict:
+    """A request's bandwidth limit among its arguments, only when it names one."""
+    return {} if bwlimit is None else {"bwlimit": bwlimit}
+
+
 def redrive_request(request_id: str, record: dict[str, str]) -> None:
     """Send a recorded request's task again, with its own id: the task serves it once."""
     args = json.loads(record["args"])
@@ -198,10 +208,16 @@ def redrive_request(request_id: str, record: dict[str, str]) -> None:
             args["shards"],
             record["host"],
             request_id=request_id,
+            bwlimit=args.get("bwlimit"),
         )
     elif record["kind"] == "gather":
         send_gather(
-            args["vkey"], args["out"], record["host"], request_id, tensors=args.get("tensors")
+            args["vkey"],
+            args["out"],
+            record["host"],
+            request_id,
+            tensors=args.get("tensors"),
+            bwlimit=args.get("bwlimit"),
         )
 
 

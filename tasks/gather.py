@@ -13,6 +13,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from coordinator import config
+from coordinator.dataplane.bandwidth import WireMeter
 from coordinator.dataplane.gather_engine import check_destination, gather_checkpoint
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.dataplane.partial_engine import gather_tensors
@@ -33,10 +34,16 @@ from tasks.enqueue import send_bad_copy
 
 @app.task(name="smoltorrent.gather", bind=True)
 def gather(
-    self, vkey: str, out_path: str, request_id: str | None = None, tensors: list[str] | None = None
+    self,
+    vkey: str,
+    out_path: str,
+    request_id: str | None = None,
+    tensors: list[str] | None = None,
+    bwlimit: int | None = None,
 ) -> dict:
     """Rebuild version `vkey` into out_path; with `tensors` (globs), only the tensors they
-    match, as a .safetensors file of their own (a partial load)."""
+    match, as a .safetensors file of their own (a partial load). `bwlimit`: bytes/s it
+    receives at most (None: this worker's SMOLTORRENT_BWLIMIT)."""
     # Whoever can reach the broker can send this task: the worker decides where it writes.
     out_path = check_destination(out_path, config.gather_dirs())
     md = metadata()
@@ -58,7 +65,7 @@ def _gather_task(
         self.update_state(task_id=task_id, state="PROGRESS", meta={"done": done, "total": total})
 
     reader = f"{config.host_id()}:{os.getpid()}:{task_id}"
-    result = run_gather(md, vkey, out_path, tensors, reader, progress)
+    result = run_gather(md, vkey, out_path, tensors, reader, progress, bwlimit)
     if request_id is not None:
         md.requests.finish_request(request_id, DONE, result=json.dumps(result))
     return result
@@ -71,27 +78,37 @@ def run_gather(
     tensors: list[str] | None,
     reader: str,
     on_progress: Callable[[int, int], None] | None = None,
+    bwlimit: int | None = None,
 ) -> dict:
     """Rebuild version `vkey` into out_path (with `tensors`, only the tensors they select)
     in this process, whoever it is: the gather task, or a reader with no worker
-    (tasks/requests.py). Its report. on_progress(done, total) at most every
-    GATHER_PROGRESS_INTERVAL_S while bytes arrive."""
+    (tasks/requests.py). Its report, with the raw bytes written, the wire bytes received
+    and their ratio. on_progress(done, total) at most every GATHER_PROGRESS_INTERVAL_S
+    while bytes arrive; at most `bwlimit` bytes/s received (config.bwlimit_for)."""
     v = md.versions.version(vkey)
     what = f"{v['name']} version {v.get('version_id', vkey)[:12]}"
+    meter = WireMeter.limited(config.bwlimit_for(bwlimit))
     # The reader mark keeps retention off this version until the file is complete.
     with reading(md, vkey, reader, what):
         if tensors is not None:
-            return _gather_tensors(md, vkey, out_path, tensors)
-        return _gather(md, vkey, out_path, on_progress)
+            report = _gather_tensors(md, vkey, out_path, tensors, meter)
+        else:
+            report = _gather(md, vkey, out_path, on_progress, meter)
+    meter.raw(report["size"])
+    return report | meter.totals.to_dict()
 
 
 def _gather(
-    md: Metadata, vkey: str, out_path: str, on_progress: Callable[[int, int], None] | None
+    md: Metadata,
+    vkey: str,
+    out_path: str,
+    on_progress: Callable[[int, int], None] | None,
+    meter: WireMeter,
 ) -> dict:
     """Pull every shard of `vkey` into out_path; the gather's report."""
     manifest = md.versions.manifest(vkey)
     nodes = md.nodes.nodes()
-    sources = _sources(md, manifest, nodes)
+    sources = _sources(md, manifest, nodes, meter)
 
     done = 0
     last = 0.0
@@ -126,17 +143,20 @@ def _gather(
 
 
 def _sources(
-    md: Metadata, manifest: Manifest, nodes: dict[str, NodeRecord]
+    md: Metadata, manifest: Manifest, nodes: dict[str, NodeRecord], meter: WireMeter
 ) -> list[list[NodeClient]]:
-    """Per shard, clients of its holders in the order to try them (plan/read_order)."""
+    """Per shard, clients of its holders in the order to try them (plan/read_order), each
+    paced by the gather's meter."""
     holders = [
         [n for n in md.blobs.placement(s.blob_sha256) if n in nodes] for s in manifest.shards
     ]
     orders = read_order(holders, [s.blob_size for s in manifest.shards], md.nodes.alive(nodes))
-    return [[client(nodes[n].address) for n in order] for order in orders]
+    return [[client(nodes[n].address).paced(meter.wire) for n in order] for order in orders]
 
 
-def _gather_tensors(md: Metadata, vkey: str, out_path: str, patterns: list[str]) -> dict:
+def _gather_tensors(
+    md: Metadata, vkey: str, out_path: str, patterns: list[str], meter: WireMeter
+) -> dict:
     """Only the tensors `patterns` select, their byte ranges read and verified one by one."""
     manifest = md.versions.manifest(vkey)
     nodes = md.nodes.nodes()
@@ -145,7 +165,7 @@ def _gather_tensors(md: Metadata, vkey: str, out_path: str, patterns: list[str])
     report = gather_tensors(
         manifest,
         selection,
-        _sources(md, manifest, nodes),
+        _sources(md, manifest, nodes, meter),
         out_path,
         on_bad_copy=bad_copy_recorder(md, nodes),
     )

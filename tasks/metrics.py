@@ -80,6 +80,18 @@ def enable(port: int, directory: Path, host: str = "0.0.0.0") -> int:
     _m.transfer_retries = Counter(
         "smoltorrent_transfer_retries", "Transfers that failed and were retried."
     )
+    # raw / wire over any window is the encoding's gain: rate(raw[5m]) / rate(wire[5m])
+    _m.raw_bytes = Counter(
+        "smoltorrent_raw_bytes",
+        "Checkpoint bytes, as they are in the file, that stores sent from this host's"
+        " source (direction=store, counted at commit) or gathers wrote (direction=gather).",
+        ["direction"],
+    )
+    _m.wire_bytes = Counter(
+        "smoltorrent_wire_bytes",
+        "Bytes this host's link carried for them (encoded chunks are fewer than raw).",
+        ["direction"],
+    )
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
     registry.register(ClusterCollector())
@@ -202,13 +214,18 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
                 _m.transfer_seconds.labels(node=node).observe(time.monotonic() - started)
     elif sender.name == "smoltorrent.gather" and isinstance(retval, dict):
         _m.gather_seconds.observe(float(retval.get("seconds", 0)))
+        _m.raw_bytes.labels(direction="gather").inc(int(retval.get("raw_bytes", 0)))
+        _m.wire_bytes.labels(direction="gather").inc(int(retval.get("wire_bytes", 0)))
     elif sender.name == "smoltorrent.commit" and retval == COMMITTED:
         vkey = (kwargs or {}).get("vkey") or (args or [None])[0]
         try:
             created = float(metadata().versions.version(vkey)["created_at"])
+            raw, wire = metadata().transfers.wire(vkey)
         except (NotFoundError, KeyError, TypeError, ValueError):
             return
         _m.store_seconds.observe(max(time.time() - created, 0.0))
+        _m.raw_bytes.labels(direction="store").inc(raw)
+        _m.wire_bytes.labels(direction="store").inc(wire)
 
 
 def _on_retry(sender=None, **_) -> None:

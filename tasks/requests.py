@@ -17,6 +17,7 @@ from typing import TypeVar
 import kombu.exceptions
 
 from coordinator import config
+from coordinator.dataplane.bandwidth import WireBytes
 from coordinator.dataplane.gather_engine import check_destination
 from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import read_header
@@ -28,7 +29,7 @@ from smoltorrent import defaults
 from smoltorrent.errors import DestinationNotAllowedError, OutcomeUnknownError, SmoltorrentError
 from tasks.app import app
 from tasks.context import REDIS_TRANSIENT, metadata
-from tasks.enqueue import new_request_id, send_gather, send_remove, send_store
+from tasks.enqueue import bwlimit_arg, new_request_id, send_gather, send_remove, send_store
 from tasks.gather import run_gather
 
 T = TypeVar("T")
@@ -52,6 +53,7 @@ class GatherRequest:
     out: str
     size: int
     tensors: list[str] | None = None
+    bwlimit: int | None = None  # bytes/s (None: the cluster's default, config.bwlimit_for)
     # No worker takes it (none serves this host, or the output lies outside where this
     # host's worker writes): wait_gather runs it in the calling process.
     in_process: bool = False
@@ -59,10 +61,16 @@ class GatherRequest:
 
 @dataclass(frozen=True)
 class StoreProgress:
-    done_bytes: int
+    done_bytes: int  # blob bytes delivered to the nodes so far, as they go on the wire
     total_bytes: int
     ready_shards: int
     shards: int
+    raw_done_bytes: int = 0  # the same bytes as they are in the checkpoint (decoded)
+
+    @property
+    def ratio(self) -> float:
+        """Raw over wire bytes so far: above 1 when encoding spares the link."""
+        return self.raw_done_bytes / self.done_bytes if self.done_bytes else 1.0
 
 
 def connected_metadata() -> Metadata:
@@ -96,9 +104,12 @@ def submit_store(
     shards: int | None = None,
     *,
     complete: bool = False,
+    bwlimit: int | None = None,
 ) -> StoreRequest:
     """Queue a store of the checkpoint at `path` (on this host) as a version of `name`
     (default: the file name). A bad checkpoint fails here, before anything is queued.
+    `bwlimit`: bytes/s all its sends from this host keep to together (0: no limit; None:
+    SMOLTORRENT_BWLIMIT, this process's if set, else the worker's).
 
     complete=True: the caller wrote the file whole and renamed it into place and nobody
     writes it again (the API's staged files), so the store need not wait
@@ -120,10 +131,14 @@ def submit_store(
     # task is queued: from here on no crash loses it, and a queue that cannot be reached
     # for a while is waited out, since the store is already accepted.
     request_id = new_request_id()
+    bwlimit = config.bwlimit() if bwlimit is None else bwlimit
     args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
+    args |= bwlimit_arg(bwlimit)
     metadata().requests.open_request(request_id, "store", host, args)
     _ride_out(
-        lambda: send_store(path, name, replicas, shards, host, request_id=request_id),
+        lambda: send_store(
+            path, name, replicas, shards, host, request_id=request_id, bwlimit=bwlimit
+        ),
         f"queuing the store of {name} (request {request_id})",
     )
     return StoreRequest(task_id=request_id, name=name, path=path)
@@ -150,8 +165,10 @@ def _ride_out(call: Callable[[], T], what: str) -> T:
 def wait_store(
     request: StoreRequest, on_progress: Callable[[StoreProgress], None] | None = None
 ) -> dict:
-    """Follow a store to its commit: {"vkey", "state", "new", "hashed_bytes"};
-    SmoltorrentError when it is abandoned, stuck on dead letters, or its task failed."""
+    """Follow a store to its commit: {"vkey", "state", "new", "hashed_bytes", "raw_bytes",
+    "wire_bytes", "ratio"} (raw: the checkpoint bytes its transfers sent from this host, as
+    they are in the file; wire: what the link carried for them); SmoltorrentError when it
+    is abandoned, stuck on dead letters, or its task failed."""
     md = metadata()
     what = f"waiting for the store of {request.name} (request {request.task_id})"
     while True:
@@ -163,11 +180,13 @@ def wait_store(
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
     vkey = record["vkey"]
     state = _ride_out(lambda: _wait_commit(md, vkey, request.name, on_progress), what)
+    raw, wire = _ride_out(lambda: md.transfers.wire(vkey), what)
     return {
         "vkey": vkey,
         "state": state,
         "new": record.get("new") == "1",
         "hashed_bytes": int(record.get("hashed_bytes", 0)),
+        **WireBytes(raw, wire).to_dict(),
     }
 
 
@@ -176,6 +195,9 @@ def _wait_commit(
 ) -> str:
     manifest = md.versions.manifest(vkey)
     sizes = [s.blob_size for s in manifest.shards]
+    # What a blob's bytes are in the checkpoint (a shard's blob: itself), so the bar can
+    # say raw beside wire as they go.
+    raw_per_byte = [1.0 for _ in manifest.shards]
     plan = md.transfers.plan(vkey)
     total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
     while True:
@@ -184,11 +206,12 @@ def _wait_commit(
         v, settled, ready = md.transfers.snapshot(vkey)
         if on_progress:
             # Settled transfers count whole; running ones by the bytes they have sent.
-            done = sum(sizes[int(m.split(":")[0])] for m in settled)
+            done = {m: sizes[int(m.split(":")[0])] for m in settled}
             for member, sent in md.transfers.sent(vkey).items():
                 if member not in settled:
-                    done += min(sent, sizes[int(member.split(":")[0])])
-            on_progress(StoreProgress(done, total, len(ready), len(sizes)))
+                    done[member] = min(sent, sizes[int(member.split(":")[0])])
+            raw = sum(n * raw_per_byte[int(m.split(":")[0])] for m, n in done.items())
+            on_progress(StoreProgress(sum(done.values()), total, len(ready), len(sizes), int(raw)))
         if v["state"] == COMMITTED:
             return COMMITTED
         if v["state"] == ABORTED:
@@ -212,12 +235,18 @@ def _wait_commit(
 
 
 def submit_gather(
-    name: str, out: str, version: str | None = None, tensors: list[str] | None = None
+    name: str,
+    out: str,
+    version: str | None = None,
+    tensors: list[str] | None = None,
+    *,
+    bwlimit: int | None = None,
 ) -> GatherRequest:
     """Ask for a gather of `name` (its current version, or a version id prefix) into the
     file `out` on this host: queued for this host's worker or, with none to take it, run
     by wait_gather in this process. With `tensors` (globs), of the tensors they match
-    only, as a .safetensors file of their own. A glob matching no tensor fails here."""
+    only, as a .safetensors file of their own. A glob matching no tensor fails here.
+    `bwlimit`: bytes/s it receives at most, as for submit_store."""
     md = connected_metadata()
     vkey = md.versions.resolve(name, version)
     size = int(md.versions.version(vkey)["size"])
@@ -230,21 +259,21 @@ def submit_gather(
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
     host = config.host_id()
     request_id = new_request_id()
+    bwlimit = config.bwlimit() if bwlimit is None else bwlimit
     if not _worker_takes(md, host, out):
         if not os.access(os.path.dirname(out), os.W_OK):
             raise SmoltorrentError(
                 f"cannot write in {os.path.dirname(out)}: permission denied. Choose an output"
                 " in a directory you can write."
             )
-        return GatherRequest(request_id, name, vkey, out, size, tensors, in_process=True)
-    md.requests.open_request(
-        request_id, "gather", host, {"vkey": vkey, "out": out} | _tensors(tensors)
-    )
+        return GatherRequest(request_id, name, vkey, out, size, tensors, bwlimit, True)
+    args = {"vkey": vkey, "out": out} | _tensors(tensors) | bwlimit_arg(bwlimit)
+    md.requests.open_request(request_id, "gather", host, args)
     _ride_out(
-        lambda: send_gather(vkey, out, host, request_id, name, tensors),
+        lambda: send_gather(vkey, out, host, request_id, name, tensors, bwlimit),
         f"queuing the gather of {name} (request {request_id})",
     )
-    return GatherRequest(request_id, name, vkey, out, size, tensors)
+    return GatherRequest(request_id, name, vkey, out, size, tensors, bwlimit)
 
 
 def _tensors(tensors: list[str] | None) -> dict:
@@ -268,13 +297,16 @@ def _gather_here(request: GatherRequest, on_progress: Callable[[int, int], None]
     md = metadata()
     host = config.host_id()
     args = {"vkey": request.vkey, "out": request.out} | _tensors(request.tensors)
+    args |= bwlimit_arg(request.bwlimit)
     # Recorded all the same, before a byte moves, under a kind the reconcile sweep never
     # sends to a worker: this process is what runs it.
     md.requests.open_request(request.task_id, IN_PROCESS_GATHER, host, args)
     md.requests.start_request(request.task_id, f"process:{host}:{os.getpid()}")
     reader = f"{host}:{os.getpid()}:{request.task_id}"
     try:
-        result = run_gather(md, request.vkey, request.out, request.tensors, reader, on_progress)
+        result = run_gather(
+            md, request.vkey, request.out, request.tensors, reader, on_progress, request.bwlimit
+        )
     except BaseException as exc:
         md.requests.finish_request(request.task_id, FAILED, error=str(exc) or type(exc).__name__)
         if isinstance(exc, OSError):  # the output's disk or directory, as the user can fix

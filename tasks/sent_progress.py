@@ -1,8 +1,10 @@
-"""Bytes of a shard sent so far, recorded for the CLI's store progress bar.
+"""Bytes of a shard sent so far, recorded for the CLI's store progress bar, and each
+delivery task's meter: the store's bandwidth limit and its raw and wire bytes.
 
 A running transfer or chain writes how far its send has got to Redis
 (version:{vkey}:sent, "shard:replica" -> bytes), and wait_store counts those with the
 settled replicas, so the bar moves as bytes leave instead of a whole shard at a time.
+Each delivery task adds what it delivered and put on the wire to version:{vkey}:wire.
 """
 
 from __future__ import annotations
@@ -11,8 +13,26 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 
+from coordinator import config
+from coordinator.dataplane.bandwidth import WireMeter
 from smoltorrent import defaults
 from tasks.context import REDIS_TRANSIENT
+
+
+def delivery_meter(version: dict[str, str], vkey: str) -> WireMeter:
+    """The meter of one delivery task of version `vkey`: its sends share one bucket with
+    every other delivery of the same store on this host (other Celery children)."""
+    return WireMeter.limited(
+        config.bwlimit_for(version.get("bwlimit")), config.home() / "bwlimit", vkey
+    )
+
+
+def record_wire(md, vkey: str, meter: WireMeter) -> None:
+    """Add what a delivery task moved to its version's totals (best effort, as progress)."""
+    totals = meter.totals
+    if totals.wire_bytes or totals.raw_bytes:
+        with contextlib.suppress(*REDIS_TRANSIENT):
+            md.transfers.record_wire(vkey, totals.raw_bytes, totals.wire_bytes)
 
 
 def sent_recorder(md, vkey: str, shard: int) -> Callable[[Sequence[int], int], None]:

@@ -43,10 +43,12 @@ def store(
     shards: int | None = None,
     request_id: str | None = None,
     no_node_tries: int = 0,
+    bwlimit: int | None = None,
 ) -> dict:
     """Store the checkpoint at `path` (on this host) as a new version of `name`, for the
     request `request_id` (recorded by tasks/requests.py before this task was queued).
-    `no_node_tries`: how many times it has found no live node so far."""
+    `no_node_tries`: how many times it has found no live node so far. `bwlimit`: bytes/s
+    for all its transfers together (None: this worker's SMOLTORRENT_BWLIMIT)."""
     md = metadata()
     if request_id is None:
         return _store(self, md, path, name, replicas, shards, None, md.requests.next_seq())
@@ -114,7 +116,8 @@ def _store(
             "request_id": request_id or self.request.id,
             "requested_shards": shards or 0,
             "identity": json.dumps(prepared.identity.to_dict()),
-        },
+        }
+        | ({} if bwlimit is None else {"bwlimit": bwlimit}),
         targets,
         seq,
     )

@@ -9,6 +9,7 @@ from functools import partial
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.dataplane.bandwidth import raw_size
 from coordinator.dataplane.chain_engine import pick_spare, replaceable
 from coordinator.dataplane.store_engine import send_shard
 from coordinator.plan.source_file import SourceIdentity
@@ -23,7 +24,7 @@ from tasks.app import app
 from tasks.context import metadata, node_client
 from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
 from tasks.enqueue import settle
-from tasks.sent_progress import sent_recorder
+from tasks.sent_progress import delivery_meter, record_wire, sent_recorder
 
 log = get_task_logger(__name__)
 
@@ -49,9 +50,20 @@ def transfer(
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     span = md.transfers.span(vkey, shard)
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
+    meter = delivery_meter(v, vkey)
+    try:
+        return _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt)
+    finally:
+        record_wire(md, vkey, meter)
+
+
+def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt) -> str:
+    """Send the replica from the source, paced by `meter` (or have a holder push it, or
+    move it to a spare), then settle it; how it was placed."""
+    shard, digest = span.index, span.digest
     try:
         registered = md.nodes.nodes()
-        target = node_client(node_id, registered)
+        target = node_client(node_id, registered).paced(meter.wire)
         holders = [
             node_client(h, registered)
             for h in sorted(md.blobs.placement(digest))
@@ -71,19 +83,21 @@ def transfer(
         return "source changed"
     except RETRYABLE as exc:
         md.transfers.record_attempt(vkey, {**attempt, "error": str(exc)})
-        moved = move_to_spare(md, v, vkey, span, replica, node_id, exc)
+        moved = move_to_spare(md, v, vkey, span, replica, node_id, exc, meter)
         if moved is None:
             raise
         spare_id, how = moved
         md.transfers.record_attempt(vkey, {**attempt, "node": spare_id, "result": how})
         settle(vkey, shard, replica, spare_id, digest, name)
         return how
+    if how == "sent":
+        meter.raw(raw_size(span))
     md.transfers.record_attempt(vkey, {**attempt, "result": how})
     settle(vkey, shard, replica, node_id, digest, name)
     return how
 
 
-def move_to_spare(md, v, vkey, span, replica, node_id, exc):
+def move_to_spare(md, v, vkey, span, replica, node_id, exc, meter):
     """A target that stops answering, is full or corrupts what it is sent loses this replica
     to another live node that does not hold the shard: (that node, how it got the shard),
     or None when no node can take it (the transfer then retries and dead-letters)."""
@@ -110,11 +124,13 @@ def move_to_spare(md, v, vkey, span, replica, node_id, exc):
             v["path"],
             SourceIdentity.from_dict(json.loads(v["identity"])),
             span,
-            node_client(spare_id, registered),
+            node_client(spare_id, registered).paced(meter.wire),
             holders,
         )
     except RETRYABLE:
         return None
+    if how == "sent":
+        meter.raw(raw_size(span))
     if md.transfers.replace_target(vkey, shard, replica, node_id, spare_id):
         log.warning(
             "%s shard %d: replica %d moved from %s to %s",

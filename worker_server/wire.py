@@ -329,17 +329,20 @@ def recv_stream(
     sink: Callable[[memoryview], None],
     *,
     digest_covered: bool = False,
+    pace: Callable[[int], None] | None = None,
 ) -> None:
     """Pass `length` body bytes to sink in chunks of at most IO_CHUNK_BYTES, one buffer reused.
 
     digest_covered: the caller checks the bytes against a content digest, so on a keyed
-    connection the body may come without a tag."""
+    connection the body may come without a tag. pace(n), when given, is told of every
+    slice received (at most BWLIMIT_SLICE_BYTES) and may wait: a bandwidth limit."""
     mac = _body_mac(sock, length, digest_covered)
     buffer = bytearray(min(length, defaults.IO_CHUNK_BYTES))
     view = memoryview(buffer)
+    step = len(buffer) if pace is None else min(len(buffer), defaults.BWLIMIT_SLICE_BYTES)
     remaining = length
     while remaining:
-        count = sock.recv_into(view[: min(remaining, len(buffer))])
+        count = sock.recv_into(view[: min(remaining, step)])
         if count == 0:
             raise PeerClosedError(
                 f"connection closed after {length - remaining} of {length} body bytes"
@@ -348,6 +351,8 @@ def recv_stream(
             mac.update(view[:count])
         sink(view[:count])
         remaining -= count
+        if pace is not None:
+            pace(count)
     _check_body_tag(sock, mac)
 
 
@@ -360,8 +365,10 @@ def recv_to_file(
     skip: int = 0,
     limit: int | None = None,
     progress: Callable[[int], None] | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> str:
     """Stream a body to fd at offset (after hashing-only its first `skip` bytes); its SHA-256.
+    pace: as for recv_stream.
 
     With `limit`, nothing is written at or past offset + limit: a body longer than
     announced raises ProtocolError before its excess reaches the file.
@@ -393,7 +400,7 @@ def recv_to_file(
             progress(len(chunk))
 
     # The caller compares the result with the digest it asked for.
-    recv_stream(sock, length, write, digest_covered=True)
+    recv_stream(sock, length, write, digest_covered=True, pace=pace)
     return hasher.hexdigest()
 
 
@@ -409,17 +416,20 @@ def send_file_range(
     offset: int,
     count: int,
     progress: Callable[[int], None] | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> None:
     """Send `count` bytes of fd from offset with sendfile, waiting at most the socket's timeout
-    for each step; progress(bytes sent so far) after each step."""
+    for each step; progress(bytes sent so far) after each step. With pace, each sendfile
+    moves at most BWLIMIT_SLICE_BYTES and pace(n) is told of the n sent (it may wait)."""
     timeout = sock.gettimeout()
+    step = defaults.SENDFILE_MAX_BYTES if pace is None else defaults.BWLIMIT_SLICE_BYTES
     sent_total = 0
     with selectors.DefaultSelector() as selector:
         selector.register(sock, selectors.EVENT_WRITE)
         while sent_total < count:
             # Never 0: macOS's sendfile reads a count of 0 as "to the end of the file". A
             # partial send there (EAGAIN after some bytes) returns its count, as on Linux.
-            chunk = min(count - sent_total, defaults.SENDFILE_MAX_BYTES)
+            chunk = min(count - sent_total, step)
             try:
                 sent = os.sendfile(sock.fileno(), fd, offset + sent_total, chunk)
             except BlockingIOError:
@@ -431,8 +441,19 @@ def send_file_range(
                     f"source file ended {count - sent_total} bytes before the declared length"
                 )
             sent_total += sent
+            if pace is not None:
+                pace(sent)
             if progress is not None:
                 progress(sent_total)
+
+
+def send_prefix(
+    sock: socket.socket, prefix: bytes, pace: Callable[[int], None] | None = None
+) -> None:
+    """A blob's own header, before its range goes by sendfile; told to pace like the range."""
+    sock.sendall(prefix)
+    if pace is not None and prefix:
+        pace(len(prefix))
 
 
 def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
@@ -612,10 +633,12 @@ def send_put(
     offset: int,
     length: int,
     progress: Callable[[int], None] | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> bool:
     """The client half of a two-phase put; True if stored, False if the node already had it.
 
-    progress(n) runs as body bytes leave and as the node reports re-hashing a copy it has.
+    progress(n) runs as body bytes leave and as the node reports re-hashing a copy it has;
+    pace(n) as for send_file_range.
     """
     size = len(prefix) + length
     # The node checks the blob against its digest, so the body goes untagged (sendfile).
@@ -625,8 +648,8 @@ def send_put(
         return False
     if header.get("status") != "continue":
         raise ProtocolError(f"node {peer} answered a put with {header!r}")
-    sock.sendall(prefix)
-    send_file_range(sock, fd, offset, length, progress)
+    send_prefix(sock, prefix, pace)
+    send_file_range(sock, fd, offset, length, progress, pace)
     header, _ = recv_final_response(sock, peer, progress)
     if header.get("status") != "stored":
         raise ProtocolError(f"node {peer} did not confirm the put: {header!r}")

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from coordinator import config
 from smoltorrent import __version__, defaults
 from smoltorrent.errors import (
     ConfigError,
@@ -37,6 +38,24 @@ HINTS: tuple[tuple[type[SmoltorrentError], str], ...] = (
     (MetadataError, "check that Redis runs and that SMOLTORRENT_REDIS_URL points at it"),
     (NotFoundError, "`smoltorrent ls` lists checkpoints and versions"),
 )
+
+
+def _rate(text: str) -> int:
+    try:
+        return config.parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bwlimit_argument(parser: argparse.ArgumentParser, verb: str) -> None:
+    parser.add_argument(
+        "--bwlimit",
+        type=_rate,
+        metavar="RATE",
+        help=f"{verb} at most RATE through this host's link, all parallel transfers together,"
+        " so training's own traffic keeps the rest: 50M (50 MB/s), 8MiB, 400Mbit; 0 for no"
+        f" limit (default: ${config.BWLIMIT_ENV}, else none)",
+    )
 
 
 class _ParseError(Exception):
@@ -171,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         " up is refused",
     )
     st.add_argument("--shards", type=_count(1), help="shard count (default: number of live nodes)")
+    _bwlimit_argument(st, "send")
     st.add_argument("--no-wait", action="store_true", help="return once the store is queued")
     st.add_argument("--json", action="store_true")
 
@@ -191,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the tensors these names or globs match, as a .safetensors file of their"
         " own (only their byte ranges are read, each verified)",
     )
+    _bwlimit_argument(g, "receive")
     g.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("ls", help="list checkpoints and their versions")

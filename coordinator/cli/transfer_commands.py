@@ -17,6 +17,12 @@ from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError, UsageError
 
 
+def _wire_words(raw: int, wire: int) -> str:
+    """Raw beside wire bytes: "120.0 MB raw as 82.1 MB on the wire (1.46x)"."""
+    ratio = raw / wire if wire else 1.0
+    return f"{human_bytes(raw)} raw as {human_bytes(wire)} on the wire ({ratio:.2f}x)"
+
+
 def _time_and_rate(size: int, seconds: float) -> str:
     """How long a summary line's transfer took and its rate: "0.31 s (85.9 MB/s)"."""
     return f"{seconds:.2f} s ({human_bytes(size / max(seconds, 1e-9))}/s)"
@@ -75,7 +81,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     if os.path.isdir(args.path):
         return _store_directory(args)
 
-    request = submit_store(args.path, args.name, args.replicas, args.shards)
+    request = submit_store(args.path, args.name, args.replicas, args.shards, bwlimit=args.bwlimit)
     name = request.name
     if args.no_wait:
         if args.json:
@@ -92,7 +98,9 @@ def cmd_store(args: argparse.Namespace) -> int:
                 task,
                 total=p.total_bytes or 1,
                 completed=p.done_bytes,
-                description=f"storing {name} ({p.ready_shards}/{p.shards} shards)",
+                description=f"storing {name} ({p.ready_shards}/{p.shards} shards, "
+                + _wire_words(p.raw_done_bytes, p.done_bytes)
+                + ")",
             )
 
         out = wait_store(request, show)
@@ -109,13 +117,16 @@ def cmd_store(args: argparse.Namespace) -> int:
             f" store it under another --name to keep {args.replicas} copies of it"
         )
     if args.json:
-        emit_json({**row, "new": out["new"], "hashed_bytes": out["hashed_bytes"]})
+        figures = {k: out[k] for k in ("hashed_bytes", "raw_bytes", "wire_bytes", "ratio")}
+        emit_json({**row, "new": out["new"], **figures})
     else:
         verb = "stored" if out["new"] else "already stored (no bytes moved)"
         console.print(
             f"{verb}: {name} version {row['version_id'][:12]}, "
             f"{human_bytes(row['size'])} in {row['shards']} shards x "
-            f"{row['replicas']} replicas, {_time_and_rate(row['size'], seconds)}"
+            f"{row['replicas']} replicas, "
+            + (f"sent {_wire_words(out['raw_bytes'], out['wire_bytes'])}, " if out["new"] else "")
+            + _time_and_rate(row["size"], seconds)
         )
         if row["under_replicated"]:
             warn(
@@ -148,8 +159,10 @@ def _store_directory(args: argparse.Namespace) -> int:
     """A directory of safetensors files (the Hugging Face layout) as one unit."""
     from tasks.directory_requests import store_directory
 
-    if args.no_wait or args.shards:
-        raise UsageError("--no-wait and --shards apply to a single file, not to a directory")
+    if args.no_wait or args.shards or args.bwlimit:
+        raise UsageError(
+            "--no-wait, --shards and --bwlimit apply to a single file, not to a directory"
+        )
     started = time.monotonic()
     stored = store_directory(args.path, args.name, args.replicas)
     seconds = time.monotonic() - started
@@ -183,10 +196,10 @@ def _store_directory(args: argparse.Namespace) -> int:
 def _gather_directory(args: argparse.Namespace) -> int:
     from tasks.directory_requests import gather_directory
 
-    if args.tensors:
+    if args.tensors or args.bwlimit:
         raise UsageError(
-            f"{args.name} is a directory checkpoint: gather it whole, or gather --tensors from"
-            f" one of its files ({args.name}/FILE)"
+            f"{args.name} is a directory checkpoint: gather it whole, or gather --tensors or"
+            f" --bwlimit from one of its files ({args.name}/FILE)"
         )
     started = time.monotonic()
     v = gather_directory(args.name, args.output, args.version)
@@ -213,7 +226,9 @@ def cmd_gather(args: argparse.Namespace) -> int:
     if is_directory(args.name):
         return _gather_directory(args)
 
-    request = submit_gather(args.name, args.output, args.version, args.tensors)
+    request = submit_gather(
+        args.name, args.output, args.version, args.tensors, bwlimit=args.bwlimit
+    )
     with _progress(args.json) as bar:
         task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
         report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
@@ -221,10 +236,10 @@ def cmd_gather(args: argparse.Namespace) -> int:
         emit_json(report)
     else:
         rate = report["size"] / max(report["seconds"], 1e-9)
+        wire = _wire_words(report.get("raw_bytes", report["size"]), report.get("wire_bytes", 0))
         console.print(
             f"gathered {args.name} version {report['version_id'][:12]} -> {request.out} "
-            f"({human_bytes(report['size'])} in {report['seconds']:.2f} s, "
-            f"{human_bytes(rate)}/s)"
+            f"({wire} in {report['seconds']:.2f} s, {human_bytes(rate)}/s)"
         )
         if args.tensors:
             console.print(

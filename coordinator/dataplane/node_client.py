@@ -85,11 +85,21 @@ class NodeClient:
         *,
         cluster_key: bytes | None = None,
         timeout: float | None = None,
+        pace: Callable[[int], None] | None = None,
     ) -> None:
         self.address = address
         env_key = os.environ.get(CLUSTER_KEY_ENV)
         self.cluster_key = cluster_key or (env_key.encode("utf-8") if env_key else None)
         self.timeout = defaults.SOCKET_TIMEOUT_S if timeout is None else timeout
+        # Told of every slice of blob bytes sent or received (a transfer's WireMeter.wire,
+        # coordinator/dataplane/bandwidth.py): counts them, and may wait for a limit.
+        self.pace = pace
+
+    def paced(self, pace: Callable[[int], None] | None) -> NodeClient:
+        """The same node, its blob bytes told to `pace` (a transfer's meter)."""
+        return NodeClient(
+            self.address, cluster_key=self.cluster_key, timeout=self.timeout, pace=pace
+        )
 
     @contextmanager
     def _connection(self, timeout: float | None = None) -> Iterator[socket.socket]:
@@ -208,7 +218,15 @@ class NodeClient:
         """
         with self._connection() as sock:
             return wire.send_put(
-                sock, str(self.address), digest, prefix, src_fd, src_offset, length, progress
+                sock,
+                str(self.address),
+                digest,
+                prefix,
+                src_fd,
+                src_offset,
+                length,
+                progress,
+                self.pace,
             )
 
     def chain_put(
@@ -242,8 +260,8 @@ class NodeClient:
             header, _ = wire.recv_final_response(sock, peer, progress)
             status = header.get("status")
             if status == "continue":
-                sock.sendall(prefix)
-                wire.send_file_range(sock, src_fd, src_offset, length, progress)
+                wire.send_prefix(sock, prefix, self.pace)
+                wire.send_file_range(sock, src_fd, src_offset, length, progress, self.pace)
             elif status != "exists":
                 raise ProtocolError(f"node {peer} answered a chain_put with {header!r}")
             header, _ = wire.recv_final_response(sock, peer, progress)
@@ -289,6 +307,7 @@ class NodeClient:
                 skip=skip,
                 limit=None if size is None else size - skip,
                 progress=progress,
+                pace=self.pace,
             )
         if received != digest:
             raise DigestMismatchError(
@@ -325,7 +344,7 @@ class NodeClient:
                     f"blob {digest[:12]} on node {self.address} answered {body_len} bytes, not"
                     f" the {expected} asked for: that copy is corrupt; read another replica"
                 )
-            wire.recv_stream(sock, body_len, sink, digest_covered=True)
+            wire.recv_stream(sock, body_len, sink, digest_covered=True, pace=self.pace)
         return body_len
 
     def get_range(self, digest: str, offset: int, length: int) -> bytes:

@@ -74,6 +74,10 @@ READY = PREFIX + "version:{vkey}:ready"
 # hash "shard:replica" -> bytes of the blob sent so far by its running transfer (for
 # progress bars); expires on its own, being only a view of work in flight
 SENT = PREFIX + "version:{vkey}:sent"
+# hash raw_bytes, wire_bytes -> what the source's transfers of a version delivered so far
+# (raw, as in the checkpoint) and put on the wire for it; read by the CLI at commit, so it
+# expires like SENT
+WIRE = PREFIX + "version:{vkey}:wire"
 # list of JSON {shard, replica, node, attempt, at, error} per transfer attempt
 ATTEMPTS = PREFIX + "version:{vkey}:attempts"
 # zset reader id -> expiry (ms, Redis server clock) of every gather reading a version;

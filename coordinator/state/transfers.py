@@ -176,6 +176,20 @@ class Transfers:
             p.expire(key, defaults.SENT_PROGRESS_TTL_S)
             p.execute()
 
+    def record_wire(self, vkey: str, raw_bytes: int, wire_bytes: int) -> None:
+        """Add what one transfer delivered (raw) and put on the wire to the version's total."""
+        key = K.WIRE.format(vkey=vkey)
+        with self.r.pipeline() as p:
+            p.hincrby(key, "raw_bytes", raw_bytes)
+            p.hincrby(key, "wire_bytes", wire_bytes)
+            p.expire(key, defaults.SENT_PROGRESS_TTL_S)
+            p.execute()
+
+    def wire(self, vkey: str) -> tuple[int, int]:
+        """(raw bytes, wire bytes) the version's transfers recorded so far."""
+        found = self.r.hgetall(K.WIRE.format(vkey=vkey))
+        return int(found.get("raw_bytes", 0)), int(found.get("wire_bytes", 0))
+
     def sent(self, vkey: str) -> dict[str, int]:
         """ "shard:replica" -> bytes sent so far by transfers still running (or just done)."""
         return {k: int(v) for k, v in self.r.hgetall(K.SENT.format(vkey=vkey)).items()}
