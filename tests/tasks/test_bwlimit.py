@@ -1,4 +1,4 @@
-"""--bwlimit through the CLI, counted where the bytes land: the nodes' own counters.
+"""--bwlimit through the CLI, a store's counted where the bytes land: the nodes' own counters.
 
 Many small shards, so the nodes' counters (a blob counts once whole) move often; the rate
 is taken between the first and the last blob a node counts, so neither the CLI's start
@@ -72,11 +72,14 @@ def test_bwlimit_holds_the_rate_counted_at_the_nodes(make_cluster, tmp_path):
     assert 0.3 * 2 * LIMIT < rate < 1.5 * 2 * LIMIT, rate
 
     out = tmp_path / "out.safetensors"
-    with Counted(c.node_procs, "smoltorrent_node_bytes_sent_total") as sent:
-        report = c.cli_json("gather", "bw.safetensors", "-o", str(out), "--bwlimit", "16Mbit")
+    before = Counted(c.node_procs, "smoltorrent_node_bytes_sent_total").total()
+    report = c.cli_json("gather", "bw.safetensors", "-o", str(out), "--bwlimit", "16Mbit")
     assert sha(out) == sha(src)
-    served, rate = sent.rate()
+    served = Counted(c.node_procs, "smoltorrent_node_bytes_sent_total").total() - before
     assert served == blob_bytes == report["wire_bytes"]
     assert report["raw_bytes"] == src.stat().st_size == report["size"]
+    # A node counts a blob sent once the kernel took it, and a whole small blob fits in
+    # loopback's socket buffers: the rate is the gatherer's, bytes received over its time.
+    rate = report["wire_bytes"] / report["seconds"]
     print(f"gather: {rate / 1e6:.2f} MB/s")
-    assert 0.2 * LIMIT < rate < 1.5 * LIMIT, rate
+    assert 0.3 * LIMIT < rate < 1.5 * LIMIT, rate
