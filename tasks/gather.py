@@ -48,16 +48,22 @@ def gather(
     out_path = check_destination(out_path, config.gather_dirs())
     md = metadata()
     if request_id is None:
-        return _gather_task(self, md, vkey, out_path, None, tensors)
+        return _gather_task(self, md, vkey, out_path, None, tensors, bwlimit)
     if request_runs.start(self, md, request_id).done:
         return json.loads(md.requests.request(request_id)["result"])  # re-driven after it finished
     # Held while it runs: a second delivery waits instead of writing a second temp file.
     with md.requests.holding(request_id, request_runs.this_run()):
-        return _gather_task(self, md, vkey, out_path, request_id, tensors)
+        return _gather_task(self, md, vkey, out_path, request_id, tensors, bwlimit)
 
 
 def _gather_task(
-    self, md: Metadata, vkey: str, out_path: str, request_id: str | None, tensors: list[str] | None
+    self,
+    md: Metadata,
+    vkey: str,
+    out_path: str,
+    request_id: str | None,
+    tensors: list[str] | None,
+    bwlimit: int | None,
 ) -> dict:
     task_id = self.request.id  # the request is thread-local; progress comes from threads
 

@@ -51,13 +51,16 @@ def store(
     for all its transfers together (None: this worker's SMOLTORRENT_BWLIMIT)."""
     md = metadata()
     if request_id is None:
-        return _store(self, md, path, name, replicas, shards, None, md.requests.next_seq())
+        seq = md.requests.next_seq()
+        return _store(self, md, path, name, replicas, shards, None, seq, bwlimit=bwlimit)
     if request_runs.start(self, md, request_id).done:
         return _result(md.requests.request(request_id))  # a re-drive of a request served
     seq = int(md.requests.request(request_id)["seq"])
     # Held while it runs: a second delivery of this task waits instead of storing twice.
     with md.requests.holding(request_id, request_runs.this_run()):
-        return _store(self, md, path, name, replicas, shards, request_id, seq, no_node_tries)
+        return _store(
+            self, md, path, name, replicas, shards, request_id, seq, no_node_tries, bwlimit
+        )
 
 
 def _store(
@@ -70,6 +73,7 @@ def _store(
     request_id: str | None,
     seq: int,
     no_node_tries: int = 0,
+    bwlimit: int | None = None,
 ) -> dict:
     age = time.time() - os.stat(path).st_mtime
     if age < defaults.STABLE_AFTER_S:
