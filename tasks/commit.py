@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from coordinator import config
 from coordinator.dataplane.store_engine import write_manifest
 from coordinator.state.versions import COMMITTED, PENDING
@@ -50,9 +52,31 @@ def commit(self, vkey: str) -> str:
         keep = {f"{i}:{r}" for i, t in enumerate(plan) for r in range(len(t)) if i not in lost}
         send_transfers(vkey, manifest, plan, v["host"], skip=keep)
         return f"shards {lost} had no copy left; sent again"
-    write_manifest_durably(md, manifest, set().union(*holders.values()), registered)
+    # The nodes' copies carry the version's request order, so a rebuild orders by it.
+    seq = int(v.get("seq") or 0)
+    ordered = dataclasses.replace(manifest, seq=seq)
+    write_manifest_durably(md, ordered, set().union(*holders.values()), registered)
     md.versions.commit(vkey, manifest.name)
+    if int(md.versions.version(vkey).get("seq") or 0) > seq:
+        record_request_order(md, vkey)  # a later request joined it while it committed
     return COMMITTED
+
+
+def record_request_order(md, vkey: str) -> int:
+    """Put committed version `vkey`'s manifest again, with the sequence number of its
+    latest request, on the live nodes holding its blobs: a later store of the same bytes
+    (a rollback) made it current again after its commit, and a rebuild from the nodes
+    must order the name's versions by that request, not by when each was created. Best
+    effort (a rebuild takes the highest number any copy carries); how many nodes took it."""
+    v = md.versions.version(vkey)
+    manifest = dataclasses.replace(md.versions.manifest(vkey), seq=int(v.get("seq") or 0))
+    registered = md.nodes.nodes()
+    placed = set().union(*(md.blobs.placement(digest) for digest, _ in manifest.blobs))
+    holders = sorted(placed & set(md.nodes.alive(registered)))
+    try:
+        return write_manifest(manifest, [node_client(n, registered) for n in holders])
+    except SmoltorrentError:
+        return 0  # no holder answered: the copies keep the order of the commit
 
 
 def write_manifest_durably(md, manifest, holders: set[str], registered) -> None:

@@ -15,11 +15,12 @@ from coordinator.plan.chains import chain_order
 from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE
-from coordinator.state.versions import PENDING, REMOVING
+from coordinator.state.versions import COMMITTED, PENDING, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import NotEnoughNodesError
 from tasks import request_runs
 from tasks.app import app
+from tasks.commit import record_request_order
 from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import send_transfers
 
@@ -136,6 +137,10 @@ def _store(
         send_transfers(vkey, manifest, targets, host)
     else:
         log.info("%s: version %s already %s", name, manifest.version_id[:12], found)
+        if found == COMMITTED:
+            # Current again if this request is the latest (a rollback): the nodes' copies
+            # of its manifest learn this request's number, which orders a rebuild.
+            record_request_order(md, vkey)
     result = {
         "vkey": vkey,
         "state": PENDING if new else found,

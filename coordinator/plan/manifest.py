@@ -84,6 +84,11 @@ class Manifest:
     created_at: float  # unix seconds
     schema_version: int = SHARD_SCHEMA_VERSION
     chunks: tuple[ChunkEntry, ...] = ()  # schema 3
+    # The sequence number of the latest store request for this version, in the copies
+    # the nodes keep (written at commit and again when a later request makes it current:
+    # a rollback), so a rebuild orders a name's versions by request, not by creation.
+    # 0: not recorded (Redis keeps it in the version's hash; older manifests).
+    seq: int = 0
 
     def __post_init__(self) -> None:
         if (self.chunked and self.shards) or (not self.chunked and self.chunks):
@@ -123,6 +128,8 @@ class Manifest:
             "replicas": self.replicas,
             "created_at": self.created_at,
         }
+        if self.seq:
+            document["seq"] = self.seq
         if self.chunked:
             document["chunks"] = [
                 {
@@ -351,7 +358,7 @@ class VersionBlobs:
             document = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             _fail(f"not JSON ({error})")
-        fields = _fields(document, _manifest_fields(document), "manifest")
+        fields = _fields(document, _manifest_fields(document), "manifest", _OPTIONAL_FIELDS)
         entries = fields.get("chunks", fields.get("shards"))
         kind = "chunk" if "chunks" in fields else "shard"
         if not isinstance(fields["name"], str) or not isinstance(entries, list):
@@ -382,6 +389,7 @@ _MANIFEST_FIELDS = {
     "replicas",
     "created_at",
 }
+_OPTIONAL_FIELDS = frozenset({"seq"})  # absent from manifests that do not record it
 _CHUNK_FIELDS = {"data_start", "data_end", "raw_sha256", "blob_size", "blob_sha256"}
 _SHARD_FIELDS = {
     "index",
@@ -417,12 +425,14 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _fields(document: Any, expected: set[str], what: str) -> dict[str, Any]:
+def _fields(
+    document: Any, expected: set[str], what: str, optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     if not isinstance(document, dict):
         _fail(f"{what} is not a JSON object")
     if missing := expected - document.keys():
         _fail(f"{what} lacks {', '.join(sorted(missing))}")
-    if unknown := document.keys() - expected:
+    if unknown := document.keys() - expected - optional:
         _fail(f"{what} has unknown fields {', '.join(sorted(unknown))}")
     return document
 
@@ -456,7 +466,7 @@ def _parse_manifest(data: bytes | str) -> Manifest:
             + ", ".join(map(str, READABLE_SCHEMAS))
             + ("; upgrade smoltorrent to read it." if newer else "; the manifest is not ours.")
         )
-    fields = _fields(document, _manifest_fields(document), "manifest")
+    fields = _fields(document, _manifest_fields(document), "manifest", _OPTIONAL_FIELDS)
     name = fields["name"]
     if not isinstance(name, str) or not name:
         _fail(f"name is {name!r}, not a non-empty string")
@@ -485,6 +495,7 @@ def _parse_manifest(data: bytes | str) -> Manifest:
         created_at=float(created_at),
         schema_version=schema,
         chunks=tuple(_parse_chunk(c, i) for i, c in enumerate(fields.get("chunks", ()))),
+        seq=_count(fields, "seq", "manifest") if "seq" in fields else 0,
     )
     if manifest.chunked:
         _check_chunks(manifest)

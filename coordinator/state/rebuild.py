@@ -48,13 +48,16 @@ def rebuild_metadata(
             unreachable.append(f"{address}: {exc}")
             continue
         # One unreadable manifest costs only itself, never the node's whole inventory.
+        # Every copy is read: the one with the highest request number (a rollback's,
+        # tasks/commit.py record_request_order) says where the version stands.
         for key in keys:
-            if key in manifests:
-                continue
             try:
-                manifests[key] = Manifest.from_json(client.get_manifest(key))
+                manifest = Manifest.from_json(client.get_manifest(key))
             except (NodeUnavailableError, NodeError, SmoltorrentError) as exc:
                 skipped.append(f"manifest {key} on {address}: {exc}")
+                continue
+            if key not in manifests or manifest.seq > manifests[key].seq:
+                manifests[key] = manifest
         nodes_read += 1
         md.nodes.add_node(stat.node_id, address)
         md.nodes.mark_alive(stat.node_id, dataclasses.asdict(stat))
@@ -63,7 +66,9 @@ def rebuild_metadata(
             held.add(digest)
             placements += 1
     restored = 0
-    for key, manifest in sorted(manifests.items(), key=lambda kv: kv[1].created_at):
+    # In request order (each restored version takes a new number in turn, so the last
+    # request of a name is current again); manifests that record none, by creation.
+    for key, manifest in sorted(manifests.items(), key=lambda kv: (kv[1].seq, kv[1].created_at)):
         vkey = manifest.storage_key()
         if vkey != key:
             skipped.append(f"manifest {key} names another version ({vkey})")

@@ -34,6 +34,26 @@ def test_a_rolled_back_checkpoint_gathers_the_rolled_back_bytes(make_cluster, tm
     assert [r["vkey"] for r in rows if r["current"]] == [first["vkey"]]
 
 
+def test_a_rollback_is_still_current_after_losing_redis_and_a_rebuild(make_cluster, tmp_path):
+    """A, B, A again, then Redis is lost and rebuilt from the nodes: the name serves A,
+    its latest request. The rebuild ordered versions by created_at, so B (created after
+    A) took the name back; the nodes' copies of a manifest now carry its request order."""
+    c = make_cluster(2)
+    a = make_ckpt(tmp_path / "a.safetensors", 600_000)
+    b = make_ckpt(tmp_path / "b.safetensors", 700_000)
+    name = "run/latest.safetensors"
+    first = c.cli_json("store", str(a), "--name", name)
+    second = c.cli_json("store", str(b), "--name", name)
+    assert c.cli_json("store", str(a), "--name", name)["new"] is False
+    c.md.r.flushall()
+    summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
+    assert summary["restored"] == 2
+    assert c.md.versions.current(name) == first["vkey"] != second["vkey"]
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", name, "-o", str(out))
+    assert sha(out) == sha(a)
+
+
 @pytest.mark.parametrize("delay", [0.2, 1.0])
 def test_worker_killed_while_the_store_plans_loses_nothing(make_cluster, tmp_path, delay):
     """SIGKILL the worker `delay` s after `store --no-wait` returned (the store task is

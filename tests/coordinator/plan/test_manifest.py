@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 
@@ -79,6 +80,18 @@ def test_round_trip_is_exact_and_canonical(stored):
     assert document["schema_version"] == 2
     assert all(len(s["tensor_sha256"]) == len(s["tensors"]) for s in document["shards"])
     assert base64.b64decode(document["header_bytes"]) == manifest.header_bytes
+
+
+def test_a_nodes_copy_carries_its_request_order_and_a_negative_one_is_refused(stored):
+    """The copies on the nodes carry the version's request number (rebuild orders by it);
+    a manifest that records none (Redis's, older nodes') reads as 0."""
+    _, manifest, _, _ = stored
+    assert "seq" not in json.loads(manifest.to_json()) and manifest.seq == 0
+    ordered = dataclasses.replace(manifest, seq=42)
+    assert Manifest.from_json(ordered.to_json()) == ordered
+    document = json.loads(ordered.to_json()) | {"seq": -1}
+    with pytest.raises(ManifestError, match="seq"):
+        Manifest.from_json(json.dumps(document))
 
 
 def test_manifest_and_blobs_rebuild_the_source_byte_for_byte(stored):
