@@ -344,6 +344,51 @@ def wait_gather(
     return res.result
 
 
+def follow(rid: str) -> tuple[StoreRequest | GatherRequest, dict]:
+    """Follow request `rid` to its end, whoever asked for it (a `store --no-wait`, a store
+    or gather whose caller stopped waiting): the request, and the report wait_store or
+    the gather gives. SmoltorrentError when it failed, NotFoundError when no such request
+    is recorded (a finished one is kept REQUEST_TTL_S)."""
+    md = connected_metadata()
+    record = md.requests.request(rid)
+    args = json.loads(record["args"])
+    if record["kind"] == "store":
+        request = StoreRequest(rid, args["name"], args["path"])
+        return request, wait_store(request)
+    if record["kind"] not in ("gather", IN_PROCESS_GATHER):
+        raise SmoltorrentError(f"request {rid} is a {record['kind']}, not a store or a gather")
+    version = md.versions.version(args["vkey"])
+    gather = GatherRequest(
+        rid, version["name"], args["vkey"], args["out"], int(version["size"]), args.get("tensors")
+    )
+    what = f"waiting for the gather of {gather.name} (request {rid})"
+    while record["state"] not in (DONE, FAILED):
+        _check_gathering_process(rid, record)
+        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+        record = _ride_out(lambda: md.requests.request(rid), what)
+    if record["state"] == FAILED:
+        raise SmoltorrentError(f"gather of {gather.name} failed: {record.get('error')}")
+    return gather, json.loads(record["result"])
+
+
+def _check_gathering_process(rid: str, record: dict[str, str]) -> None:
+    """A gather run by the process that asked for it ends with that process: one of this
+    host's that is gone will never finish it (another host's cannot be asked)."""
+    kind, _, where = record.get("boot", "").partition(":")
+    host, _, pid = where.partition(":")
+    if kind != "process" or host != config.host_id() or not pid.isdigit():
+        return
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        raise SmoltorrentError(
+            f"gather request {rid} was run by process {pid}, which ended before it did;"
+            " nothing was written. Run the gather again."
+        ) from None
+    except PermissionError:  # alive, another user's
+        pass
+
+
 def submit_remove(vkey: str) -> None:
     """Remove a version: marked removing at once (no gather takes it from here on, and the
     reconcile sweep resumes the remove after any crash), then its remove task is queued."""

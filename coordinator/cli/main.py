@@ -1,7 +1,8 @@
 """The smoltorrent command line.
 
 Exit codes: 0 success, 1 failure (the message says what to do next),
-2 usage error. Every listing takes --json.
+2 usage error, 3 recorded but its outcome not known here (it may still complete: a store
+whose wait was interrupted goes on). Every listing takes --json.
 """
 
 from __future__ import annotations
@@ -191,7 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--shards", type=_count(1), help="shard count (default: number of live nodes)")
     _bwlimit_argument(st, "send")
-    st.add_argument("--no-wait", action="store_true", help="return once the store is queued")
+    st.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="return once the store is queued (it goes on; `smoltorrent wait ID` follows it)."
+        " Ctrl-C while a store waits does the same: the store goes on, exit 3",
+    )
     st.add_argument("--json", action="store_true")
 
     g = sub.add_parser("gather", help="rebuild a checkpoint into a file (or a directory)")
@@ -213,6 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bwlimit_argument(g, "receive")
     g.add_argument("--json", action="store_true")
+
+    wt = sub.add_parser(
+        "wait",
+        help="follow a store or gather to its end (after --no-wait or Ctrl-C)",
+        description="Follow the store or gather recorded as request ID (printed by"
+        " `store --no-wait`, or when Ctrl-C stopped a command waiting) until it ends, then"
+        " print what that command would have printed. Exit 0 when it committed (or was"
+        " gathered), 1 when it failed, 3 when interrupted again (it still goes on).",
+    )
+    wt.add_argument("request_id", metavar="ID")
+    wt.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("ls", help="list checkpoints and their versions")
     ls.add_argument(
@@ -435,6 +452,7 @@ def _report(message: str, hint: str | None, as_json: bool) -> None:
 COMMAND_MODULES = {
     "store": "transfer_commands",
     "gather": "transfer_commands",
+    "wait": "transfer_commands",
     "ls": "listing_commands",
     "show": "listing_commands",
     "status": "listing_commands",

@@ -4,6 +4,7 @@ cluster, through the worker."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -85,38 +86,69 @@ def cmd_store(args: argparse.Namespace) -> int:
     name = request.name
     if args.no_wait:
         if args.json:
-            emit_json({"task_id": request.task_id, "name": name})
+            emit_json({"task_id": request.task_id, "name": name, "follow": _follow(request)})
         else:
-            console.print(f"queued store of {name} (task {request.task_id})")
+            console.print(
+                f"queued store of {name} (request {request.task_id}); it goes on without this"
+                f" command: follow it with {_follow(request)}"
+            )
         return 0
     started = time.monotonic()
-    with _progress(args.json) as bar:
-        task = bar.add_task(f"storing {name}", total=1)
+    try:  # from here on the store is queued: Ctrl-C stops only this command's wait
+        with _progress(args.json) as bar:
+            task = bar.add_task(f"storing {name}", total=1)
 
-        def show(p) -> None:
-            bar.update(
-                task,
-                total=p.total_bytes or 1,
-                completed=p.done_bytes,
-                description=f"storing {name} ({p.ready_shards}/{p.shards} shards, "
-                + _wire_words(p.raw_done_bytes, p.done_bytes)
-                + ")",
-            )
+            def show(p) -> None:
+                bar.update(
+                    task,
+                    total=p.total_bytes or 1,
+                    completed=p.done_bytes,
+                    description=f"storing {name} ({p.ready_shards}/{p.shards} shards, "
+                    + _wire_words(p.raw_done_bytes, p.done_bytes)
+                    + ")",
+                )
 
-        out = wait_store(request, show)
-    seconds = time.monotonic() - started
+            out = wait_store(request, show)
+    except KeyboardInterrupt:
+        return _stopped_waiting("store", request, args.json)
+    return _report_store(name, out, time.monotonic() - started, args.replicas, args.json)
+
+
+def _follow(request) -> str:
+    return f"`smoltorrent wait {request.task_id}`"
+
+
+def _stopped_waiting(kind: str, request, as_json: bool) -> int:
+    """Ctrl-C stops this command following a request, not the request: it is recorded and
+    the worker carries it to its end. Said so, with how to follow it; exit 3 (recorded,
+    outcome not known here), not 130 as if it were lost."""
+    message = (
+        f"stopped waiting; the {kind} of {request.name} goes on in the background (request"
+        f" {request.task_id}): follow it with {_follow(request)}, or see"
+        f" `smoltorrent ls {request.name}`"
+    )
+    if as_json:
+        emit_json({"interrupted": True, "kind": kind, "name": request.name,
+                   "task_id": request.task_id, "follow": _follow(request).strip("`")})  # fmt: skip
+    else:
+        warn(message)
+    return 3
+
+
+def _report_store(name: str, out: dict, seconds: float, replicas: int, as_json: bool) -> int:
+    """A store's summary line (or JSON) once it ended; its exit status."""
     md = metadata()
     vkey = out["vkey"]
     row = next(c for c in reports.checkpoints(md, name) if c["vkey"] == vkey)
-    if not out["new"] and args.replicas > row["replicas"]:
+    if not out["new"] and replicas > row["replicas"]:
         # The same bytes were stored before with fewer copies; this store added none.
         raise UsageError(
             f"{name} version {row['version_id'][:12]} is already stored with"
-            f" {row['replicas']} replicas, so --replicas {args.replicas} was not applied (no"
+            f" {row['replicas']} replicas, so --replicas {replicas} was not applied (no"
             " bytes moved): raising the copies of a stored version is not supported yet;"
-            f" store it under another --name to keep {args.replicas} copies of it"
+            f" store it under another --name to keep {replicas} copies of it"
         )
-    if args.json:
+    if as_json:
         figures = {k: out[k] for k in ("hashed_bytes", "raw_bytes", "wire_bytes", "ratio")}
         emit_json({**row, "new": out["new"], **figures})
     else:
@@ -229,29 +261,57 @@ def cmd_gather(args: argparse.Namespace) -> int:
     request = submit_gather(
         args.name, args.output, args.version, args.tensors, bwlimit=args.bwlimit
     )
-    with _progress(args.json) as bar:
-        task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
-        report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
-    if args.json:
+    try:
+        with _progress(args.json) as bar:
+            task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
+            report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
+    except KeyboardInterrupt:
+        if request.in_process:  # this process was the gather: it stopped with it
+            raise
+        return _stopped_waiting("gather", request, args.json)
+    return _report_gather(request, report, args.json)
+
+
+def _report_gather(request, report: dict, as_json: bool) -> int:
+    if as_json:
         emit_json(report)
-    else:
-        rate = report["size"] / max(report["seconds"], 1e-9)
-        wire = _wire_words(report.get("raw_bytes", report["size"]), report.get("wire_bytes", 0))
+        return 0
+    rate = report["size"] / max(report["seconds"], 1e-9)
+    wire = _wire_words(report.get("raw_bytes", report["size"]), report.get("wire_bytes", 0))
+    console.print(
+        f"gathered {request.name} version {report['version_id'][:12]} -> {request.out} "
+        f"({wire} in {report['seconds']:.2f} s, {human_bytes(rate)}/s)"
+    )
+    if request.tensors:
         console.print(
-            f"gathered {args.name} version {report['version_id'][:12]} -> {request.out} "
-            f"({wire} in {report['seconds']:.2f} s, {human_bytes(rate)}/s)"
-        )
-        if args.tensors:
-            console.print(
-                f"{len(report['tensors'])} tensors, {human_bytes(report['bytes_fetched'])} read"
-                " from the nodes"
-                + (
-                    f" (shards {report['whole_shards']} read whole: their manifest predates"
-                    " per-tensor digests)"
-                    if report["whole_shards"]
-                    else ""
-                )
+            f"{len(report['tensors'])} tensors, {human_bytes(report['bytes_fetched'])} read"
+            " from the nodes"
+            + (
+                f" (shards {report['whole_shards']} read whole: their manifest predates"
+                " per-tensor digests)"
+                if report["whole_shards"]
+                else ""
             )
-        for line in report["fallbacks"]:
-            warn(f"fell back to another replica: {line}")
+        )
+    for line in report["fallbacks"]:
+        warn(f"fell back to another replica: {line}")
     return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Follow a store or a gather recorded earlier to its end (a `store --no-wait`, or one
+    whose command was interrupted): its summary line, and the exit status it would have
+    had."""
+    from tasks.requests import StoreRequest, follow
+
+    record = metadata().requests.request(args.request_id)  # NotFoundError says so
+    try:
+        request, out = follow(args.request_id)
+    except KeyboardInterrupt:
+        warn(f"stopped waiting; request {args.request_id} goes on in the background")
+        return 3
+    if isinstance(request, StoreRequest):
+        replicas = json.loads(record["args"])["replicas"]
+        seconds = time.time() - float(record["created_at"])  # since it was asked for
+        return _report_store(request.name, out, seconds, replicas, args.json)
+    return _report_gather(request, out, args.json)
