@@ -1,4 +1,6 @@
-"""What every task needs: the metadata store and node clients, made once per process."""
+"""What every task needs: the metadata store and node clients, made once per process, and
+request ids. Imports no Celery, so a reader's own gather (tasks/gathering.py) starts
+without it."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import redis
 
 from coordinator import config
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.state.embedded_redis import ensure_redis_url
 from coordinator.state.metadata import Metadata
 from coordinator.state.nodes import NodeRecord
 from smoltorrent.errors import NotFoundError
-from tasks.app import REDIS_URL
 
 # Redis restarting or briefly unreachable: the task retries with backoff, like a node
 # error, instead of dead-lettering into the Redis it cannot reach.
@@ -26,7 +28,18 @@ BOOT_ID = uuid.uuid4().hex
 
 @cache
 def metadata() -> Metadata:
-    return Metadata(REDIS_URL)
+    """The metadata store at the URL the Celery app uses too (ensure_redis_url: the
+    setting, else the embedded Redis, started if need be)."""
+    return Metadata(ensure_redis_url())
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def bwlimit_arg(bwlimit: int | None) -> dict:
+    """A request's bandwidth limit among its arguments, only when it names one."""
+    return {} if bwlimit is None else {"bwlimit": bwlimit}
 
 
 def client(address: NodeAddress, timeout: float | None = None) -> NodeClient:

@@ -7,13 +7,12 @@ Tasks import this module and never each other, so no two task modules form a cir
 from __future__ import annotations
 
 import json
-import uuid
 
 from coordinator import config
 from coordinator.plan.manifest import Manifest
 from smoltorrent import defaults
 from tasks.app import app
-from tasks.context import metadata
+from tasks.context import bwlimit_arg, metadata, new_request_id
 from tasks.readable import transfer_repr
 
 
@@ -186,15 +185,6 @@ def send_gather(
             }
         ),
     )
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def bwlimit_arg(bwlimit: int | None) -> dict:
-    """A request's bandwidth limit among its arguments, only when it names one."""
-    return {} if bwlimit is None else {"bwlimit": bwlimit}
 
 
 def redrive_request(request_id: str, record: dict[str, str]) -> None:

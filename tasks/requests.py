@@ -14,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import kombu.exceptions
-
 from coordinator import config
 from coordinator.dataplane.bandwidth import WireBytes
 from coordinator.dataplane.gather_engine import check_destination
@@ -27,15 +25,12 @@ from coordinator.state.requests import DONE, FAILED, IN_PROCESS_GATHER
 from coordinator.state.versions import ABORTED, COMMITTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import DestinationNotAllowedError, OutcomeUnknownError, SmoltorrentError
-from tasks.app import app
-from tasks.context import REDIS_TRANSIENT, metadata
-from tasks.enqueue import bwlimit_arg, new_request_id, send_gather, send_remove, send_store
-from tasks.gather import run_gather
+from tasks.context import REDIS_TRANSIENT, bwlimit_arg, metadata, new_request_id
+from tasks.gathering import run_gather
 
 T = TypeVar("T")
-# What an unreachable Redis raises: the metadata client's errors and the broker's (kombu
-# wraps a failed publish in OperationalError).
-OUTAGE = (*REDIS_TRANSIENT, kombu.exceptions.OperationalError)
+# Celery (tasks.app, tasks.enqueue) is imported only where a task is sent or followed: a
+# gather a reader runs itself never needs it, and it is a tenth of a second of its start.
 
 
 @dataclass(frozen=True)
@@ -89,6 +84,8 @@ def require_worker(host: str | None = None) -> None:
     if metadata().nodes.worker_boot(host) is not None:
         return
     name = f"smoltorrent@{host}"
+    from tasks.app import app
+
     inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
     if not (inspect.ping() or {}).get(name):
         raise SmoltorrentError(
@@ -130,6 +127,8 @@ def submit_store(
     # The request is recorded (its sequence number orders the name's versions) before its
     # task is queued: from here on no crash loses it, and a queue that cannot be reached
     # for a while is waited out, since the store is already accepted.
+    from tasks.enqueue import send_store
+
     request_id = new_request_id()
     bwlimit = config.bwlimit() if bwlimit is None else bwlimit
     args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
@@ -148,11 +147,15 @@ def _ride_out(call: Callable[[], T], what: str) -> T:
     """call(), tried again while Redis is unreachable, for up to CLIENT_OUTAGE_S: a Redis
     restart of a few seconds must not turn an accepted operation into a reported failure.
     Past that, OutcomeUnknownError: the operation is recorded and may still complete."""
+    # What an unreachable Redis raises: the metadata client's errors and the broker's
+    # (kombu wraps a failed publish in OperationalError).
+    from kombu.exceptions import OperationalError
+
     deadline = time.monotonic() + defaults.CLIENT_OUTAGE_S
     while True:
         try:
             return call()
-        except OUTAGE as exc:
+        except (*REDIS_TRANSIENT, OperationalError) as exc:
             if time.monotonic() > deadline:
                 raise OutcomeUnknownError(
                     f"Redis was unreachable for {defaults.CLIENT_OUTAGE_S:.0f} s while "
@@ -267,6 +270,8 @@ def submit_gather(
                 " in a directory you can write."
             )
         return GatherRequest(request_id, name, vkey, out, size, tensors, bwlimit, True)
+    from tasks.enqueue import send_gather
+
     args = {"vkey": vkey, "out": out} | _tensors(tensors) | bwlimit_arg(bwlimit)
     md.requests.open_request(request_id, "gather", host, args)
     _ride_out(
@@ -327,6 +332,8 @@ def wait_gather(
     bytes arrive."""
     if request.in_process:
         return _gather_here(request, on_progress)
+    from tasks.app import app
+
     res = app.AsyncResult(request.task_id)
     what = f"waiting for the gather of {request.name} (request {request.task_id})"
 
@@ -393,5 +400,7 @@ def submit_remove(vkey: str) -> None:
     """Remove a version: marked removing at once (no gather takes it from here on, and the
     reconcile sweep resumes the remove after any crash), then its remove task is queued."""
     md = connected_metadata()
+    from tasks.enqueue import send_remove
+
     md.removals.begin_remove(vkey)
     send_remove(vkey)

@@ -169,7 +169,8 @@ def test_cluster_gauges_come_from_the_listing_not_from_every_manifest(tmp_path, 
                     md.transfers.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
             md.versions.commit(vkey, m.name)
             under += i % 3 == 0
-        monkeypatch.setattr(tasks.context, "REDIS_URL", url)
+        monkeypatch.setenv("SMOLTORRENT_REDIS_URL", url)
+        tasks.context.metadata.cache_clear()  # the tasks' client, made for this Redis
         md.r.config_resetstat()
         gauges = {f.name: f.samples[0].value for f in ClusterCollector().collect() if f.samples}
         stats = md.r.info("commandstats")
@@ -178,6 +179,7 @@ def test_cluster_gauges_come_from_the_listing_not_from_every_manifest(tmp_path, 
         assert gauges["smoltorrent_pending_versions"] == pending > 0
         assert "cmdstat_get" not in stats, "a manifest was read"
     finally:
+        tasks.context.metadata.cache_clear()
         for node in nodes:
             node.stop()
         os.kill(pid, signal.SIGTERM)
