@@ -49,6 +49,19 @@ def _celery(runs: list[dict], direct: dict, size: int) -> dict:
     out["gather"]["task_seconds"] = round(
         statistics.median(r["gather"]["task_seconds"] for r in runs), 3
     )
+    if "reader_gather" in runs[0]:  # the CLI gathering in its own process (no worker hop)
+        seconds = statistics.median(r["reader_gather"]["seconds"] for r in runs)
+        out["reader_gather"] = {
+            "seconds": round(seconds, 3),
+            "mb_s": round(size / 1e6 / seconds, 1),
+            "vs_raw": round(seconds / direct["raw_gather"]["seconds"], 2),
+            "gather_seconds": round(
+                statistics.median(r["reader_gather"]["task_seconds"] for r in runs), 3
+            ),
+            "runs_s": [round(r["reader_gather"]["seconds"], 3) for r in runs],
+        }
+    for op in ("store", "gather"):
+        out[op]["vs_raw"] = round(out[op]["seconds"] / direct[f"raw_{op}"]["seconds"], 2)
     return out
 
 
@@ -162,7 +175,11 @@ def table(summary: dict) -> str:
                 line(size, "  gather (raw), cold", s["raw_gather_cold"], "")
             if "celery" in s:
                 c = s["celery"][op]
-                line(size, f"{op} (Celery + CLI)", c, f"{c['vs_direct']:.2f} x engine", False)
+                ratio = f"{c['vs_raw']:.2f} ({c['vs_direct']:.2f} x engine)"
+                line(size, f"{op} (Celery + CLI)", c, ratio, False)
+                if op == "gather" and "reader_gather" in s["celery"]:
+                    c = s["celery"]["reader_gather"]
+                    line(size, "gather (CLI, own process)", c, f"{c['vs_raw']:.2f}", False)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = " | ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
     out = [fmt.format(*head), "-+-".join("-" * w for w in widths)]
