@@ -158,6 +158,19 @@ def chain_replication() -> bool:
     return os.environ.get("SMOLTORRENT_CHAIN", "1").strip() not in ("0", "false", "no", "off")
 
 
+def worker_mingle() -> bool:
+    """Whether a starting worker asks the others for their revoked tasks and clocks
+    (SMOLTORRENT_WORKER_MINGLE, default 1: Celery's default). Asking waits a whole second
+    for answers at every worker start; smoltorrent revokes nothing, so 0 (the tests, where
+    workers start hundreds of times) loses nothing it uses."""
+    return os.environ.get("SMOLTORRENT_WORKER_MINGLE", "1").strip() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
 def transfer_time_base() -> int:
     """Seconds every transfer's time limit starts from (SMOLTORRENT_TRANSFER_TIME_BASE_S)."""
     return _int_from_env(

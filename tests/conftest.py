@@ -35,6 +35,9 @@ def require_network_namespaces() -> None:
         skip_unless_required(f"network namespaces: {why}", REQUIRE_NETNS_ENV)
 
 
+# Workers the tests start skip Celery's mingle, a 1 s wait for other workers' answers at
+# every start (hundreds of starts a run); smoltorrent uses nothing it exchanges.
+os.environ.setdefault("SMOLTORRENT_WORKER_MINGLE", "0")
 # Tests gather into their temp directories; workers and CLIs they start inherit this.
 os.environ.setdefault("SMOLTORRENT_GATHER_DIRS", tempfile.gettempdir())
 # Importing the task modules in a test process starts the embedded Redis when no URL is

@@ -48,9 +48,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         bound = enable(metrics_port, config.home() / "metrics" / f"worker-{host}")
         print(f"metrics on http://0.0.0.0:{bound}/metrics", flush=True)
     queues = ",".join([config.CONTROL_QUEUE, config.host_queue(host), config.transfer_queue(host)])
+    mingle = [] if config.worker_mingle() else ["--without-mingle"]
     app.worker_main(
         [
             "worker",
+            *mingle,
             "-Q",
             queues,
             "-n",
