@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -562,11 +563,18 @@ class ChaosRun:
                 content_of[rec["vkey"]] = self._content_of_source(path)
         for v in versions:
             v["content"] = content_of.get(v["vkey"])
-        gathered = {}
-        for v in versions:
-            if v["state"] == "committed":
-                gathered[v["vkey"]] = self._final_gather(v["name"], v["version_id"])
-        current = {name: self._final_gather(name, None) for name in NAMES}
+        # Four gathers at a time (the worker's concurrency): each is a CLI process, most of
+        # its time spent starting, and one after another they took most of a short run.
+        committed = [v for v in versions if v["state"] == "committed"]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            gathered = dict(
+                zip(
+                    (v["vkey"] for v in committed),
+                    pool.map(lambda v: self._final_gather(v["name"], v["version_id"]), committed),
+                    strict=True,
+                )
+            )
+            current = dict(zip(NAMES, pool.map(self._final_gather, NAMES), strict=True))
         return Final(requests, versions, gathered, current, open_rids, unsettled, under)
 
     def _content_of_source(self, path: str) -> str | None:
@@ -575,7 +583,7 @@ class ChaosRun:
             return self.by_inode.get(os.stat(path).st_ino)
         return None
 
-    def _final_gather(self, name: str, version_id: str | None) -> str | None:
+    def _final_gather(self, name: str, version_id: str | None = None) -> str | None:
         out = self.root / "final" / hashlib.sha256(f"{name}{version_id}".encode()).hexdigest()
         out.parent.mkdir(exist_ok=True)
         argv = ["gather", name, "-o", str(out)] + (["--version", version_id] if version_id else [])

@@ -101,11 +101,12 @@ def test_watcher_stores_complete_checkpoints_only(make_cluster, tmp_path):  # no
     w = WatchProcess(c, root, log)
     try:
         wait_until(lambda: "watching " in w.log(), 60, what="the watcher to start")
-        # 1. A checkpoint written in place in 1 MiB chunks over ~15 s: stored once, complete.
+        # 1. A checkpoint written in place in 1 MiB chunks over ~6 s (three times the 2 s a
+        # file must stay unchanged, a chunk every 0.4 s): stored once, complete.
         src = tmp_path / "slow.src"
         write_checkpoint(src, 14 * MiB, hidden=512)
         writer = subprocess.Popen(
-            [sys.executable, "-c", SLOW_WRITER, str(src), str(root / "slow.safetensors"), "15"]
+            [sys.executable, "-c", SLOW_WRITER, str(src), str(root / "slow.safetensors"), "6"]
         )
         # 2. Meanwhile, junk and a file that is not a checkpoint at all.
         (root / "junk.safetensors").write_bytes(os.urandom(4096))
