@@ -46,8 +46,9 @@ from coordinator.plan.safetensors_header import read_header  # noqa: E402
 MIB = 1 << 20
 
 
-def write_model(path: Path, mib: int, changed_seed: int | None = None) -> list[str]:
-    """Write the checkpoint; with changed_seed, q_proj of every layer gets other values.
+def write_model(path: Path, mib: int, changed_seed: int | None = None, seed: int = 0) -> list[str]:
+    """Write the checkpoint (tensor i drawn from seed + i); with changed_seed, q_proj of every
+    layer gets other values.
     Returns the names of the tensors that seed changes."""
     layout = llm_layout(mib * MIB)
     header, offset = {}, 0
@@ -65,8 +66,9 @@ def write_model(path: Path, mib: int, changed_seed: int | None = None) -> list[s
             if dtype == "F32":
                 f.write(np.ones(count, np.float32).tobytes())
                 continue
-            seed = index + (changed_seed if changed_seed is not None and name in changed else 0)
-            values = np.random.default_rng(seed).standard_normal(count, dtype=np.float32)
+            drawn = seed + index
+            drawn += changed_seed if changed_seed is not None and name in changed else 0
+            values = np.random.default_rng(drawn).standard_normal(count, dtype=np.float32)
             f.write((values * 0.02).astype(bfloat16).tobytes())
     return changed
 

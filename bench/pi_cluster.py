@@ -3,6 +3,7 @@
     sudo .venv/bin/python -m bench.pi_cluster [--size-mib 200] [--nodes 4] [--repeat 3]
                                               [--rate-mbit 100] [--cut-node-after 3] [--json]
                                               [--socket-timeout S] [--no-chain]
+                                              [--llm] [--rsync]
 
 Needs root and iproute2. Every host is a network namespace of its own: the
 coordinator (Redis, the Celery worker and the CLI) and each storage node. A
@@ -25,6 +26,14 @@ while bytes wait for it is given up after STALL_S (3 s) and its replicas move to
 others; a node silent otherwise waits out the socket timeout: --socket-timeout sets
 SMOLTORRENT_SOCKET_TIMEOUT_S for the nodes and the worker (default 30 s).
 --no-chain stores with SMOLTORRENT_CHAIN=0 (every copy from the coordinator).
+
+--llm writes LLM-like values (bf16 weights N(0, 0.02), fp32 norms; bench/chunk_store.py)
+instead of random bytes, which no encoding can shrink: the checkpoint whose figures the
+issue's targets name. Each run gets other values (nothing is deduplicated across runs).
+
+--rsync also times what a user would do instead, on the same emulation, once per run:
+rsync to two nodes at once (an rsync daemon on each), the same with rsync's own zstd
+compression (--compress-choice=zstd), and an rsync pull of one copy back.
 """
 
 from __future__ import annotations
@@ -108,7 +117,20 @@ def timed_store(
     seconds = time.monotonic() - t
     if timer:
         timer.cancel()
-    return {"seconds": seconds, "exit": proc.returncode, "error": proc.stderr.strip()[-400:]}
+    return {
+        "seconds": seconds,
+        "exit": proc.returncode,
+        "error": proc.stderr.strip()[-400:],
+        "stdout": proc.stdout,
+    }
+
+
+def _json_or_none(text: str) -> dict | None:
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def blobs_per_node(cluster: LanCluster) -> dict[str, int]:
@@ -142,6 +164,81 @@ def port_bytes(
     }
 
 
+RSYNC_PORT = 8730  # TCP; the rsync daemon each node runs for --rsync
+
+
+def start_rsync_daemons(net: Lan, root: Path, nodes: list[str]) -> list[subprocess.Popen]:
+    """An rsync daemon in each node's namespace, module `ckpt` writing under root."""
+    procs = []
+    for node in nodes:
+        base = root / "rsync" / node
+        (base / "data").mkdir(parents=True, exist_ok=True)
+        conf = base / "rsyncd.conf"
+        conf.write_text(
+            f"pid file = {base / 'pid'}\nuse chroot = false\nuid = 0\ngid = 0\n"
+            f"[ckpt]\npath = {base / 'data'}\nread only = false\n"
+        )
+        argv = ["rsync", "--daemon", "--no-detach", f"--config={conf}"]
+        argv += [f"--address={net.address(node)}", f"--port={RSYNC_PORT}"]
+        procs.append(subprocess.Popen([*net.exec_prefix(node), *argv]))
+    time.sleep(1)  # the daemons bind
+    return procs
+
+
+def timed_rsync(net: Lan, source: Path, targets: list[str], name: str, zstd: bool) -> float:
+    """Seconds to rsync `source` from the coordinator to every node of `targets` at once."""
+    argv = ["rsync", "--whole-file"] + (["--compress", "--compress-choice=zstd"] if zstd else [])
+    t = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [
+                *net.exec_prefix("coord"),
+                *argv,
+                str(source),
+                f"rsync://{net.address(n)}:{RSYNC_PORT}/ckpt/{name}",
+            ]  # fmt: skip
+        )
+        for n in targets
+    ]
+    if any(p.wait() != 0 for p in procs):
+        raise RuntimeError("an rsync to a node failed")
+    return time.monotonic() - t
+
+
+def rsync_figures(net: Lan, root: Path, source: Path, nodes: list[str], i: int) -> dict:
+    """rsync's store to two nodes (plain, then zstd) and pull of one copy back."""
+    plain = timed_rsync(net, source, nodes[:2], f"run{i}.safetensors", zstd=False)
+    zstd = timed_rsync(net, source, nodes[2:4] or nodes[:2], f"run{i}z.safetensors", zstd=True)
+    back = root / f"rsync-pulled{i}.safetensors"
+    t = time.monotonic()
+    subprocess.run(
+        [*net.exec_prefix("coord"), "rsync", "--whole-file",
+         f"rsync://{net.address(nodes[0])}:{RSYNC_PORT}/ckpt/run{i}.safetensors", str(back)],
+        check=True,
+    )  # fmt: skip
+    pull = time.monotonic() - t
+    same = subprocess.run(["cmp", "-s", str(source), str(back)], check=False).returncode == 0
+    back.unlink(missing_ok=True)
+    for node in nodes:  # the next run stores new bytes under new names: room for them
+        for f in (root / "rsync" / node / "data").glob("*"):
+            f.unlink()
+    return {
+        "rsync_store_s": round(plain, 2),
+        "rsync_zstd_store_s": round(zstd, 2),
+        "rsync_pull_s": round(pull, 2),
+        "rsync_pull_identical": same,
+    }
+
+
+def write_source(path: Path, size: int, llm: bool, run: int) -> None:
+    if not llm:
+        write_checkpoint(path, size)
+        return
+    from bench.chunk_store import write_model
+
+    write_model(path, size // MIB, seed=1_000_000 * (run + 1))
+
+
 def git_head() -> str:
     here = Path(__file__).resolve().parent
     head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
@@ -165,16 +262,18 @@ def run(args: argparse.Namespace) -> dict:
         extra_env["SMOLTORRENT_CHAIN"] = "0"
     cluster = LanCluster(net, root, nodes, extra_env)
     runs: list[dict] = []
+    daemons: list[subprocess.Popen] = []
     try:
         net.open()
         log(f"network up: coordinator + {len(nodes)} nodes at {args.rate_mbit} Mbit/s per port")
         source = root / "checkpoint.safetensors"
-        write_checkpoint(source, size)
+        write_source(source, size, args.llm, 0)
         cluster.start()
+        daemons += start_rsync_daemons(net, root, nodes) if args.rsync else []
         log(f"cluster up in {root}; line time {line_s:.1f} s for {args.size_mib} MiB")
         for i in range(args.repeat):
-            # A fresh name and fresh random bytes each run, so nothing is deduplicated.
-            write_checkpoint(source, size)
+            # A fresh name and fresh values each run, so nothing is deduplicated.
+            write_source(source, size, args.llm, i)
             # Written whole before the store starts, as a finished checkpoint is: dated back
             # past STABLE_AFTER_S, as the API does for its staged files, so the store does
             # not wait for a file just written to settle (1.3-2 s of every figure before).
@@ -210,6 +309,12 @@ def run(args: argparse.Namespace) -> dict:
                     "store_error": store["error"],
                     "store_x_line": round(store["seconds"] / line_s, 3),
                     "gather_s": round(gather_s, 2),
+                    "store_json": _json_or_none(store["stdout"]),
+                    "gather_json_figures": {
+                        k: v
+                        for k, v in (_json_or_none(gathered.stdout) or {}).items()
+                        if k in ("raw_bytes", "wire_bytes", "ratio", "seconds")
+                    },
                     "gather_x_line": round(gather_s / line_s, 3),
                     "byte_identical": identical,
                     "gather_exit": gathered.returncode,
@@ -243,7 +348,15 @@ def run(args: argparse.Namespace) -> dict:
             out.unlink(missing_ok=True)
             if cut:
                 net.reconnect(cut[0])
+            if args.rsync:
+                runs[-1].update(rsync_figures(net, root, source, nodes, i))
+                log(
+                    f"run {i}: rsync to 2 nodes {runs[-1]['rsync_store_s']} s, with zstd"
+                    f" {runs[-1]['rsync_zstd_store_s']} s, pull {runs[-1]['rsync_pull_s']} s"
+                )
     finally:
+        for daemon in daemons:
+            daemon.terminate()
         cluster.stop()
         net.close()
         if args.keep:
@@ -320,6 +433,8 @@ def main() -> int:
     p.add_argument("--cut-node-after", type=float, help="unplug the last node S s into a store")
     p.add_argument("--socket-timeout", type=float, help="seconds before a silent node is given up")
     p.add_argument("--no-chain", action="store_true", help="send every copy from the coordinator")
+    p.add_argument("--llm", action="store_true", help="LLM-like values, not random bytes")
+    p.add_argument("--rsync", action="store_true", help="time rsync beside it, once per run")
     p.add_argument("--plot", type=Path, help="write a PNG of per-node bandwidth (matplotlib)")
     p.add_argument("--keep", action="store_true", help="keep the cluster's files")
     p.add_argument("--json", action="store_true")
