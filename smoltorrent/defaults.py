@@ -165,6 +165,13 @@ MANIFEST_EXTRA_TIMEOUT_S = 5.0  # seconds a non-holder gets to take a manifest (
 # with the number of versions (~0.5 MB each); also the versions per pipeline when the
 # listing summaries are first filled
 LISTING_BATCH_VERSIONS = 1000
+# seconds the keys a listing had to read in a second run are kept for the next listing's
+# first run (the pending versions of stores in flight): a store lasts seconds to minutes,
+# and `ls` or a metrics scrape within that skip their second run; past it, one more run
+LISTING_HINT_TTL_S = 120
+# keys the hint names at most (each is passed to every slice of the next listing): the
+# versions and blobs of a few dozen stores in flight, never thousands
+LISTING_HINT_MAX_KEYS = 2000
 # times a script that reads keys its caller read first (a remove, a trim mark, a listing)
 # is run again because they changed in between; each run passes what the last one found
 # missing, so a second run is almost always the last

@@ -80,12 +80,14 @@ class Listing:
         per slice of LISTING_BATCH_VERSIONS, whatever the number of versions: no version hash
         or manifest is read. A slice that meets a version not committed or a placement not
         listed, whose keys it was not passed, names them; the listing runs again with them
-        (a second run at most, unless versions change in between)."""
+        (a second run at most, unless versions change in between), and names them for the
+        next listing's first run (LISTING_HINT)."""
         zset = K.ALL_VERSIONS if name is None else K.VERSIONS.format(name=name)
         with self.r.pipeline(transaction=False) as p:
             p.exists(K.SUMMARIES_FILLED)
             p.zcard(zset)
-            filled, count = p.execute()
+            p.get(K.LISTING_HINT)
+            filled, count, hint = p.execute()
         if not filled:
             self._fill_summaries()
             count = self.r.zcard(zset)
@@ -97,8 +99,11 @@ class Listing:
         nodes += [len(wanted), *wanted]
         batch = defaults.LISTING_BATCH_VERSIONS
         starts = range(0, count, batch)
-        keyed: list[tuple[list[str], list[str]]] = [([], []) for _ in starts]
-        loaded = False
+        # What the last listing had to pass in a second run (the pending versions of stores
+        # in flight, new placements), passed in the first: most listings run once.
+        hinted = json.loads(hint) if hint else {"v": [], "d": []}
+        keyed = [(list(hinted["v"]), list(hinted["d"])) for _ in starts]
+        loaded = passed_more = False
         for _ in range(defaults.SCRIPT_KEY_RETRIES):
             # One MULTI block: the slices see one state (a remove between two would shift the
             # ranks), and the last runs to the end (versions added since the count).
@@ -126,7 +131,7 @@ class Listing:
                     need = json.loads(reply)
                     vkeys += [v for v in need["v"].split() if v not in vkeys]
                     blobs += [d for d in need["d"].split() if d not in blobs]
-                    stale = True
+                    stale = passed_more = True
             if not stale:
                 break
         else:
@@ -134,9 +139,22 @@ class Listing:
                 f"the versions listed changed under the listing {defaults.SCRIPT_KEY_RETRIES}"
                 " times in a row; try again."
             )
+        if passed_more:
+            self._keep_hint(keyed)
         out = [row for reply in replies for row in json.loads(reply)]
         out.sort(key=lambda r: r["name"])  # stable: request order within a name
         return out
+
+    def _keep_hint(self, keyed: list[tuple[list[str], list[str]]]) -> None:
+        """Name for the next listing what this one passed (the hint it was given and what
+        it had to pass besides); best effort, bounded by LISTING_HINT_MAX_KEYS. A hint not
+        renewed by a second run expires, so keys no longer needed leave it."""
+        vkeys = {v for vs, _ in keyed for v in vs}
+        blobs = {d for _, ds in keyed for d in ds}
+        cap = defaults.LISTING_HINT_MAX_KEYS
+        if len(vkeys) + len(blobs) <= cap:
+            hint = {"v": sorted(vkeys), "d": sorted(blobs)}
+            self.r.set(K.LISTING_HINT, json.dumps(hint), ex=defaults.LISTING_HINT_TTL_S)
 
     def _fill_summaries(self) -> None:
         """Listing rows and states for the versions recorded before they existed: once per

@@ -48,6 +48,10 @@ ALL_VERSIONS = PREFIX + "versions:all"
 # set once the three above hold the versions recorded before they existed (see
 # Listing.version_summaries)
 SUMMARIES_FILLED = PREFIX + "versions:summaries_filled"
+# string JSON {"v": [vkey...], "d": [digest...]}: the keys the last listing had to pass in
+# a second run (versions not committed, placements not listed), passed by the next
+# listing in its first run; a hint only (any key it names may be gone), so it expires
+LISTING_HINT = PREFIX + "versions:listing_hint"
 
 # counter: one sequence number per accepted request (orders a name's versions)
 SEQ = PREFIX + "seq"

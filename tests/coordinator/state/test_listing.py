@@ -82,3 +82,24 @@ def test_a_listing_run_again_after_redis_lost_its_scripts_still_answers(md, tmp_
     (row,) = md.listing.version_summaries("flushed", ["node-a"])
     assert row["state"] == "pending" and row["transfers_settled"] == 0
     assert flushed == ["listing/slice"]
+
+
+def test_a_listing_after_one_that_ran_twice_runs_once(md, tmp_path):
+    """A pending version's keys, which a listing passes in a second run, are named for the
+    next listing, which passes them in its first: `ls` (or a scrape) while stores are in
+    flight runs its script once, not twice."""
+    p = prepared(tmp_path, "hinted", 90)
+    pending(md, p)
+
+    def script_runs() -> int:
+        md.r.config_resetstat()
+        (row,) = md.listing.version_summaries("hinted", ["node-a"])
+        assert row["state"] == "pending" and row["transfers_settled"] == 0
+        return md.r.info("commandstats")["cmdstat_evalsha"]["calls"]
+
+    assert script_runs() == 2  # the first meets the pending version, then runs with it
+    assert script_runs() == 1
+    settle_all(md, p)  # still right when what the hint names has changed since
+    md.versions.commit(p.vkey, "hinted")
+    (row,) = md.listing.version_summaries("hinted", ["node-a"])
+    assert row["state"] == "committed"
