@@ -89,6 +89,17 @@ def transfer_retries() -> int:
     )
 
 
+def local_keep() -> int:
+    """Committed saves kept on this machine for load to read first (SMOLTORRENT_LOCAL_KEEP;
+    0 keeps none)."""
+    return _int_from_env("SMOLTORRENT_LOCAL_KEEP", defaults.LOCAL_KEEP, "a number of saves")
+
+
+def local_tier_bytes() -> int:
+    """Bytes the saves kept on this machine may take together (SMOLTORRENT_LOCAL_BYTES)."""
+    return _int_from_env("SMOLTORRENT_LOCAL_BYTES", defaults.LOCAL_TIER_BYTES, "a number of bytes")
+
+
 def socket_timeout() -> float:
     """Seconds a worker waits on a silent node (SMOLTORRENT_SOCKET_TIMEOUT_S, the variable
     nodes read too, default SOCKET_TIMEOUT_S): how soon a hung node is replaced."""

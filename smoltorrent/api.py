@@ -14,17 +14,19 @@ trainer (smoltorrent/snapshot_writer.py, started on the first save, in its own
 session) writes the staged .safetensors file from the snapshot, fsyncs it, and asks
 for its store through tasks/requests.py, the one way in that the CLI and the watcher
 use too, retrying while nothing answers; saves of one name are stored in the order
-they were made. The staged file is deleted once its version is committed, and kept
-(the error names it) when the store fails. The writer outlives the trainer: a script
-that ends, or is killed, right after `save` returns still has its saves stored, and a
-save whose trainer and writer both died is taken up by the next writer on the machine
-(the next save or load).
+they were made. Once its version is committed the staged file joins the local tier
+(smoltorrent/local_tier.py: the machine's last saves, which load reads first once
+checked against the manifest); it is kept (the error names it) when the store fails.
+The writer outlives the trainer: a script that ends, or is killed, right after `save`
+returns still has its saves stored, and a save whose trainer and writer both died is
+taken up by the next writer on the machine (the next save or load).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -40,12 +42,16 @@ from coordinator import config
 from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import parse_header, read_header
 from coordinator.plan.selection import pick
-from smoltorrent import defaults, snapshot
+from coordinator.state.versions import COMMITTED
+from smoltorrent import defaults, local_tier, snapshot
 from smoltorrent.errors import NotFoundError, SmoltorrentError, StateDictError
 from smoltorrent.keypaths import STATE_KEY, flatten, parse_structure, paths, unflatten
 from smoltorrent.tensors import check_framework, check_metadata, read_file
 from tasks.directory_requests import directory_version, is_directory
 from tasks.requests import connected_metadata, submit_gather, wait_gather
+
+log = logging.getLogger("smoltorrent")
+SOURCES = ("auto", "local", "cluster")  # where load reads from
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class SaveHandle:
 
     def __init__(self, name: str, path: str) -> None:
         self.name = name
-        self.path = path  # the staged local file, deleted once the version is committed
+        self.path = path  # the staged local file; moved to the local tier once committed
         self._future: concurrent.futures.Future[SavedVersion] = concurrent.futures.Future()
 
     def done(self) -> bool:
@@ -262,10 +268,16 @@ def load(
     device: str | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
     bwlimit: int | None = None,
+    source: str = "auto",
 ) -> Any:
     """The state of `name` (its current version, or a version id prefix) as it was saved,
     with `framework` tensors, gathered and verified byte for byte: a flat state dict as a
     dict, a nested state as the same dicts, lists, tuples and plain values.
+
+    `source`: "auto" reads this machine's kept copy of the version (the local tier,
+    smoltorrent/local_tier.py) when every byte of it matches the version's manifest, and
+    the cluster otherwise; "cluster" reads the cluster only; "local" the kept copy only
+    (NotFoundError when there is none or it is bad). A partial load reads the cluster.
 
     With `tensors` (names or globs, e.g. ["model.layers.0.*", "lm_head.weight"]; for a
     nested state, key paths such as ["model/*", "optim/*"]), only what they match: the
@@ -275,6 +287,13 @@ def load(
     shard's digest). A glob matching nothing is an error. bwlimit: bytes/s the gather
     receives at most (0: none; default SMOLTORRENT_BWLIMIT)."""
     check_framework(framework)
+    if source not in SOURCES:
+        raise SmoltorrentError(f"source= is one of {', '.join(SOURCES)}, not {source!r}")
+    if source == "local" and tensors is not None:
+        raise SmoltorrentError(
+            "source='local' reads a whole save; leave tensors= out, or use source='auto' "
+            "(a partial load reads the cluster)"
+        )
     if device is not None and framework != "torch":
         raise StateDictError(f"device= applies to framework='torch' only, not {framework!r}")
     if tensors is not None:
@@ -290,6 +309,8 @@ def load(
     if snapshot.has_orphans(directory):
         _writer(directory).start()  # it adopts the saves a dead trainer left
     if is_directory(name):
+        if source == "local":
+            raise NotFoundError(f"{name} is a directory checkpoint: the local tier keeps saves")
         if bwlimit:
             raise SmoltorrentError(
                 f"bwlimit applies to a checkpoint file, and {name} is a directory checkpoint:"
@@ -301,7 +322,14 @@ def load(
         tree, version, tensors, chosen = _select(name, version, tensors)
     out = directory / f".load.{uuid.uuid4().hex}.safetensors"
     try:
-        if tensors is None or tensors:
+        if (
+            tensors is None
+            and source != "cluster"
+            and _local_copy(name, version, directory, out, source)
+        ):
+            loaded = read_file(str(out), framework, device)
+            tree = parse_structure(read_header(str(out)).metadata)
+        elif tensors is None or tensors:
             wait_gather(submit_gather(name, str(out), version, tensors, bwlimit=bwlimit))
             loaded = read_file(str(out), framework, device)
             if tree is None:
@@ -311,6 +339,27 @@ def load(
         return loaded if tree is None else unflatten(tree, loaded, chosen)
     finally:
         out.unlink(missing_ok=True)
+
+
+def _local_copy(name: str, version: str | None, staging: Path, out: Path, source: str) -> bool:
+    """Whether this machine's kept copy of the version is linked at `out`, checked byte for
+    byte against its manifest; with source='local', NotFoundError when it is not."""
+    md = connected_metadata()
+    vkey = md.versions.resolve(name, version)
+    state = md.versions.state(vkey)
+    if state == COMMITTED:
+        why = local_tier.link_verified(staging, md.versions.manifest(vkey), out)
+    else:
+        why = f"the version is {state}, not committed"
+    if why is None:
+        log.info("%s read from the local tier", name)
+        return True
+    if source == "local":
+        raise NotFoundError(
+            f"{name} cannot be read from this machine's local tier ({why}); "
+            "load it with source='auto' or 'cluster'"
+        )
+    return False
 
 
 def _select(

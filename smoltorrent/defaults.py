@@ -375,3 +375,17 @@ WRITER_IDLE_POLL_S = 0.5  # seconds between a writer's checks that its trainer i
 # them: one makes a steady save cadence fault no page, at the cost of one state's size of
 # shared memory held between saves
 SNAPSHOT_POOL_BUFFERS = 1
+
+# --- the local tier (smoltorrent/local_tier.py) ----------------------------------
+
+# saves kept on the training machine once committed (SMOLTORRENT_LOCAL_KEEP; 0: none):
+# the newest to resume from in seconds, and the one before it for a resume that finds
+# the newest bad (a bit flipped on disk: its digests no longer match)
+LOCAL_KEEP = 2
+# bytes those saves may take together (SMOLTORRENT_LOCAL_BYTES): 64 GiB holds two saves
+# of a 1.3B-parameter run with AdamW in fp32 (16 bytes a parameter, ~21 GB each) and is a
+# few percent of a training machine's local NVMe; a larger run raises it
+LOCAL_TIER_BYTES = 64 * 1024**3
+# threads hashing a kept copy's shards at load: hashlib frees the GIL, and four keep a
+# local NVMe busy without taking every core from a trainer resuming
+LOCAL_VERIFY_THREADS = 4

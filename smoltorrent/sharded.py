@@ -148,9 +148,10 @@ def load_sharded(
     tensors: Sequence[str] | None = None,
     device: str | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
+    source: str = "auto",
 ) -> Any:
     """This rank's state (as it was saved) of a committed step, refusing loudly a
-    world-size change, a partial step or a missing rank."""
+    world-size change, a partial step or a missing rank. `source` as for load()."""
     _check(step, rank, world_size)
     md = connected_metadata()
     found = Steps(md.r).get(name, step)
@@ -197,6 +198,7 @@ def load_sharded(
         tensors=tensors,
         device=device,
         staging_dir=staging_dir,
+        source=source,
     )
 
 

@@ -16,7 +16,8 @@ JSON line per save goes back on stdout ({"id", "ok", "version_id", "new", "size"
 At start and with every save it is handed, a writer adopts the journal's orphans (a
 record no live process holds a lock on: its trainer and writer died) and stores them
 in the order they were saved. It exits once its trainer has closed its stdin and every
-save it holds has ended. A committed save leaves nothing behind; a failed store keeps
+save it holds has ended. A committed save's staged file goes to the local tier
+(smoltorrent/local_tier.py), or is deleted when the tier keeps none; a failed store keeps
 its staged file (the error names it); a save not submitted within SAVE_PATIENCE_S
 keeps its record, for the next writer.
 """
@@ -36,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coordinator import config
 from coordinator.plan.safetensors_header import read_header
-from smoltorrent import defaults
+from smoltorrent import defaults, local_tier
 from smoltorrent.errors import MetadataError, SmoltorrentError
 from smoltorrent.snapshot import fsync_dir, journal_dir
 
@@ -241,8 +243,13 @@ class Writer:
             log.error("%s", error)
             message = {"id": record["id"], "ok": False, "error": error}
         else:
-            Path(record["staged"]).unlink(missing_ok=True)
-            log.info("%s stored as %s", record["name"], outcome.version_id[:12])
+            kept = self.keep_local(record, outcome)
+            log.info(
+                "%s stored as %s%s",
+                record["name"],
+                outcome.version_id[:12],
+                ", kept in the local tier" if kept else "",
+            )
             message = {
                 "id": record["id"],
                 "ok": True,
@@ -258,6 +265,25 @@ class Writer:
             self.held.discard(path)
             self.lock.notify_all()
         self.report(message)
+
+    def keep_local(self, record: dict[str, Any], saved: Any) -> bool:
+        """The committed save's staged file into the local tier, or deleted: never an error
+        for the save, which is stored."""
+        staged = Path(record["staged"])
+        try:
+            if local_tier.keep(
+                self.staging,
+                record["name"],
+                saved.version_id,
+                staged,
+                config.local_keep(),
+                config.local_tier_bytes(),
+            ):
+                return True
+        except (OSError, SmoltorrentError) as exc:
+            log.warning("%s not kept in the local tier: %s", record["name"], exc)
+        staged.unlink(missing_ok=True)
+        return False
 
     def report(self, message: dict[str, Any]) -> None:
         with self.out_lock:

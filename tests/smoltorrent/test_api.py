@@ -17,7 +17,7 @@ def test_torch_round_trip_is_bit_exact_with_bf16_and_fp8(make_cluster):
 
         sd = llm_like_tensors(layers=2, hidden=32)
         saved = smoltorrent.save(sd, "api/torch.safetensors", metadata={"step": "7"})
-        back = smoltorrent.load("api/torch.safetensors")
+        back = smoltorrent.load("api/torch.safetensors", source="cluster")
         print(json.dumps({
             "version_id": saved.version_id,
             "new": saved.new,
@@ -31,8 +31,9 @@ def test_torch_round_trip_is_bit_exact_with_bf16_and_fp8(make_cluster):
     listed = [v for v in c.cli_json("ls") if v["name"] == "api/torch.safetensors"]
     assert [v["version_id"] for v in listed] == [out["version_id"]]
     assert listed[0]["state"] == "committed" and listed[0]["min_copies"] == 2
-    # The staged local copy is gone once the version is committed.
+    # The staged local copy has moved to the local tier once the version is committed.
     assert list((c.root / "staging").glob("*.safetensors")) == []
+    assert len(list((c.root / "staging" / "local").glob("*.safetensors"))) == 1
 
 
 def test_numpy_round_trip_keeps_bf16_and_fp8_bits(make_cluster):
