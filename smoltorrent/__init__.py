@@ -17,6 +17,7 @@ _API = {
     "save_sharded": "smoltorrent.sharded",
     "load_sharded": "smoltorrent.sharded",
     "latest_step": "smoltorrent.sharded",
+    "partition": "smoltorrent.sharded",
 }
 __all__ = ["__version__", *_API]
 

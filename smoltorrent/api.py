@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import config
-from coordinator.plan.manifest import check_name
+from coordinator.plan.manifest import Manifest, check_name
 from coordinator.plan.safetensors_header import parse_header, read_header
 from coordinator.plan.selection import pick
 from coordinator.state.versions import COMMITTED
@@ -152,6 +152,7 @@ class _WriterClient:
         self.pending: dict[str, tuple[snapshot.Job, SaveHandle]] = {}
         self.proc: subprocess.Popen | None = None
         self.pool = snapshot.Pool()
+        _save_failures()
 
     def _start(self) -> subprocess.Popen:
         journal = snapshot.journal_dir(self.staging)
@@ -218,6 +219,9 @@ class _WriterClient:
             if job.buffer is not None:  # adopted by a new writer, which deleted the file
                 job.buffer.close(unlink=False)
                 job.buffer = None
+            if not message["ok"]:
+                log.error("%s", message["error"])
+                _save_failures().inc()
             if message["ok"]:
                 handle._future.set_result(
                     SavedVersion(
@@ -239,6 +243,26 @@ class _WriterClient:
             for job, _ in orphans:
                 job.release()
             self.proc = self._start()
+
+
+_failures: list[Any] = []  # the counter, made on first use
+
+
+def _save_failures() -> Any:
+    """smoltorrent_save_failures_total in this process's default Prometheus registry (what
+    prometheus_client.start_http_server serves): saves whose store failed, each also on
+    its handle's result() and in the log. Made on the first save, so it reads 0 before
+    any failure."""
+    if not _failures:
+        from prometheus_client import Counter
+
+        _failures.append(
+            Counter(
+                "smoltorrent_save_failures",
+                "Saves of this process whose store failed (handle.result() raises).",
+            )
+        )
+    return _failures[0]
 
 
 _writers: dict[Path, _WriterClient] = {}
@@ -362,6 +386,17 @@ def _local_copy(name: str, version: str | None, staging: Path, out: Path, source
     return False
 
 
+def manifest_metadata(manifest: Manifest) -> dict[str, str]:
+    """The header metadata of a version, from its manifest (no byte of it gathered)."""
+    header = parse_header(
+        struct.pack("<Q", len(manifest.header_bytes)),
+        manifest.header_bytes,
+        manifest.source_size,
+        source=f"manifest of {manifest.name}",
+    )
+    return dict(header.metadata or {})
+
+
 def _select(
     name: str, version: str | None, patterns: list[str]
 ) -> tuple[Any, str | None, list[str], set[str] | None]:
@@ -371,14 +406,7 @@ def _select(
     flat state dict's go to the gather as they are."""
     md = connected_metadata()
     vkey = md.versions.resolve(name, version)
-    manifest = md.versions.manifest(vkey)
-    header = parse_header(
-        struct.pack("<Q", len(manifest.header_bytes)),
-        manifest.header_bytes,
-        manifest.source_size,
-        source=f"manifest of {manifest.name}",
-    )
-    tree = parse_structure(header.metadata)
+    tree = parse_structure(manifest_metadata(md.versions.manifest(vkey)))
     version_id = md.versions.version(vkey)["version_id"]
     if tree is None:
         return None, version_id, patterns, None

@@ -16,6 +16,15 @@ size other than the step's (WorldSizeMismatchError), a step not every rank finis
 A saved part's version id (a SHA-256 over its header and blob digests) is the rank's
 digest; loading it verifies every byte against the blob digests.
 
+Resharding: a rank that records partitions= says which of its tensors are its share of
+a larger one, ("flat", offset, total) for a flat ZeRO partition (elements offset..
+offset+numel of a 1-D tensor of `total`) or ("rows", first_row, total_rows) for a dim-0
+row shard. load_sharded(..., reshard=True) on another world size loads every rank's part,
+puts each partitioned tensor back together (its pieces must tile it exactly) and hands
+this rank its share by partition(): ceil(total / world_size) each, the last ranks'
+shorter, as DeepSpeed's ZeRO and torch.chunk cut. Everything else comes from rank 0's
+part (replicated state: the step, the scheduler, unsharded tensors).
+
 keep_last=K (on any rank; the rank that commits a step applies it) removes the
 committed steps older than the K newest once the new step is committed, never before;
 steps still pending (a save in flight) are never touched.
@@ -23,6 +32,7 @@ steps still pending (a save in flight) are never touched.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,7 +52,7 @@ from coordinator.state.steps import (
 from coordinator.state.versions import COMMITTED as VERSION_COMMITTED
 from coordinator.state.versions import REMOVED
 from smoltorrent import defaults
-from smoltorrent.api import SavedVersion, SaveHandle, load, start_save
+from smoltorrent.api import SavedVersion, SaveHandle, load, manifest_metadata, start_save
 from smoltorrent.errors import (
     MissingRankError,
     PartialStepError,
@@ -50,7 +60,19 @@ from smoltorrent.errors import (
     StepNotFoundError,
     WorldSizeMismatchError,
 )
+from smoltorrent.keypaths import STATE_KEY, flatten, parse_structure, unflatten
 from tasks.requests import connected_metadata, submit_remove
+
+PARTITIONS_KEY = "smoltorrent.partitions"  # header metadata: a part's shares, as JSON
+_KINDS = ("flat", "rows")
+
+
+def partition(total: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(offset, count) of `rank`'s share of `total` elements (flat) or rows: ceil(total /
+    world_size) each, the last ranks' shorter, as DeepSpeed's ZeRO and torch.chunk cut."""
+    each = -(-total // world_size)
+    start = min(total, rank * each)
+    return start, min(total, start + each) - start
 
 
 def part_name(name: str, step: int, rank: int, world_size: int) -> str:
@@ -84,10 +106,15 @@ def save_sharded(
     metadata: Mapping[str, str] | None = None,
     keep_last: int | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
+    partitions: Mapping[str, tuple[str, int, int]] | None = None,
 ) -> SavedVersion | SaveHandle:
     """Save this rank's part of `step`; the step commits when every rank's part is stored.
-    Returns what save() returns for the part (a SaveHandle with wait=False)."""
+    Returns what save() returns for the part (a SaveHandle with wait=False).
+    `partitions`: {key path: ("flat", offset, total) or ("rows", first_row, total_rows)}
+    for the tensors that are this rank's share of a larger one, so that
+    load_sharded(..., reshard=True) can re-partition them for another world size."""
     _check(step, rank, world_size)
+    shares = _check_partitions(state_dict, partitions)
     if keep_last is not None and keep_last < 1:
         raise ShardedCheckpointError(f"keep_last must be at least 1, not {keep_last}")
     steps = _steps()
@@ -99,12 +126,58 @@ def save_sharded(
         RANK_KEY: str(rank),
         WORLD_SIZE_KEY: str(world_size),
     }
+    if shares:
+        own[PARTITIONS_KEY] = json.dumps(shares)
     part = part_name(name, step, rank, world_size)
     spec = {"name": name, "step": step, "rank": rank, "world_size": world_size}
     if keep_last is not None:
         spec["keep_last"] = keep_last
     handle = start_save(state_dict, part, replicas, {**(metadata or {}), **own}, staging_dir, spec)
     return handle.result() if wait else handle
+
+
+def _check_partitions(
+    state: Mapping[str, Any], partitions: Mapping[str, tuple[str, int, int]] | None
+) -> dict[str, list]:
+    """partitions= checked against the state before anything is saved."""
+    if not partitions:
+        return {}
+    tensors = flatten(state).tensors
+    shares = {}
+    for path, spec in partitions.items():
+        if (
+            not isinstance(spec, Sequence)
+            or len(spec) != 3
+            or spec[0] not in _KINDS
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in spec[1:])
+        ):
+            raise ShardedCheckpointError(
+                f"partitions[{path!r}] is {spec!r}; write ('flat', offset, total_numel) or "
+                "('rows', first_row, total_rows)"
+            )
+        if path not in tensors:
+            raise ShardedCheckpointError(
+                f"partitions names {path!r}, which is no tensor's key path in this state (its "
+                f"first: {', '.join(list(tensors)[:5])})"
+            )
+        kind, offset, total = spec
+        tensor = tensors[path]
+        if kind == "flat" and len(tensor.shape) != 1:
+            raise ShardedCheckpointError(
+                f"{path!r} is a flat partition but has shape {tuple(tensor.shape)}; flatten it"
+            )
+        count = _count(tensor)
+        if offset + count > total:
+            raise ShardedCheckpointError(
+                f"{path!r}: offset {offset} + {count} is past its total {total}"
+            )
+        shares[path] = [kind, offset, total]
+    return shares
+
+
+def _count(tensor: Any) -> int:
+    """Elements of a flat share, rows of a row share."""
+    return int(tensor.shape[0])  # a flat share is 1-D: its elements
 
 
 def record_part(spec: dict[str, Any], part: str, saved: SavedVersion) -> None:
@@ -149,9 +222,12 @@ def load_sharded(
     device: str | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
     source: str = "auto",
+    reshard: bool = False,
 ) -> Any:
     """This rank's state (as it was saved) of a committed step, refusing loudly a
-    world-size change, a partial step or a missing rank. `source` as for load()."""
+    world-size change, a partial step or a missing rank. `source` as for load(). With
+    reshard=True, a step saved by another world size is re-partitioned for this one (the
+    tensors its ranks recorded in partitions=; the rest from rank 0's part)."""
     _check(step, rank, world_size)
     md = connected_metadata()
     found = Steps(md.r).get(name, step)
@@ -168,11 +244,12 @@ def load_sharded(
             + "."
             + hint
         )
-    if found.world_size != world_size:
+    if found.world_size != world_size and not reshard:
         raise WorldSizeMismatchError(
             f"step {step} of {name} was saved by {found.world_size} ranks, not {world_size}: "
             "resuming it on another world size would hand ranks the wrong state. Resume "
-            f"with world_size={found.world_size}, or reshard it yourself."
+            f"with world_size={found.world_size}, or pass reshard=True to re-partition the "
+            "tensors its ranks recorded in save_sharded(partitions=...)."
         )
     if found.state != COMMITTED:
         missing = sorted(set(range(world_size)) - set(found.parts))
@@ -182,7 +259,7 @@ def load_sharded(
         )
     gone = [
         r
-        for r in range(world_size)
+        for r in range(found.world_size)
         if r not in found.parts or md.versions.state(found.parts[r].vkey) != VERSION_COMMITTED
     ]
     if gone:
@@ -190,15 +267,78 @@ def load_sharded(
             f"step {step} of {name} is missing the part of ranks {_ranks(gone)} (removed or "
             f"not committed); resuming the other ranks alone would desynchronise them.{hint}"
         )
-    part = found.parts[rank]
-    return load(
-        part.name,
-        version=part.version_id,
-        framework=framework,
-        tensors=tensors,
-        device=device,
-        staging_dir=staging_dir,
-        source=source,
+    options = {"framework": framework, "device": device, "staging_dir": staging_dir}
+    if found.world_size == world_size:
+        part = found.parts[rank]
+        return load(part.name, version=part.version_id, tensors=tensors, source=source, **options)
+    if tensors is not None:
+        raise ShardedCheckpointError("reshard=True loads whole parts; leave tensors= out")
+    return _resharded(md, name, step, found, rank, world_size, source, options)
+
+
+def _resharded(md, name, step, found, rank, world_size, source, options) -> Any:
+    """This rank's share, on `world_size` ranks, of a step saved by found.world_size."""
+    parts = [found.parts[r] for r in range(found.world_size)]
+    shares = [_shares(md, p) for p in parts]
+    if not shares[0]:
+        raise WorldSizeMismatchError(
+            f"step {step} of {name} was saved by {found.world_size} ranks with no "
+            "partitions=, so nothing says how its tensors split: it cannot be resharded. "
+            f"Resume with world_size={found.world_size}."
+        )
+    if any(s.keys() != shares[0].keys() for s in shares):
+        raise ShardedCheckpointError(
+            f"the ranks of step {step} of {name} recorded different partitions; it cannot "
+            "be resharded"
+        )
+    flats = [flatten(load(p.name, version=p.version_id, source=source, **options)) for p in parts]
+    tensors = dict(flats[0].tensors)
+    for path, (kind, _, total) in shares[0].items():
+        pieces = sorted(((s[path][1], r) for r, s in enumerate(shares)), key=lambda piece: piece[0])
+        at = 0
+        for offset, r in pieces:
+            if offset != at or shares[r][path][2] != total:
+                raise ShardedCheckpointError(
+                    f"the shares of {path!r} in step {step} of {name} do not tile its "
+                    f"{total} {'rows' if kind == 'rows' else 'elements'} (rank {r} starts at "
+                    f"{offset}, expected {at}); it cannot be resharded"
+                )
+            at += _count(flats[r].tensors[path])
+        if at != total:
+            raise ShardedCheckpointError(
+                f"the shares of {path!r} in step {step} of {name} cover {at} of {total}"
+            )
+        whole = _concat(flats[0].framework, [flats[r].tensors[path] for _, r in pieces])
+        start, count = partition(total, rank, world_size)
+        tensors[path] = _copy(whole[start : start + count])
+    tree = parse_structure({STATE_KEY: flats[0].structure} if flats[0].structure else None)
+    return tensors if tree is None else unflatten(tree, tensors)
+
+
+def _shares(md, part: Part) -> dict[str, list]:
+    """The partitions a part recorded, read from its manifest's header (no gather)."""
+    metadata = manifest_metadata(md.versions.manifest(part.vkey))
+    return json.loads(metadata.get(PARTITIONS_KEY, "{}"))
+
+
+def _concat(framework: str, pieces: list[Any]) -> Any:
+    if framework == "torch":
+        import torch
+
+        return torch.cat(pieces)
+    if framework == "numpy":
+        import numpy as np
+
+        return np.concatenate(pieces)
+    import mlx.core as mx
+
+    return mx.concatenate(pieces)
+
+
+def _copy(view: Any) -> Any:
+    """Its own memory, not a view keeping the whole tensor alive."""
+    return (
+        view.clone() if hasattr(view, "clone") else view.copy() if hasattr(view, "copy") else view
     )
 
 

@@ -169,10 +169,12 @@ def test_a_store_that_fails_shows_on_the_handle_and_keeps_the_staged_file(make_c
             error = None
         except SmoltorrentError as exc:
             error = str(exc)
+        from prometheus_client import REGISTRY
         print(json.dumps({"error": error, "path": handle.path,
-                          "kept": os.path.exists(handle.path)}))
+                          "kept": os.path.exists(handle.path),
+                          "counted": REGISTRY.get_sample_value("smoltorrent_save_failures_total")}))
         """,
     )
-    assert out["error"] is not None and out["kept"]
+    assert out["error"] is not None and out["kept"] and out["counted"] == 1.0  # in metrics too
     assert out["path"] in out["error"] and "smoltorrent store" in out["error"]
     assert list((c.root / "staging" / "journal").glob("*.json")) == []  # not retried forever

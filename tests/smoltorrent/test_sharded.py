@@ -43,6 +43,45 @@ else:
 """
 
 
+RESHARD = """
+import json, torch, smoltorrent
+from smoltorrent.errors import WorldSizeMismatchError
+
+flat = torch.arange(10, dtype=torch.float32) * 1.5  # the whole, as one rank would hold it
+rows = torch.arange(7 * 3, dtype=torch.bfloat16).reshape(7, 3)
+
+def share(rank, world):
+    fo, fn = smoltorrent.partition(10, rank, world)
+    ro, rn = smoltorrent.partition(7, rank, world)
+    state = {"optim": {"flat_fp32": flat[fo:fo + fn].clone(), "step": 5},
+             "model": {"embed": rows[ro:ro + rn].clone(), "bias": torch.ones(2)}}
+    return state, {"optim/flat_fp32": ("flat", fo, 10), "model/embed": ("rows", ro, 7)}
+
+handles = [smoltorrent.save_sharded(*share(r, 4)[:1], "zero", 1, r, 4,
+                                    partitions=share(r, 4)[1], wait=False) for r in range(4)]
+smoltorrent.save_sharded({"w": torch.ones(2)}, "plain", 1, 0, 1)
+[h.result() for h in handles]
+
+def bits(x):
+    if isinstance(x, dict):
+        return {k: bits(v) for k, v in x.items()}
+    return x.view(torch.uint8).tolist() if isinstance(x, torch.Tensor) else x
+
+out = {}
+for world in (2, 8):
+    out[str(world)] = all(
+        bits(smoltorrent.load_sharded("zero", 1, r, world, reshard=True))
+        == bits(share(r, world)[0])
+        for r in range(world)
+    )
+try:
+    smoltorrent.load_sharded("plain", 1, 0, 2, reshard=True)  # no partitions= recorded
+except WorldSizeMismatchError as exc:
+    out["refused"] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
 def ranks(cluster, name: str, step: int, rank_ids, world: int, keep: int | None = None) -> None:
     """Run one process per rank at once, as a launcher does; wait for them all."""
     extra = [] if keep is None else [str(keep)]
@@ -93,6 +132,11 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
         refused = attempt(c, call)
         assert refused["error"] == "WorldSizeMismatchError", call
         assert "world size 3" in refused["message"] or "by 3 ranks" in refused["message"]
+
+    # With reshard=True the same change re-partitions what the ranks recorded: a step of 4
+    # ranks (a flat ZeRO partition of 10 elements, 7 rows of a dim-0 shard, a replicated
+    # step) loads on 2 and on 8 ranks, byte-equal with the same cut of the whole.
+    assert run_api(c, RESHARD) == {"2": True, "8": True, "refused": "WorldSizeMismatchError"}
 
     # A missing rank: one rank's part of the committed step removed behind its back.
     c.cli("rm", "run/step-00000100/rank-00001-of-00003.safetensors")
