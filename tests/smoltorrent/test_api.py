@@ -209,8 +209,20 @@ def test_the_readme_example_runs(make_cluster):
     section = readme.split("## From a training loop", 1)[1]
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     c = make_cluster(2)
-    out = run_api(c, example + "\nimport json; print(json.dumps({'first_step': first_step}))\n")
-    assert out == {"first_step": 301}
+    check = """
+import json
+live, saved = optimizer.state_dict()["state"], state["optim"]["state"]
+print(json.dumps({
+    "first_step": first_step,
+    "model": all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                   state["model"].values(), strict=True)),
+    "optim": all(torch.equal(live[p][k], saved[p][k]) for p in live for k in live[p]),
+    "sched": state["sched"]["last_epoch"],
+}))
+"""
+    out = run_api(c, example + check)
+    # The resumed model, AdamW moments and scheduler are the ones saved at step 300.
+    assert out == {"first_step": 301, "model": True, "optim": True, "sched": 300}
     # Three saves of a training state, each with its own step: three versions.
     rows = [v for v in c.cli_json("ls") if v["name"] == "run1/latest"]
     assert [v["state"] for v in rows] == ["committed"] * 3
