@@ -62,11 +62,6 @@ class StoreProgress:
     shards: int
     raw_done_bytes: int = 0  # the same bytes as they are in the checkpoint (decoded)
 
-    @property
-    def ratio(self) -> float:
-        """Raw over wire bytes so far: above 1 when encoding spares the link."""
-        return self.raw_done_bytes / self.done_bytes if self.done_bytes else 1.0
-
 
 def connected_metadata() -> Metadata:
     """The metadata store, checked to answer (a clear error if Redis is not there)."""

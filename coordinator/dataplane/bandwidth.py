@@ -106,9 +106,6 @@ class WireBytes:
     def ratio(self) -> float:
         return round(self.raw_bytes / self.wire_bytes, 3) if self.wire_bytes else 1.0
 
-    def __add__(self, other: WireBytes) -> WireBytes:
-        return WireBytes(self.raw_bytes + other.raw_bytes, self.wire_bytes + other.wire_bytes)
-
     def to_dict(self) -> dict[str, float]:
         return {"raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes, "ratio": self.ratio}
 
