@@ -26,9 +26,11 @@ from celery.utils.log import get_task_logger
 
 from beat import reconcile
 from coordinator import config
+from coordinator.dataplane.chunk_source import clear_spool
 from coordinator.state.metadata import Metadata
 from coordinator.state.nodes import NodeRecord
 from coordinator.state.versions import PENDING
+from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, SmoltorrentError
 from tasks.app import app
 from tasks.context import metadata, node_client
@@ -47,7 +49,7 @@ def file_sync(md: Metadata, host: str, registered: dict[str, NodeRecord]):
     for vkey, v in md.listing.versions_in(PENDING):
         if v.get("host") != host:
             continue
-        shards = md.versions.manifest(vkey).shards
+        shards = md.versions.manifest(vkey).entries
         settled = md.transfers.settled(vkey)
         for shard, nodes in enumerate(md.transfers.plan(vkey)):
             for replica, node_id in enumerate(nodes):
@@ -89,6 +91,9 @@ def checksum_sync(found: dict[str, list[InFlight]], registered: dict[str, NodeRe
 def run(host: str) -> dict[str, int]:
     md = metadata()
     registered = md.nodes.nodes()
+    # Encoded chunks of versions that committed, aborted or are gone, left by a crash.
+    pending = {vkey for vkey, _ in md.listing.versions_in(PENDING)}
+    clear_spool(config.spool_root(), pending, defaults.SPOOL_ORPHAN_AGE_S)
     found = file_sync(md, host, registered)
     settled = checksum_sync(found, registered)
     counts = reconcile.run_pass(started_host=host)

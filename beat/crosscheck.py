@@ -112,7 +112,7 @@ def _manifests(md: Metadata, registered, manifests: dict[str, list[str]], counts
                 elif state is None:
                     counts["manifests_unknown"] += 1
                     manifest = Manifest.from_json(client.get_manifest(key))
-                    protected.update(s.blob_sha256 for s in manifest.shards)
+                    protected.update(s.blob_sha256 for s in manifest.entries)
             except SmoltorrentError as exc:
                 log.info("crosscheck: manifest %s on %s: %s", key, node_id[:12], exc)
                 sure = sure and state is not None

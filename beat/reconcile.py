@@ -83,7 +83,7 @@ def held(calls: list[TaskCall]) -> decide.Held:
 def _stale_after(vkey: str, version: dict[str, str]) -> float:
     """How long a pending version's transfers can legitimately stay silent: the longest
     hard time limit of its shards, then every backoff step of its retries."""
-    sizes = [s.blob_size for s in metadata().versions.manifest(vkey).shards] or [0]
+    sizes = [s.blob_size for s in metadata().versions.manifest(vkey).entries] or [0]
     retries = config.transfer_retries()
     backoff = sum(
         min(defaults.RETRY_BACKOFF_BASE_S * 2**n, defaults.RETRY_BACKOFF_MAX_S)

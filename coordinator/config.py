@@ -182,6 +182,24 @@ def worker_mingle() -> bool:
     )
 
 
+def chunked_store() -> bool:
+    """Whether a store cuts a checkpoint into content-addressed chunks (manifest schema 3,
+    SMOLTORRENT_CHUNKS, default 1); 0 stores whole-shard blobs (schema 2), as before."""
+    return os.environ.get("SMOLTORRENT_CHUNKS", "1").strip() not in ("0", "false", "no", "off")
+
+
+def encode_mode() -> str:
+    """How a chunked store encodes new chunks (SMOLTORRENT_ENCODE: auto, zstd or raw;
+    default auto): see coordinator/plan/encoding.py."""
+    return os.environ.get("SMOLTORRENT_ENCODE", "auto").strip().lower() or "auto"
+
+
+def spool_root() -> Path:
+    """Where a store keeps the chunks it encoded until they are on the nodes
+    (SMOLTORRENT_HOME/spool, one directory per version)."""
+    return home() / "spool"
+
+
 def transfer_time_base() -> int:
     """Seconds every transfer's time limit starts from (SMOLTORRENT_TRANSFER_TIME_BASE_S)."""
     return _int_from_env(

@@ -143,6 +143,17 @@ CODEC_ZSTD_LEVEL = 1
 # bytes: a smaller gain does not pay for the decoding (random mantissa bytes gain ~0%,
 # the bf16 exponent plane ~63%), and a RAW chunk is sent with sendfile, no copy
 CODEC_MIN_GAIN = 0.05
+# What the store's encode-or-not policy rests on (coordinator/plan/encoding.py). Bytes per
+# second two cores encode bf16 at (bench/codec.py: 170-230 MB/s per core at level 1)
+CODEC_ENCODE_BPS = 380_000_000
+# Encoding before sending pays on links slower than encode rate x (1 - 1/ratio): with
+# bf16's 1.46x, about 120 MB/s (gigabit Ethernet is at the edge, a Pi's 100 Mbit/s far
+# below, loopback's ~1 GB/s far above). SMOLTORRENT_ENCODE=raw is for links above it.
+CODEC_ENCODE_PAYS_BELOW_BPS = int(CODEC_ENCODE_BPS * (1 - 1 / 1.46))
+# seconds a spool directory (a store's encoded chunks) must sit unchanged before a worker's
+# start removes it for a version no longer pending: a store writes its chunks there before
+# it records the version, and encoding even 16 GB takes well under this
+SPOOL_ORPHAN_AGE_S = 600
 
 # --- metadata (coordinator/state/, its rooms) -------------------------------------
 

@@ -18,6 +18,7 @@ from celery.utils.log import get_task_logger
 from coordinator import config
 from coordinator.dataplane.bandwidth import raw_size
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
+from coordinator.dataplane.chunk_source import release, spool_dir
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
 from coordinator.state.versions import ABORTED, REMOVED, REMOVING
@@ -123,6 +124,7 @@ def chain_transfer(
             holders,
             spare,
             sent_recorder(md, vkey, shard),
+            spool_dir(config.spool_root(), vkey),
         )
         # Raw bytes once per send from the source (one send feeds the whole chain).
         meter.raw(raw_size(span) * (outcome.bytes_from_source // max(span.size, 1)))
@@ -153,6 +155,7 @@ def chain_transfer(
         # A dead letter names the nodes that failed, not the whole chain.
         error.node_id = ",".join(node for node, _ in outcome.failed.values())
         raise error
+    release(span)  # every replica of this chain is placed: its spooled chunk is done
     nodes = {node: how for node, how in outcome.placed.values()}
     return {"how": "+".join(sorted(set(nodes.values()))), "nodes": nodes}
 

@@ -35,7 +35,7 @@ def commit(self, vkey: str) -> str:
     if v["state"] != PENDING:
         return v["state"]
     manifest = md.versions.manifest(vkey)
-    missing = sorted(set(range(len(manifest.shards))) - md.transfers.ready_shards(vkey))
+    missing = sorted(set(range(len(manifest.entries))) - md.transfers.ready_shards(vkey))
     if missing:
         raise SmoltorrentError(
             f"{manifest.name}: shards {missing} have no verified replica yet; the version "
@@ -45,7 +45,7 @@ def commit(self, vkey: str) -> str:
     # Placement says who got each blob; a remove or a repair may have deleted a copy since.
     # Ask the holders, and never commit a shard that no node really has.
     holders = confirm_holders(md, manifest, registered)
-    lost = [i for i, s in enumerate(manifest.shards) if not holders.get(s.blob_sha256)]
+    lost = [i for i, s in enumerate(manifest.entries) if not holders.get(s.blob_sha256)]
     if lost:
         md.transfers.reopen_shards(vkey, lost)
         plan = md.transfers.plan(vkey)
@@ -114,7 +114,7 @@ def confirm_holders(md, manifest, registered) -> dict[str, set[str]]:
     """Digest -> the registered nodes that answer `has` for it now. A node that says no
     leaves the placement; one that does not answer is not counted."""
     asked: dict[str, set[str]] = {}
-    for shard in manifest.shards:
+    for shard in manifest.entries:
         for node_id in md.blobs.placement(shard.blob_sha256) & set(registered):
             asked.setdefault(node_id, set()).add(shard.blob_sha256)
     out: dict[str, set[str]] = {}

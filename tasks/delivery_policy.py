@@ -4,9 +4,12 @@ to the version. One place, so the two tasks can never drift apart."""
 
 from __future__ import annotations
 
+import shutil
+
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.dataplane.chunk_source import spool_dir
 from coordinator.state.versions import ABORTED
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, ProtocolError
@@ -34,6 +37,8 @@ def abandon(vkey: str, version: dict, reason: str) -> None:
     """Abort a version whose source was rewritten, and store the new bytes once stable."""
     md = metadata()
     md.versions.abort(vkey, reason)  # a no-op on a version that committed meanwhile
+    if md.versions.state(vkey) == ABORTED:  # its encoded chunks are of no use now
+        shutil.rmtree(spool_dir(config.spool_root(), vkey), ignore_errors=True)
     if md.versions.state(vkey) == ABORTED and md.versions.claim(vkey, "restore_enqueued"):
         log.warning("%s: %s", version["name"], reason)
         shards = int(version.get("requested_shards") or 0) or None

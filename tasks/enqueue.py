@@ -35,7 +35,7 @@ def send_transfers(
     otherwise one transfer task per (shard, replica)."""
     sent = 0
     for index, nodes in enumerate(targets):
-        shard = manifest.shards[index]
+        shard = manifest.entries[index]
         limit = transfer_time_limit(shard.blob_size)
         todo = [r for r in range(len(nodes)) if f"{index}:{r}" not in skip]
         if config.chain_replication() and len(todo) >= 2:
@@ -68,7 +68,7 @@ def send_transfers(
                 kwargsrepr=kwargsrepr,
             )
             sent += 1
-    if not manifest.shards:
+    if not manifest.entries:
         # No tensors, no transfers: the barrier is complete as it stands.
         send_commit(vkey, manifest.name)
         metadata().transfers.mark_commit_enqueued(vkey)
@@ -103,7 +103,7 @@ def send_chain(
             "shard": index,
             "replicas": replicas,
             "node_ids": node_ids,
-            "digest": manifest.shards[index].blob_sha256,
+            "digest": manifest.entries[index].blob_sha256,
         },
         task_id=f"chain-{vkey}-{index}-{replicas_text}",
         queue=config.transfer_queue(host),

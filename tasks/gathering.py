@@ -108,9 +108,9 @@ def _sources(
     """Per shard, clients of its holders in the order to try them (plan/read_order), each
     paced by the gather's meter."""
     holders = [
-        [n for n in md.blobs.placement(s.blob_sha256) if n in nodes] for s in manifest.shards
+        [n for n in md.blobs.placement(s.blob_sha256) if n in nodes] for s in manifest.entries
     ]
-    orders = read_order(holders, [s.blob_size for s in manifest.shards], md.nodes.alive(nodes))
+    orders = read_order(holders, [s.blob_size for s in manifest.entries], md.nodes.alive(nodes))
     return [[client(nodes[n].address).paced(meter.wire) for n in order] for order in orders]
 
 

@@ -31,7 +31,10 @@ def remove(self, vkey: str) -> dict:
     manifest = md.versions.manifest(vkey)
     # Nodes that may hold its manifest: every holder of one of its blobs (a holder whose
     # copy is deleted below leaves the placement only once it answered).
-    involved = set().union(*(md.blobs.placement(s.blob_sha256) for s in manifest.shards))
+    involved = set().union(*(md.blobs.placement(s.blob_sha256) for s in manifest.entries))
+    chunks: dict[str, list] = {}
+    for chunk in manifest.chunks:
+        chunks.setdefault(chunk.blob_sha256, []).append(chunk)
     deleted, kept = 0, []
     # Only blobs no other version uses: the reference sets decided, atomically with the
     # state change, which ones (a second run resumes the ones not yet deleted). Asked
@@ -53,6 +56,8 @@ def remove(self, vkey: str) -> dict:
                 left = True
         if not left:
             md.blobs.blob_deleted(vkey, digest, gone)
+            # A later store must encode and send these bytes again, not count on them.
+            md.chunks.forget((c.raw_sha256, digest) for c in chunks.get(digest, ()))
         else:
             # The copies deleted are gone now, whatever is left: a store of the same bytes
             # must not count on them.

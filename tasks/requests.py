@@ -192,10 +192,13 @@ def _wait_commit(
     md: Metadata, vkey: str, name: str, on_progress: Callable[[StoreProgress], None] | None
 ) -> str:
     manifest = md.versions.manifest(vkey)
-    sizes = [s.blob_size for s in manifest.shards]
-    # What a blob's bytes are in the checkpoint (a shard's blob: itself), so the bar can
-    # say raw beside wire as they go.
-    raw_per_byte = [1.0 for _ in manifest.shards]
+    sizes = [s.blob_size for s in manifest.entries]
+    # What a blob's bytes are in the checkpoint (a shard's blob: itself; an encoded chunk's:
+    # its raw bytes), so the bar can say raw beside wire as they go.
+    raw_per_byte = [
+        (s.data_end - s.data_start) / s.blob_size if manifest.chunked else 1.0
+        for s in manifest.entries
+    ]
     plan = md.transfers.plan(vkey)
     total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
     while True:

@@ -1,17 +1,26 @@
-"""The store task: parse, plan, hash and place on this host, then fan out transfers."""
+"""The store task: parse, plan, hash and place on this host, then fan out transfers.
+
+By default a checkpoint is stored in chunks (coordinator/dataplane/chunk_engine.py): the
+chunks Redis knows as stored (md.chunks) are neither encoded nor sent, the new ones are
+encoded into the spool (or sent RAW, coordinator/plan/encoding.py) and each is a blob to
+the transfers, placement and sweeps. SMOLTORRENT_CHUNKS=0, or --shards N, stores whole
+shards (manifest schema 2)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 from celery.utils.log import get_task_logger
 
 from coordinator import config
+from coordinator.dataplane.chunk_engine import prepare_chunked_store, spool_dir
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.plan.chains import chain_order
+from coordinator.plan.encoding import should_encode
 from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE
@@ -97,20 +106,37 @@ def _store(
             countdown=defaults.RETRY_BACKOFF_BASE_S * 2**no_node_tries,
             kwargs={**self.request.kwargs, "no_node_tries": no_node_tries + 1},
         )
-    prepared = prepare_store(
-        path,
-        name,
-        {n: s.free_bytes for n, s in live.items()},
-        replicas=replicas,
-        shards=shards or len(live),
-        place_replicas=min(replicas, len(live)),
-        digest_cache=DigestCache(config.home() / "digest-cache"),
-    )
+    free = {n: s.free_bytes for n, s in live.items()}
+    if config.chunked_store() and not shards:
+        registered = md.nodes.nodes()
+        hosts = [registered[n].address.host for n in live if n in registered]
+        prepared = prepare_chunked_store(
+            path,
+            name,
+            free,
+            config.spool_root(),
+            replicas=replicas,
+            place_replicas=min(replicas, len(live)),
+            lookup=md.chunks.stored,
+            encode=should_encode(config.encode_mode(), hosts),
+        )
+        spans, hashed_bytes = prepared.spans, prepared.manifest.source_size
+    else:
+        prepared = prepare_store(
+            path,
+            name,
+            free,
+            replicas=replicas,
+            shards=shards or len(live),
+            place_replicas=min(replicas, len(live)),
+            digest_cache=DigestCache(config.home() / "digest-cache"),
+        )
+        spans, hashed_bytes = prepared.spans(), prepared.hashed_bytes
     manifest, vkey = prepared.manifest, prepared.vkey
     targets = prefer_holders(prepared.targets, manifest, md, set(live))
     if config.chain_replication():
         # Heads and tails spread so every node's outbound link carries its share.
-        targets = chain_order(targets, [s.blob_size for s in manifest.shards])
+        targets = chain_order(targets, [s.blob_size for s in manifest.entries])
     host = config.host_id()
     found = md.versions.create_pending(
         manifest,
@@ -133,7 +159,8 @@ def _store(
     # A re-drive of this same request after a crash re-sends what may not have been sent.
     mine = md.versions.version(vkey).get("request_id") == (request_id or self.request.id)
     if new or (found == PENDING and mine):
-        md.transfers.keep_spans(vkey, prepared.spans())
+        md.chunks.record(manifest.chunks)
+        md.transfers.keep_spans(vkey, spans)
         send_transfers(vkey, manifest, targets, host)
     else:
         log.info("%s: version %s already %s", name, manifest.version_id[:12], found)
@@ -141,11 +168,15 @@ def _store(
             # Current again if this request is the latest (a rollback): the nodes' copies
             # of its manifest learn this request's number, which orders a rebuild.
             record_request_order(md, vkey)
+        if found != PENDING and manifest.chunked:
+            # Nothing of it is sent: what it encoded is not needed (a pending one's
+            # transfers send from this same directory).
+            shutil.rmtree(spool_dir(config.spool_root(), vkey), ignore_errors=True)
     result = {
         "vkey": vkey,
         "state": PENDING if new else found,
         "new": new,
-        "hashed_bytes": prepared.hashed_bytes,
+        "hashed_bytes": hashed_bytes,
     }
     if request_id is not None:
         md.requests.finish_request(
@@ -154,7 +185,7 @@ def _store(
             vkey=vkey,
             new=int(new),
             state_found=found,
-            hashed_bytes=prepared.hashed_bytes,
+            hashed_bytes=hashed_bytes,
         )
     return {**result, "under_replicated_at_plan": replicas > len(live)}
 
@@ -171,7 +202,7 @@ def _result(request: dict[str, str]) -> dict:
 def prefer_holders(targets, manifest, md, live: set[str]) -> list[tuple[str, ...]]:
     """Keep a shard where verified copies already are: unchanged blobs move no bytes."""
     out = []
-    for planned, shard in zip(targets, manifest.shards, strict=True):
+    for planned, shard in zip(targets, manifest.entries, strict=True):
         holders = sorted(md.blobs.placement(shard.blob_sha256) & live)[: len(planned)]
         rest = [n for n in planned if n not in holders]
         out.append(tuple(holders + rest[: len(planned) - len(holders)]))

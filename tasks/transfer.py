@@ -11,6 +11,7 @@ from celery.utils.log import get_task_logger
 from coordinator import config
 from coordinator.dataplane.bandwidth import raw_size
 from coordinator.dataplane.chain_engine import pick_spare, replaceable
+from coordinator.dataplane.chunk_source import release, spool_dir
 from coordinator.dataplane.store_engine import send_shard
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
@@ -76,6 +77,7 @@ def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt) -> str:
             target,
             holders,
             progress=partial(sent_recorder(md, vkey, shard), (replica,)),
+            spool=spool_dir(config.spool_root(), vkey),
         )
     except SourceChangedError as exc:
         md.transfers.record_attempt(vkey, {**attempt, "error": str(exc)})
@@ -94,6 +96,8 @@ def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt) -> str:
         meter.raw(raw_size(span))
     md.transfers.record_attempt(vkey, {**attempt, "result": how})
     settle(vkey, shard, replica, node_id, digest, name)
+    if len(md.blobs.placement(digest)) >= len(md.transfers.plan(vkey)[shard]):
+        release(span)  # every replica is placed: its spooled chunk is done
     return how
 
 
@@ -126,6 +130,7 @@ def move_to_spare(md, v, vkey, span, replica, node_id, exc, meter):
             span,
             node_client(spare_id, registered).paced(meter.wire),
             holders,
+            spool=spool_dir(config.spool_root(), vkey),
         )
     except RETRYABLE:
         return None

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+from coordinator.dataplane.chunk_source import sendable
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.store_engine import mismatch_cause
 from coordinator.plan.manifest import BlobSpan
@@ -95,12 +96,14 @@ def store_shard_chain(
     holders: list[NodeClient] = (),
     spare: Callable[[set[str]], Target | None] | None = None,
     progress: Callable[[Sequence[int], int], None] | None = None,
+    spool: str = "",
 ) -> ChainOutcome:
     """Make every target hold the shard of `span`, by chain; see the module docstring.
     progress(replicas, n) follows a send from the source: the chain feeding `replicas` has
-    been sent n bytes of the shard's range (each node passes them on as they arrive)."""
-    shard_index, digest, prefix = span.index, span.digest, span.prefix
-    offset, length = span.offset, span.length
+    been sent n bytes of the shard's range (each node passes them on as they arrive). An
+    encoded chunk is sent from its spooled file, encoded again into `spool` only when the
+    source must send it and that file is gone (coordinator/dataplane/chunk_source.py)."""
+    shard_index, digest = span.index, span.digest
     out = ChainOutcome()
     todo = list(targets)  # in chain order
     sources = list(holders)  # nodes holding a verified copy: they head the chain
@@ -150,6 +153,8 @@ def store_shard_chain(
             head_target, chain, head_client = todo[0], todo[1:], todo[0].client
         sending = None  # a node holding the blob heads: no byte leaves the source
         if head_target is not None:
+            if span.spool is not None:  # the source sends: from the encoded chunk's file
+                path, identity, span = sendable(path, identity, span, spool)
             identity.check(path)
             if progress is not None:
                 sending = partial(progress, [t.replica for t in [head_target, *chain]])
@@ -157,10 +162,10 @@ def store_shard_chain(
             with open(path, "rb") as f:
                 report = head_client.chain_put(
                     digest,
-                    prefix,
+                    span.prefix,
                     f.fileno(),
-                    offset,
-                    length,
+                    span.offset,
+                    span.length,
                     [t.client.address for t in chain],
                     sending,
                 )

@@ -13,7 +13,9 @@ checks both digests: the encoded one (the node's copy is what it should be) and 
 one (the decode gave the source's bytes). A copy failing either is a bad copy, and the
 next replica is read, as for whole shards.
 
-Plain Python, no Celery and no Redis: the tasks are not wired to it yet (issue 25).
+Plain Python, no Celery and no Redis: the store task (tasks/store.py) prepares a chunked
+version here and its transfers send each chunk with `sendable`; `store_chunked` runs the
+whole store for scripts, tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.dataplane import codec
+from coordinator.dataplane.chunk_source import (
+    chunk_span,
+    encode_one,
+    sendable,
+    source_changed,
+    spool_dir,
+)
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.replicas import BadCopy, first_intact
-from coordinator.dataplane.store_engine import hash_blob, probe_nodes, write_manifest
+from coordinator.dataplane.store_engine import hash_blob, probe_nodes, send_shard, write_manifest
 from coordinator.plan.chunks import ChunkPlan, plan_chunks
 from coordinator.plan.manifest import (
     SCHEMA_VERSION,
+    BlobSpan,
     ChunkEntry,
     Manifest,
     chunk_entries,
@@ -51,23 +61,13 @@ from smoltorrent.errors import (
     NodeUnavailableError,
     ProtocolError,
     SmoltorrentError,
-    SourceChangedError,
 )
 
 # raw SHA-256 -> (blob SHA-256, blob size) of chunks already stored
 KnownChunks = Mapping[str, tuple[str, int]]
-
-
-@dataclass(frozen=True)
-class ChunkSource:
-    """What sending one encoded chunk takes: `prefix`, then `length` bytes of `path` at
-    `offset` (a spool file holding the whole FRAMED chunk, or the source after a RAW
-    chunk's header)."""
-
-    prefix: bytes
-    path: str
-    offset: int
-    length: int
+# Given every chunk's raw SHA-256, the ones already stored (Redis's chunks room, for the
+# tasks): those are neither encoded nor sent again.
+Lookup = Callable[[Sequence[str]], KnownChunks]
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,20 @@ class PreparedChunks:
 
     path: str
     manifest: Manifest
-    sources: tuple[ChunkSource | None, ...]  # None: already stored, never encoded here
+    spans: tuple[BlobSpan, ...]  # what sending each chunk takes (sendable() reads them)
     targets: tuple[tuple[str, ...], ...]  # per chunk, the node ids chosen for it
     identity: SourceIdentity
-    spool: str  # the directory of this store's encoded chunks: remove it once they are sent
+    spool: str  # this version's encoded chunks: remove it once they are on the nodes
     encoded_raw_bytes: int = 0  # raw bytes this store encoded or hashed RAW (not known)
+    known: frozenset[int] = frozenset()  # chunks already stored: never encoded here
+
+    @property
+    def vkey(self) -> str:
+        return self.manifest.storage_key()
+
+
+def _raw_digest(path: str, header: CheckpointHeader, plan: ChunkPlan) -> str:
+    return hash_blob(path, plan.index, b"", header.data_start + plan.data_start, plan.size)
 
 
 def prepare_chunked_store(
@@ -90,100 +99,92 @@ def prepare_chunked_store(
     spool: str | os.PathLike,
     *,
     replicas: int = defaults.DEFAULT_REPLICAS,
-    known: KnownChunks | None = None,
+    place_replicas: int | None = None,
+    lookup: Lookup | None = None,
     encode: bool = True,
     threads: int = defaults.HASH_THREADS,
 ) -> PreparedChunks:
-    """Plan the chunks, encode the ones not `known` into a directory of their own under
-    `spool` (threads at once: zstd and hashlib release the GIL), place every chunk.
+    """Plan the chunks, encode the ones `lookup` does not know (threads at once: zstd and
+    hashlib release the GIL) into spool_dir(spool, vkey), place every chunk.
 
-    With `known`, every chunk is hashed first and only the unknown ones are encoded.
-    Without `encode`, every new chunk is RAW (for a link faster than the encoder): hashed,
-    never spooled."""
+    With `lookup`, every chunk is hashed first and only the unknown ones are encoded.
+    Without `encode`, every new chunk is RAW (for a link faster than the encoder): hashed
+    once, never spooled. `place_replicas` below `replicas` stores under-replicated on
+    purpose (fewer live nodes than R), as prepare_store does."""
     path = os.fspath(path)
     identity = SourceIdentity.of(path)
     header = read_header(path)
     identity.check(path)
     plans = plan_chunks(header)
-    known = known or {}
-    raw_digests: list[str | None] = [None] * len(plans)
-    if known:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            raw_digests = list(
-                pool.map(
-                    lambda p: hash_blob(
-                        path, p.index, b"", header.data_start + p.data_start, p.size
-                    ),
-                    plans,
-                )
-            )
-
-    def one(plan: ChunkPlan) -> tuple[tuple[str, str, int], ChunkSource | None]:
-        raw = raw_digests[plan.index]
-        if raw in known:
-            blob, size = known[raw]
-            return (raw, blob, size), None
-        return _encode(path, header, plan, spooled if encode else None, raw)
-
     os.makedirs(spool, exist_ok=True)
-    spooled = tempfile.mkdtemp(prefix="store-", dir=spool)
+    scratch = tempfile.mkdtemp(prefix="store-", dir=spool)
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
+            hashed: list[tuple[tuple[str, str, int], BlobSpan] | None] = [None] * len(plans)
+            known: KnownChunks = {}
+            if lookup is not None:
+                if encode:  # a pass of raw digests alone: encode only what is new
+                    raws = list(pool.map(lambda p: _raw_digest(path, header, p), plans))
+                else:  # RAW chunks: both digests in the one pass
+                    hashed = list(pool.map(lambda p: encode_one(path, header, p, None), plans))
+                    raws = [h[0][0] for h in hashed]
+                known = lookup(raws)
+
+            def one(plan: ChunkPlan) -> tuple[tuple[str, str, int], BlobSpan | None]:
+                done = hashed[plan.index]
+                raw = done[0][0] if done else None
+                if raw is None and lookup is not None:
+                    raw = raws[plan.index]
+                if raw in known:
+                    blob, size = known[raw]
+                    return (raw, blob, size), None
+                if done is not None:
+                    return done
+                digests, span = encode_one(path, header, plan, scratch if encode else None)
+                if raw is not None and digests[0] != raw:
+                    source_changed(path, plan.index)
+                return digests, span
+
             encoded = list(pool.map(one, plans))
         identity.check(path)
-    except BaseException:
-        shutil.rmtree(spooled, ignore_errors=True)
-        raise
-    digests = [digest for digest, _ in encoded]
-    targets = place([size for _, _, size in digests], free_bytes, replicas) if plans else []
-    manifest = Manifest(
-        name=name,
-        version_id=chunked_version_id(header.header_bytes, [raw for raw, _, _ in digests]),
-        source_size=header.file_size,
-        header_bytes=header.header_bytes,
-        replicas=replicas,
-        shards=(),
-        created_at=time.time(),
-        schema_version=SCHEMA_VERSION,
-        chunks=chunk_entries(plans, digests),
-    )
+        digests = [digest for digest, _ in encoded]
+        manifest = Manifest(
+            name=name,
+            version_id=chunked_version_id(header.header_bytes, [raw for raw, _, _ in digests]),
+            source_size=header.file_size,
+            header_bytes=header.header_bytes,
+            replicas=replicas,
+            shards=(),
+            created_at=time.time(),
+            schema_version=SCHEMA_VERSION,
+            chunks=chunk_entries(plans, digests),
+        )
+        kept = spool_dir(spool, manifest.storage_key())
+        os.makedirs(kept, exist_ok=True)
+        spans = []
+        for chunk, (_, span) in zip(manifest.chunks, encoded, strict=True):
+            if span is None:  # known: a holder passes it on (or it is encoded again)
+                span = chunk_span(manifest, chunk, "")
+            elif span.spool:
+                # Same bytes as any spooled copy already there (a store of the same
+                # content at once): the rename replaces it whole.
+                os.replace(span.spool, os.path.join(kept, os.path.basename(span.spool)))
+                span = chunk_span(manifest, chunk, kept)
+            spans.append(span)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    size_of = [size for _, _, size in digests]
+    places = place(size_of, free_bytes, place_replicas or replicas) if plans else []
     return PreparedChunks(
         path=path,
         manifest=manifest,
-        sources=tuple(source for _, source in encoded),
-        targets=tuple(tuple(t) for t in targets),
+        spans=tuple(spans),
+        targets=tuple(tuple(t) for t in places),
         identity=identity,
-        spool=spooled,
+        spool=kept,
         encoded_raw_bytes=sum(p.size for p, (_, s) in zip(plans, encoded, strict=True) if s),
+        known=frozenset(i for i, (_, s) in enumerate(encoded) if s is None),
     )
-
-
-def _encode(
-    path: str, header: CheckpointHeader, plan: ChunkPlan, spool: str | None, hashed: str | None
-) -> tuple[tuple[str, str, int], ChunkSource]:
-    """Encode one chunk into spool/<index>.chunk (RAW without a spool); its digests and
-    where to send it from."""
-    offset = header.data_start + plan.data_start
-    spooled = ""
-    with open(path, "rb") as source:
-        source.seek(offset)
-        if spool is None:
-            result = codec.raw_chunk(source, plan.size)
-        else:
-            spooled = os.path.join(spool, f"{plan.index}.chunk")
-            with open(spooled, "w+b") as sink:
-                result = codec.encode_chunk(source, plan.size, plan.layout, sink)
-            if result.encoding == codec.RAW:
-                os.unlink(spooled)  # empty: a RAW chunk is sent from the source
-    if hashed is not None and result.raw_sha256 != hashed:
-        raise SourceChangedError(
-            f"{path} changed while chunk {plan.index} was encoded; the partial version was"
-            " abandoned. Store it again once training has finished writing it."
-        )
-    digests = (result.raw_sha256, result.sha256, result.size)
-    if result.encoding == codec.RAW:
-        return digests, ChunkSource(codec.raw_header(plan.size), path, offset, plan.size)
-    return digests, ChunkSource(b"", spooled, 0, result.size)
 
 
 @dataclass
@@ -226,7 +227,7 @@ def store_chunked(
         {stat.node_id: stat.free_bytes for stat in stats.values()},
         spool,
         replicas=replicas,
-        known=known,
+        lookup=(lambda raws: {r: known[r] for r in raws if r in known}) if known else None,
         encode=encode,
     )
     manifest = prepared.manifest
@@ -245,17 +246,25 @@ def store_chunked(
         targets = holding[: len(wanted)]
         targets += [n for n in wanted if n not in targets][: len(wanted) - len(targets)]
         for node_id in targets:
+            if node_id in holding:
+                with lock:
+                    result.holders[chunk.index].append(node_id)
+                continue
             try:
-                sent = _send(prepared, chunk, clients[node_id], [clients[h] for h in holding])
+                source, identity, span = sendable(
+                    path, prepared.identity, prepared.spans[chunk.index], prepared.spool
+                )
+                how = send_shard(
+                    source, identity, span, clients[node_id], [clients[h] for h in holding]
+                )
             except (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError) as exc:
                 with lock:
                     result.errors.append(f"chunk {chunk.index} -> node {node_id}: {exc}")
                 continue
             with lock:
                 result.holders[chunk.index].append(node_id)
-                result.bytes_sent += chunk.blob_size if sent else 0
-            if node_id not in holding:
-                holding.append(node_id)
+                result.bytes_sent += chunk.blob_size if how != "exists" else 0
+            holding.append(node_id)
 
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -287,35 +296,6 @@ def _held(blobs: set[str], clients: Mapping[str, NodeClient]) -> dict[str, set[s
         return {}
     with ThreadPoolExecutor(max_workers=min(32, len(clients))) as pool:
         return dict(zip(clients, pool.map(one, clients), strict=True))
-
-
-def _send(
-    prepared: PreparedChunks,
-    chunk: ChunkEntry,
-    target: NodeClient,
-    holders: Sequence[NodeClient],
-) -> bool:
-    """Make target hold the chunk's blob; True if bytes moved to it."""
-    source = prepared.sources[chunk.index]
-    if source is None:
-        # Not encoded by this store: only a node holding it can pass it on.
-        if any(holder.address == target.address for holder in holders):
-            return False
-        for holder in holders:
-            try:
-                return holder.replicate(chunk.blob_sha256, target.address)
-            except (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError):
-                continue
-        raise NodeError(
-            "missing",
-            f"no node holds chunk {chunk.index} ({chunk.blob_sha256[:12]}) to copy from",
-        )
-    if source.path == prepared.path:
-        prepared.identity.check(prepared.path)
-    with open(source.path, "rb") as f:
-        return target.put_blob(
-            chunk.blob_sha256, source.prefix, f.fileno(), source.offset, source.length
-        )
 
 
 def gather_chunks(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from coordinator.dataplane.chunk_source import sendable
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.node_client import NodeAddress, NodeClient, NodeStat
 from coordinator.plan.manifest import (
@@ -220,8 +221,11 @@ def send_shard(
     target: NodeClient,
     holders: Sequence[NodeClient] = (),
     progress: Progress | None = None,
+    spool: str | os.PathLike = "",
 ) -> str:
-    """Make `target` hold the shard of `span`; returns how: exists, replicated or sent.
+    """Make `target` hold the shard (or chunk) of `span`; returns how: exists, replicated
+    or sent. An encoded chunk is sent from its spooled file, encoded again into `spool`
+    when that is gone (coordinator/dataplane/chunk_source.py).
     progress(n) follows a send from the source: n bytes of the shard's range sent so far.
 
     A node that already holds a verified copy pushes it node to node first
@@ -242,6 +246,7 @@ def send_shard(
             return "replicated" if holder.replicate(span.digest, target.address) else "exists"
         except (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError):
             continue
+    prepared_path, identity, span = sendable(prepared_path, identity, span, spool)
     identity.check(prepared_path)
     with open(prepared_path, "rb") as f:
         try:

@@ -124,7 +124,7 @@ def _wait_for_r(cluster: LocalCluster, name: str, victim: int) -> None:
     live = {n for n, rec in md.nodes.nodes().items() if str(rec.address) != dead}
     manifest = md.versions.manifest(md.versions.current(name))
     deadline = time.monotonic() + DEMO_HEAL_TIMEOUT_S
-    while any(len(md.blobs.placement(s.blob_sha256) & live) < 2 for s in manifest.shards):
+    while any(len(md.blobs.placement(s.blob_sha256) & live) < 2 for s in manifest.entries):
         if time.monotonic() > deadline:
             raise SmoltorrentError(
                 f"the sweeps did not bring every shard back to 2 copies in {DEMO_HEAL_TIMEOUT_S}"

@@ -99,10 +99,23 @@ class Manifest:
         return self.schema_version >= 3
 
     @property
+    def entries(self) -> tuple[ShardEntry, ...] | tuple[ChunkEntry, ...]:
+        """Every blob of this version as its manifest entry (a chunk or a shard), in order:
+        what transfers, placement, references and the sweeps count by index, whichever
+        the schema. Each has index, data_start, data_end, blob_size and blob_sha256."""
+        return self.chunks if self.chunked else self.shards
+
+    @property
     def blobs(self) -> tuple[tuple[str, int], ...]:
         """(SHA-256, size) of every blob a node keeps for this version, in order."""
-        entries = self.chunks if self.chunked else self.shards
-        return tuple((entry.blob_sha256, entry.blob_size) for entry in entries)
+        return tuple((entry.blob_sha256, entry.blob_size) for entry in self.entries)
+
+    def tensor_count(self) -> int:
+        """How many tensors the source holds (a chunked manifest names none itself: its
+        header does)."""
+        if not self.chunked:
+            return sum(len(s.tensors) for s in self.shards)
+        return len(_source_header(self).tensors)
 
     @property
     def data_start(self) -> int:
@@ -283,6 +296,10 @@ class BlobSpan:
     prefix: bytes
     offset: int  # in the source file
     length: int
+    # An encoded chunk (coordinator/dataplane/codec.py): the blob is the encoding of the
+    # source range, not prefix + range, kept at this path of the source's host once the
+    # store encoded it ("": not kept, encode it again). None: the blob is prefix + range.
+    spool: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -293,7 +310,8 @@ class BlobSpan:
                 "prefix": base64.b64encode(self.prefix).decode("ascii"),
                 "offset": self.offset,
                 "length": self.length,
-            },
+            }
+            | ({} if self.spool is None else {"spool": self.spool}),
             separators=(",", ":"),
         )
 
@@ -303,9 +321,15 @@ class BlobSpan:
             document = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             _fail(f"a blob span is not JSON ({error})")
+        given = document.keys() if isinstance(document, dict) else set()
         fields = _fields(
-            document, {"index", "digest", "size", "prefix", "offset", "length"}, "a span"
+            document,
+            {"index", "digest", "size", "prefix", "offset", "length"} | ({"spool"} & given),
+            "a span",
         )
+        spool = fields.get("spool")
+        if spool is not None and not isinstance(spool, str):
+            _fail(f"a blob span's spool is {spool!r}, not a path")
         try:
             prefix = base64.b64decode(fields["prefix"], validate=True)
         except (binascii.Error, TypeError, ValueError):
@@ -317,8 +341,9 @@ class BlobSpan:
             prefix=prefix,
             offset=_count(fields, "offset", "a span", LENGTH_PREFIX_BYTES),
             length=_count(fields, "length", "a span"),
+            spool=spool,
         )
-        if span.size != len(span.prefix) + span.length:
+        if span.spool is None and span.size != len(span.prefix) + span.length:
             _fail(f"blob span {span.index}: size {span.size} is not its prefix plus its range")
         return span
 

@@ -4,6 +4,7 @@
     md.transfers     a pending version's plan, spans, attempts and commit barrier (transfers.py)
     md.removals      removes of versions (rm, retention) and reader marks (removals.py)
     md.blobs         references, tombstones, placement, orphans, bad copies (blobs.py)
+    md.chunks        which blob holds each raw chunk, for a store's dedup (chunks.py)
     md.requests      requests (intents) and the sequence counter (requests.py)
     md.nodes         node records, liveness, worker boots (nodes.py)
     md.listing       what `ls` and `status` read (listing.py)
@@ -21,6 +22,7 @@ import redis
 
 from coordinator import config
 from coordinator.state.blobs import Blobs
+from coordinator.state.chunks import Chunks
 from coordinator.state.dead_letters import DeadLetters
 from coordinator.state.listing import Listing
 from coordinator.state.nodes import Nodes
@@ -48,6 +50,7 @@ class Metadata:
         self.transfers = Transfers(self.r, self.versions)
         self.removals = Removals(self.r)
         self.blobs = Blobs(self.r)
+        self.chunks = Chunks(self.r)
         self.requests = Requests(self.r)
         self.nodes = Nodes(self.r)
         self.listing = Listing(self.r)

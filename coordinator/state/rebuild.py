@@ -73,7 +73,7 @@ def rebuild_metadata(
         if vkey != key:
             skipped.append(f"manifest {key} names another version ({vkey})")
             continue
-        missing = [i for i, s in enumerate(manifest.shards) if s.blob_sha256 not in held]
+        missing = [i for i, s in enumerate(manifest.entries) if s.blob_sha256 not in held]
         if missing:
             # Committed means gatherable: a version with a shard on no node is not.
             skipped.append(
@@ -106,7 +106,7 @@ def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
     directories = Directories(md.r)
     restored = 0
     for manifest in manifests:
-        if not manifest.name.endswith("/" + RECORD_FILE) or manifest.shards:
+        if not manifest.name.endswith("/" + RECORD_FILE) or manifest.entries:
             continue
         vkey = manifest.storage_key()
         if md.versions.current(manifest.name) != vkey:

@@ -99,6 +99,9 @@ PLACEMENTS_LISTED = PREFIX + "blobs:listed"
 BLOB_REFS = PREFIX + "blob:{digest}:refs"
 # tombstone: a remove is deleting this unreferenced blob from the nodes right now
 BLOB_DELETING = PREFIX + "blob:{digest}:deleting"
+# hash raw SHA-256 of a chunk -> "blob_sha256 blob_size" of the encoded chunk that holds it:
+# how a store finds the chunks already stored (coordinator/state/chunks.py)
+CHUNKS = PREFIX + "chunks"
 # mark on one node's copy of a blob that a trim is deleting right now (expires on its own,
 # defaults.TRIM_MARK_TTL_S): no transfer may count a copy there until it is cleared
 TRIM_MARK = PREFIX + "trim:{digest}:{node_id}"

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import redis
 
+from coordinator.dataplane.chunk_source import chunk_span
 from coordinator.plan.manifest import BlobSpan, blob_spans
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
@@ -57,7 +58,10 @@ class Transfers:
         raw = self.r.hget(K.SPANS.format(vkey=vkey), str(shard))
         if raw is not None:
             return BlobSpan.from_json(raw)
-        return blob_spans(self._versions.manifest(vkey))[shard]
+        manifest = self._versions.manifest(vkey)
+        if manifest.chunked:  # an encoded chunk is then encoded again, if it must be sent
+            return chunk_span(manifest, manifest.chunks[shard], "")
+        return blob_spans(manifest)[shard]
 
     def record_attempt(self, vkey: str, entry: dict) -> None:
         """Append to the version's attempt log, keeping its last ATTEMPTS_KEPT entries."""

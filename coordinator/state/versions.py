@@ -40,8 +40,8 @@ def version_keys(vkey: str) -> list[str]:
 
 
 def digests(manifest: Manifest) -> list[str]:
-    """Each distinct blob of a manifest once, in shard order."""
-    return list(dict.fromkeys(s.blob_sha256 for s in manifest.shards))
+    """Each distinct blob of a manifest once, in shard (or chunk) order."""
+    return list(dict.fromkeys(s.blob_sha256 for s in manifest.entries))
 
 
 def listing_row(manifest: Manifest, transfers: int) -> str:
@@ -52,12 +52,12 @@ def listing_row(manifest: Manifest, transfers: int) -> str:
             "name": manifest.name,
             "version_id": manifest.version_id,
             "size": manifest.source_size,
-            "shards": len(manifest.shards),
-            "tensors": sum(len(s.tensors) for s in manifest.shards),
+            "shards": len(manifest.entries),
+            "tensors": manifest.tensor_count(),
             "replicas": manifest.replicas,
             "transfers": transfers,
             "created_at": manifest.created_at,
-            "digests": [s.blob_sha256 for s in manifest.shards],
+            "digests": [s.blob_sha256 for s in manifest.entries],
         },
         separators=(",", ":"),
     )
@@ -109,7 +109,7 @@ class Versions:
                         "name": manifest.name,
                         "version_id": manifest.version_id,
                         "size": str(manifest.source_size),
-                        "shards": str(len(manifest.shards)),
+                        "shards": str(len(manifest.entries)),
                         "replicas": str(manifest.replicas),
                         "transfers": str(transfers),
                         "created_at": repr(manifest.created_at),

@@ -81,15 +81,22 @@ def make_cluster(tmp_path: Path):
         retries: int = 2,
         concurrency: int = 4,
         cluster_key: str | None = None,
+        chunks: bool = False,
         **env,
     ) -> Cluster:
+        """A cluster of `nodes` node processes. Its stores keep whole shards (schema 2),
+        which most tests count, unless `chunks` (smoltorrent's default: schema 3)."""
         cluster = Cluster(
             tmp_path / f"cluster{len(clusters)}",
             nodes=nodes,
             host_id=f"test{len(clusters)}",
             worker_concurrency=concurrency,
             cluster_key=cluster_key,
-            extra_env={"SMOLTORRENT_TRANSFER_RETRIES": str(retries), **env},
+            extra_env={
+                "SMOLTORRENT_TRANSFER_RETRIES": str(retries),
+                "SMOLTORRENT_CHUNKS": "1" if chunks else "0",
+                **env,
+            },
         )
         clusters.append(cluster)
         cluster.start(worker=worker)

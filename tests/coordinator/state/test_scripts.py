@@ -165,6 +165,8 @@ def test_every_caller_passes_the_keys_its_script_names(md, calls):
     member = Member(name="dir/a.safetensors", vkey=b, version_id="v", size=1)
     version = DirectoryVersion("dir", "d1", {"a.safetensors": member}, None, None, 0.0)
     assert Directories(md.r).commit(version, seq)
+    md.r.hset(K.CHUNKS, "raw", f"{shared} 1")
+    assert md.chunks.forget([("raw", shared), ("other", shared)]) == 1
 
     assert sorted({n for n, *_ in calls}) == NAMES  # every script ran
     for name, keys, args in calls:

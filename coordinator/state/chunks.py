@@ -1,0 +1,63 @@
+"""Chunks: which encoded blob holds the bytes of each raw chunk digest, so a store sends a
+chunk already stored neither encoded nor at all (coordinator/dataplane/chunk_engine.py).
+
+An entry is a hint, never a reference: a chunk counts as stored only while its blob is
+used by a version (its reference set), not being deleted (no tombstone) and has a
+verified copy on some node. A store that uses it records the reference in the same
+script that records its version (versions/create), so a remove running meanwhile keeps
+the blob; if its copies were deleted just before, the transfer encodes the chunk again
+from the source (chunk_engine.sendable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import redis
+
+from coordinator.plan.manifest import ChunkEntry
+from coordinator.state import redis_keys as K
+from coordinator.state.scripts import load
+
+
+class Chunks:
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self._forget = load(r, "chunks/forget")
+
+    def record(self, chunks: Iterable[ChunkEntry]) -> None:
+        """Remember which blob holds each chunk (a store about to send them)."""
+        mapping = {c.raw_sha256: f"{c.blob_sha256} {c.blob_size}" for c in chunks}
+        if mapping:
+            self.r.hset(K.CHUNKS, mapping=mapping)
+
+    def stored(self, raws: Sequence[str]) -> dict[str, tuple[str, int]]:
+        """raw digest -> (blob digest, blob size) for those of `raws` whose blob is in use,
+        not being deleted and on at least one node: two round trips, whatever the count."""
+        raws = list(dict.fromkeys(raws))
+        if not raws:
+            return {}
+        entries = self.r.hmget(K.CHUNKS, raws)
+        found = {
+            raw: (blob, int(size))
+            for raw, entry in zip(raws, entries, strict=True)
+            if entry
+            for blob, size in [entry.split(" ")]
+        }
+        with self.r.pipeline(transaction=False) as p:
+            for blob, _ in found.values():
+                p.scard(K.BLOB_REFS.format(digest=blob))
+                p.exists(K.BLOB_DELETING.format(digest=blob))
+                p.scard(K.PLACEMENT.format(digest=blob))
+            answers = p.execute()
+        return {
+            raw: hit
+            for n, (raw, hit) in enumerate(found.items())
+            if answers[3 * n] and not answers[3 * n + 1] and answers[3 * n + 2]
+        }
+
+    def forget(self, deleted: Iterable[tuple[str, str]]) -> int:
+        """Drop the entries (raw, blob) whose blob was deleted, unless a store has named
+        another blob for that raw digest since."""
+        args = [x for pair in deleted for x in pair]
+        return int(self._forget(keys=[K.CHUNKS], args=args)) if args else 0
