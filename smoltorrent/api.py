@@ -440,7 +440,7 @@ def _load_directory(
     if tensors is not None:
         md = connected_metadata()
         names = {
-            f: [t for shard in md.versions.manifest(m.vkey).shards for t in shard.tensors]
+            f: [t.name for t in md.versions.manifest(m.vkey).header().tensors]
             for f, m in found.files.items()
         }
         chosen, missing = pick([t for ts in names.values() for t in ts], tensors)

@@ -176,7 +176,6 @@ def header(md: Metadata, name: str, version: str | None = None) -> dict:
         manifest.source_size,
         source=f"manifest of {name}",
     )
-    shard_of = {t: shard.index for shard in manifest.shards for t in shard.tensors}
     tensors = [
         {
             "name": t.name,
@@ -184,7 +183,7 @@ def header(md: Metadata, name: str, version: str | None = None) -> dict:
             "shape": list(t.shape),
             "bytes": t.size,
             "offset": t.start,
-            "shard": shard_of.get(t.name),
+            "shard": manifest.entry_of(t),
         }
         for t in parsed.tensors
     ]
@@ -195,7 +194,7 @@ def header(md: Metadata, name: str, version: str | None = None) -> dict:
         "current": vkey == md.versions.current(name),
         "size": manifest.source_size,
         "header_bytes": LENGTH_PREFIX_BYTES + len(manifest.header_bytes),
-        "shards": len(manifest.shards),
+        "shards": len(manifest.entries),
         "tensor_count": len(tensors),
         "parameters": sum(_numel(t["shape"]) for t in tensors),
         "dtypes": dict(sorted(Counter(t["dtype"] for t in tensors).items())),

@@ -343,21 +343,37 @@ def _read_chunk(
 ) -> None:
     """Decode one replica's copy into [offset, offset + raw size) of fd, both digests
     checked; a copy failing either, or not decoding, raises DigestMismatchError."""
-    raw_size = chunk.data_end - chunk.data_start
-    encoded, raw = hashlib.sha256(), hashlib.sha256()
     written = 0
 
     def write(piece: memoryview) -> None:
         nonlocal written
-        if written + len(piece) > raw_size:
-            raise ChunkFormatError(f"it decodes to more than its {raw_size} bytes")
-        raw.update(piece)
         os.pwrite(fd, piece, offset + written)
         written += len(piece)
         if progress:
             progress(len(piece))
 
-    decoder = codec.ChunkDecoder(chunk.blob_size, write)
+    decode_chunk_from(client, chunk, write)
+
+
+def decode_chunk_from(
+    client: NodeClient, chunk: ChunkEntry, write: Callable[[memoryview], object]
+) -> None:
+    """Read one replica's copy of a chunk and pass its raw bytes to write(), in order, a
+    piece at a time as they decode; both digests checked at the end, so a caller keeps
+    nothing of a copy that raises DigestMismatchError (bad bytes, or not decoding)."""
+    raw_size = chunk.data_end - chunk.data_start
+    encoded, raw = hashlib.sha256(), hashlib.sha256()
+    written = 0
+
+    def out(piece: memoryview) -> None:
+        nonlocal written
+        if written + len(piece) > raw_size:
+            raise ChunkFormatError(f"it decodes to more than its {raw_size} bytes")
+        raw.update(piece)
+        write(piece)
+        written += len(piece)
+
+    decoder = codec.ChunkDecoder(chunk.blob_size, out)
 
     def arrive(piece: memoryview) -> None:
         encoded.update(piece)

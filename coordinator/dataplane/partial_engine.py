@@ -9,6 +9,10 @@ only digest there is for it: a range of it could not be verified. A mismatch, a
 wrong length or a node error moves to the next replica. As in a full gather, the
 file is fsynced and renamed onto the destination only when every tensor is
 verified; on failure nothing is left behind.
+
+A chunked version (schema 3) keeps no per-tensor digests and its chunks are encoded: each
+chunk holding a selected byte is read and decoded whole, checked against both of its
+digests, and only the selected ranges of its raw bytes are written; no other chunk is read.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from coordinator.dataplane.chunk_engine import decode_chunk_from
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.dataplane.replicas import BadCopy, first_intact
 from coordinator.dataplane.staged_output import staged_output
@@ -34,7 +39,9 @@ class PartialReport:
     path: str
     size: int
     tensors: list[str]
-    bytes_fetched: int = 0  # tensor bytes that came over the wire, failed attempts included
+    # tensor bytes that came over the wire, failed attempts included (of a chunked
+    # version: the raw bytes of every chunk read)
+    bytes_fetched: int = 0
     whole_shards: list[int] = field(default_factory=list)  # read whole: no tensor digests
     fallbacks: list[str] = field(default_factory=list)
     bad_copies: list[BadCopy] = field(default_factory=list)
@@ -118,11 +125,19 @@ def gather_tensors(
         os.pwrite(fd, selection.prefix, 0)
 
         def one_read(read: Read) -> str | None:
-            shard = manifest.shards[read.shard]
+            shard = manifest.entries[read.shard]
             whole = read.shard in selection.whole_shards
             start = 0 if whole else read.offset
 
             def fetch(client: NodeClient) -> None:
+                if manifest.chunked:  # decoded whole, its selected ranges written out
+                    sink = _Sink(fd, read.pieces, 0, False)
+                    try:
+                        decode_chunk_from(client, manifest.chunks[read.shard], sink)
+                    finally:
+                        with lock:
+                            report.bytes_fetched += sink.position
+                    return
                 sink = _Sink(fd, read.pieces, start, whole)
                 try:
                     client.read_blob(
@@ -145,7 +160,8 @@ def gather_tensors(
                     report.fallbacks.extend(f"shard {read.shard} {line}" for line in tried)
                 return None
             names = ", ".join(p.name for p in read.pieces[:3])
-            return f"shard {read.shard} (tensors {names}): " + (
+            kind = "chunk" if manifest.chunked else "shard"
+            return f"{kind} {read.shard} (tensors {names}): " + (
                 "; ".join(tried) or "no node holds a copy"
             )
 

@@ -37,7 +37,12 @@ from typing import Any, NoReturn
 
 from coordinator.plan.chunks import ChunkPlan
 from coordinator.plan.planner import ShardPlan, blob_prefix
-from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, CheckpointHeader, parse_header
+from coordinator.plan.safetensors_header import (
+    LENGTH_PREFIX_BYTES,
+    CheckpointHeader,
+    TensorInfo,
+    parse_header,
+)
 from smoltorrent.errors import CheckpointFormatError, ManifestError, UsageError
 
 SCHEMA_VERSION = 3  # the newest: chunks
@@ -115,7 +120,21 @@ class Manifest:
         header does)."""
         if not self.chunked:
             return sum(len(s.tensors) for s in self.shards)
-        return len(_source_header(self).tensors)
+        return len(self.header().tensors)
+
+    def header(self) -> CheckpointHeader:
+        """The source's header, parsed from the bytes this manifest keeps."""
+        return _source_header(self)
+
+    def entry_of(self, tensor: TensorInfo) -> int | None:
+        """The index of the shard, or first chunk, holding `tensor`'s bytes (None for a
+        tensor of no bytes in a chunked manifest: no chunk holds it)."""
+        for entry in self.entries:
+            if isinstance(entry, ShardEntry) and tensor.name in entry.tensors:
+                return entry.index
+            if isinstance(entry, ChunkEntry) and entry.data_start <= tensor.start < entry.data_end:
+                return entry.index
+        return None
 
     @property
     def data_start(self) -> int:

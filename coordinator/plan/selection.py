@@ -1,5 +1,5 @@
-"""A selection of tensors: which byte ranges of which shards a partial load reads, and
-the standalone .safetensors file they make.
+"""A selection of tensors: which byte ranges of which shards (or which whole chunks) a
+partial load reads, and the standalone .safetensors file they make.
 
 Pure, like the rest of plan/: it works from the manifest alone. The selected tensors
 keep the source's data order and are packed one after another in the output (the
@@ -43,7 +43,7 @@ class Piece:
 class Read:
     """What one shard contributes: pieces adjacent in the blob, in order."""
 
-    shard: int
+    shard: int  # or chunk, in a chunked manifest
     pieces: tuple[Piece, ...]
 
     @property
@@ -60,7 +60,8 @@ class Selection:
     prefix: bytes  # the output's 8-byte length and header
     size: int  # of the whole output file
     reads: tuple[Read, ...]  # ranged reads, or whole shards when a shard lacks digests
-    whole_shards: frozenset[int]  # shards fetched whole: their manifest has no tensor digests
+    # shards fetched whole: their manifest has no tensor digests; every chunk read
+    whole_shards: frozenset[int]
 
     @property
     def names(self) -> list[str]:
@@ -106,6 +107,14 @@ def select(manifest: Manifest, patterns: Sequence[str]) -> Selection:
     picked = [t for t in header.tensors if t.name in chosen]
     prefix = _header(picked, header.metadata)
     out = len(prefix)
+    if manifest.chunked:
+        reads = _chunk_reads(manifest, picked, len(prefix))
+        return Selection(
+            prefix=prefix,
+            size=len(prefix) + sum(t.size for t in picked),
+            reads=reads,
+            whole_shards=frozenset(read.shard for read in reads),
+        )
     reads: list[Read] = []
     whole: set[int] = set()
     for shard in manifest.shards:
@@ -135,6 +144,31 @@ def select(manifest: Manifest, patterns: Sequence[str]) -> Selection:
             if shard.tensor_sha256 is None:
                 whole.add(shard.index)
     return Selection(prefix=prefix, size=out, reads=tuple(reads), whole_shards=frozenset(whole))
+
+
+def _chunk_reads(manifest: Manifest, picked: Sequence[TensorInfo], out: int) -> tuple[Read, ...]:
+    """One read per chunk holding a byte of a picked tensor: an encoded chunk is read and
+    decoded whole (its digests cover only the whole), and only the picked ranges of its
+    raw bytes are written out. A piece's blob_offset counts from the chunk's first raw
+    byte; a tensor cut over several chunks is a piece in each."""
+    pieces: dict[int, list[Piece]] = {}
+    chunks = manifest.chunks
+    at = 0  # the first chunk that may hold the next tensor (both in data order)
+    for tensor in picked:
+        if not tensor.size:
+            continue  # no bytes: only its header entry
+        while at < len(chunks) and chunks[at].data_end <= tensor.start:
+            at += 1
+        index = at
+        while index < len(chunks) and chunks[index].data_start < tensor.end:
+            chunk = chunks[index]
+            lo, hi = max(tensor.start, chunk.data_start), min(tensor.end, chunk.data_end)
+            at_out = out + lo - tensor.start
+            piece = Piece(tensor.name, lo - chunk.data_start, hi - lo, at_out, None)
+            pieces.setdefault(chunk.index, []).append(piece)
+            index += 1
+        out += tensor.size
+    return tuple(Read(index, tuple(run)) for index, run in sorted(pieces.items()))
 
 
 def _header(tensors: Sequence[TensorInfo], metadata: dict[str, str] | None) -> bytes:

@@ -81,6 +81,7 @@ def rebuild_metadata(
             )
             continue
         restored += md.versions.restore_committed(manifest, vkey)
+        md.chunks.record(manifest.chunks)  # so a store finds them stored again
     steps = restore_steps(md, list(manifests.values()))
     directories = restore_directories(md, list(manifests.values()))
     return {

@@ -8,14 +8,28 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from coordinator.dataplane import codec
 from coordinator.state.versions import COMMITTED
 from tests.tasks.test_control_plane import node_bytes_received
+
+SENT_METRIC = "smoltorrent_node_bytes_sent_total"
+
+
+def node_bytes(cluster, metric: str) -> list[float]:
+    """Each node's `metric` counter, scraped from its /metrics."""
+    out = []
+    for node in cluster.node_procs:
+        port = (node.data_dir / "metrics_port").read_text().strip()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            text = page.read().decode()
+        out.append(float(next(x for x in text.splitlines() if x.startswith(metric)).split()[-1]))
+    return out
 
 
 def model(seed: int = 0, changed: int | None = None) -> dict[str, torch.Tensor]:
@@ -93,6 +107,19 @@ def test_a_fine_tune_moves_only_its_changed_chunks_and_versions_share_the_rest(
         c.cli_json("gather", "run", "-o", str(dest), "--version", version.version_id[:12])
         assert sha(dest) == sha(src)
 
+    # A partial load reads only the chunk holding its tensor, decoded whole.
+    tensor = "layers.1.up_proj.weight"
+    (info,) = [t for t in v2.header().tensors if t.name == tensor]
+    start, end = info.start, info.end
+    (holding,) = [x for x in v2.chunks if x.data_start <= start < x.data_end]
+    assert (holding.data_start, holding.data_end) == (start, end)
+    sent = sum(node_bytes(c, SENT_METRIC))
+    dest = tmp_path / "part.safetensors"
+    part = c.cli_json("gather", "run", "--tensors", tensor, "-o", str(dest))
+    assert sum(node_bytes(c, SENT_METRIC)) - sent == holding.blob_size
+    assert part["bytes_fetched"] == end - start
+    assert torch.equal(load_file(dest)[tensor], model(changed=1)[tensor])
+
     # Removing the first keeps the second whole: the chunks they share stay.
     c.cli("rm", "run", "--version", v1.version_id[:12])
     gone = {x.blob_sha256 for x in v1.chunks} - {x.blob_sha256 for x in v2.chunks}
@@ -118,3 +145,25 @@ def test_a_version_stored_in_whole_shards_still_gathers_beside_chunked_ones(make
         dest = tmp_path / f"out-{version['vkey'][:6]}.safetensors"
         c.cli_json("gather", "m", "-o", str(dest), "--version", version["version_id"][:12])
         assert sha(dest) == sha(src)
+
+
+def test_rebuild_from_the_nodes_restores_chunked_versions_and_what_they_store(
+    make_cluster, tmp_path
+):
+    """After Redis is lost, the nodes' manifests bring the chunked versions back: they
+    gather, and a store of bytes they hold finds its chunks stored and sends nothing."""
+    c = make_cluster(2, chunks=True, SMOLTORRENT_METRICS_PORT="0")
+    first = write(tmp_path / "a.safetensors", model())
+    second = write(tmp_path / "b.safetensors", model(changed=1))
+    for src in (first, second):
+        c.cli_json("store", str(src), "--name", "run")
+    c.md.r.flushall()
+    summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
+    assert summary["restored"] == 2
+    dest = tmp_path / "out.safetensors"
+    c.cli_json("gather", "run", "-o", str(dest))
+    assert sha(dest) == sha(second)
+    before = sum(node_bytes_received(c))
+    again = c.cli_json("store", str(first), "--name", "copy")
+    assert again["new"] is True and c.md.versions.manifest(again["vkey"]).chunked
+    assert sum(node_bytes_received(c)) == before

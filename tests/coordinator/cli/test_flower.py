@@ -133,7 +133,10 @@ def _wait_for_tasks(port: int, names: set[str]) -> dict[str, dict]:
 
 
 def test_flower_lists_a_store_with_readable_arguments(tmp_path: Path) -> None:
-    cluster = LocalCluster(tmp_path / "cluster", nodes=2, host_id="flowertest")
+    # Whole shards, one per node: two chains to list (in chunks this file is one chunk).
+    cluster = LocalCluster(
+        tmp_path / "cluster", nodes=2, host_id="flowertest", extra_env={"SMOLTORRENT_CHUNKS": "0"}
+    )
     cluster.start()
     flower = None
     try:

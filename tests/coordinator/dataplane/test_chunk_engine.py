@@ -163,3 +163,22 @@ def test_incompressible_chunks_are_stored_raw_and_gather_byte_identical(nodes, t
     out = tmp_path / "out.safetensors"
     gather(result, nodes, out)
     assert sha(out) == sha(src)
+
+
+def test_a_chunk_that_does_not_decode_is_read_from_another_replica(nodes, tmp_path):
+    """A copy whose header no longer decodes fails at its first bytes, before any digest
+    could: the gather reads the next replica and reports the bad copy."""
+    src = tmp_path / "model.safetensors"
+    save_file(bf16_model(layers=1), src)
+    result = store_chunked(src, [n.address for n in nodes], tmp_path / "spool", replicas=2)
+    chunk = result.manifest.chunks[0]
+    by_id = {NodeClient(n.address).ping(): n for n in nodes}
+    victim = by_id[result.holders[chunk.index][0]]
+    path = next((victim.data_dir / "blobs").rglob(chunk.blob_sha256))
+    path.write_bytes(b"XXXX" + path.read_bytes()[4:])  # no longer the chunk magic
+
+    out = tmp_path / "out.safetensors"
+    report = gather(result, nodes, out, first=victim)
+    assert sha(out) == sha(src)
+    (bad,) = report.bad_copies
+    assert bad.shard == chunk.index and "magic" in bad.reason
