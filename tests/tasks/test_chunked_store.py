@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from coordinator.dataplane import codec
 from coordinator.state.versions import COMMITTED
+from tests.beat.test_scrub import flip_byte, whole
+from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import node_bytes_received
 
 SENT_METRIC = "smoltorrent_node_bytes_sent_total"
@@ -167,3 +169,30 @@ def test_rebuild_from_the_nodes_restores_chunked_versions_and_what_they_store(
     again = c.cli_json("store", str(first), "--name", "copy")
     assert again["new"] is True and c.md.versions.manifest(again["vkey"]).chunked
     assert sum(node_bytes_received(c)) == before
+
+
+def test_a_corrupt_encoded_chunk_is_caught_at_gather_and_by_the_nodes_scrub(make_cluster, tmp_path):
+    """A node keeps and re-hashes the encoded bytes (it never decodes): a flipped byte in
+    one copy is read from the other replica at gather, and `verify` (the nodes' scrub,
+    then repair) finds it and brings the chunk back to two good copies."""
+    c = make_cluster(3, chunks=True, SMOLTORRENT_ENCODE="zstd")
+    src = write(tmp_path / "m.safetensors", model())
+    out = c.cli_json("store", str(src), "--name", "m")
+    chunk = max(c.md.versions.manifest(out["vkey"]).chunks, key=lambda x: x.blob_size)
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    for node_id in c.md.blobs.placement(chunk.blob_sha256):
+        if node_id != min(c.md.blobs.placement(chunk.blob_sha256)):
+            continue
+        flip_byte(by_id[node_id], chunk.blob_sha256, chunk.blob_size // 2)
+    dest = tmp_path / "out.safetensors"
+    caught = set()
+    for _ in range(2):  # whichever replica it reads first, the file is whole
+        gathered = c.cli_json("gather", "m", "-o", str(dest))
+        assert sha(dest) == sha(src)
+        caught |= {("gather", b["shard"]) for b in gathered["bad_copies"]}
+    report = c.cli_json("verify", "m")
+    caught |= {("scrub", b["digest"]) for b in report["bad"] if b["problem"] == "bad"}
+    # Found by a gather that read it (then re-hashed and repaired at once), else by verify.
+    assert caught and caught <= {("gather", chunk.index), ("scrub", chunk.blob_sha256)}
+    wait_until(lambda: sum(whole(n, chunk.blob_sha256) for n in c.node_procs) == 2)
+    assert len(c.md.blobs.placement(chunk.blob_sha256)) == 2
