@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from coordinator.dataplane import codec
 from coordinator.state.versions import COMMITTED
+from tests.beat.test_retention import removed, sweep
 from tests.beat.test_scrub import flip_byte, whole
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import node_bytes_received
@@ -196,3 +197,22 @@ def test_a_corrupt_encoded_chunk_is_caught_at_gather_and_by_the_nodes_scrub(make
     assert caught and caught <= {("gather", chunk.index), ("scrub", chunk.blob_sha256)}
     wait_until(lambda: sum(whole(n, chunk.blob_sha256) for n in c.node_procs) == 2)
     assert len(c.md.blobs.placement(chunk.blob_sha256)) == 2
+
+
+def test_a_chunk_two_versions_share_survives_the_retention_of_one(make_cluster, tmp_path):
+    c = make_cluster(3, chunks=True, SMOLTORRENT_KEEP_LAST="1", SMOLTORRENT_ENCODE="zstd")
+    first = write(tmp_path / "a.safetensors", model())
+    second = write(tmp_path / "b.safetensors", model(changed=1))
+    old = c.cli_json("store", str(first), "--name", "r")["vkey"]
+    new = c.cli_json("store", str(second), "--name", "r")["vkey"]
+    chunks = {v: {x.blob_sha256 for x in c.md.versions.manifest(v).chunks} for v in (old, new)}
+    shared, own = chunks[old] & chunks[new], chunks[old] - chunks[new]
+    assert shared and own
+    assert sweep(c) == {"retired": 1}
+    wait_until(lambda: removed(c, old), what="the remove of the older version")
+    held = set(blob_files(c))
+    assert shared <= held and not own & held
+    assert all(len(c.md.blobs.placement(d)) == 2 for d in shared)
+    dest = tmp_path / "out.safetensors"
+    c.cli_json("gather", "r", "-o", str(dest))
+    assert sha(dest) == sha(second)
