@@ -316,7 +316,21 @@ def gather_chunks(
 
     def one(chunk: ChunkEntry) -> str | None:
         def read(client: NodeClient) -> None:
-            _read_chunk(client, chunk, fd, manifest.data_start + chunk.data_start, progress)
+            at = manifest.data_start + chunk.data_start
+            if chunk.blob_size == codec.HEADER_BYTES + chunk.data_end - chunk.data_start:
+                # A RAW chunk: its header, then the raw bytes. Received as a shard is (hashed
+                # and written in one loop, the header skipped); the blob's digest covers the
+                # header and every raw byte, so it vouches for the raw digest too.
+                client.get_blob_to_file(
+                    chunk.blob_sha256,
+                    fd,
+                    at,
+                    size=chunk.blob_size,
+                    skip=codec.HEADER_BYTES,
+                    progress=progress,
+                )
+                return
+            _read_chunk(client, chunk, fd, at, progress)
 
         by, tried = first_intact(
             chunk.index, chunk.blob_sha256, sources[chunk.index], read, on_bad_copy
