@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -101,6 +102,10 @@ class BlobStore:
         ):
             directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock_data_dir()
+        # Puts in flight, each holding the space it has yet to write: the disk has room
+        # for a new put only beyond what they still need (statvfs sees only what is written).
+        self._incoming: set[IncomingBlob] = set()
+        self._incoming_lock = threading.Lock()
         self._remove_stale_tmp_files()
         self.node_id = self._load_or_create_node_id()
 
@@ -208,19 +213,39 @@ class BlobStore:
         return fd, os.fstat(fd).st_size
 
     def free_bytes(self) -> int:
+        """Free space on the data directory's disk, less what the puts in flight still
+        have to write (reserved for them)."""
+        with self._incoming_lock:
+            return self._free_unreserved()
+
+    def _free_unreserved(self) -> int:
         usage = os.statvfs(self.root)
-        return usage.f_bavail * usage.f_frsize
+        reserved = sum(incoming.still_to_write for incoming in self._incoming)
+        return usage.f_bavail * usage.f_frsize - reserved
 
     def begin_put(self, digest: str, size: int) -> IncomingBlob:
-        """A temp file to stream a blob into; DiskFullError if it cannot fit."""
-        free = self.free_bytes()
-        if free < size:
-            raise DiskFullError(
-                f"blob {digest[:12]} needs {size} bytes but only {free} are free on this node:"
-                " free space here or place the shard on another node"
+        """A temp file to stream a blob into, its `size` bytes reserved until it is
+        published or aborted (a session that times out aborts it); DiskFullError if it
+        cannot fit beside the puts already in flight."""
+        digest = protocol.validate_digest(digest)
+        with self._incoming_lock:
+            free = self._free_unreserved()
+            if free < size:
+                raise DiskFullError(
+                    f"blob {digest[:12]} needs {size} bytes but only {max(free, 0)} are free"
+                    " on this node (beside the transfers in flight): free space here or place"
+                    " the shard on another node"
+                )
+            fd, tmp_name = tempfile.mkstemp(
+                dir=self.tmp_dir, prefix=digest[:16] + ".", suffix=".part"
             )
-        fd, tmp_name = tempfile.mkstemp(dir=self.tmp_dir, prefix=digest[:16] + ".", suffix=".part")
-        return IncomingBlob(self, protocol.validate_digest(digest), size, fd, Path(tmp_name))
+            incoming = IncomingBlob(self, digest, size, fd, Path(tmp_name))
+            self._incoming.add(incoming)
+        return incoming
+
+    def _release(self, incoming: IncomingBlob) -> None:
+        with self._incoming_lock:
+            self._incoming.discard(incoming)
 
     def _publish(self, tmp_path: Path, digest: str) -> None:
         target = self.blob_path(digest)
@@ -319,7 +344,8 @@ class BlobStore:
         sizes = self.inventory()
         return {
             "node_id": self.node_id,
-            "free_bytes": usage.f_bavail * usage.f_frsize,
+            # What placement may count on: the space puts in flight will take is not free.
+            "free_bytes": max(self.free_bytes(), 0),
             "total_bytes": usage.f_blocks * usage.f_frsize,
             "used_bytes": sum(sizes.values()),
             "blob_count": len(sizes),
@@ -451,12 +477,19 @@ class IncomingBlob:
             self.abort()
             raise
 
+    @property
+    def still_to_write(self) -> int:
+        """Bytes of the announced size not yet on disk: what this put keeps reserved."""
+        return max(self.size - self._written, 0)
+
     def abort(self) -> None:
-        """Close and remove the temp file; safe to call more than once."""
+        """Close and remove the temp file (a published blob was renamed away already) and
+        release its reservation; safe to call more than once."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         _unlink_quietly(self._tmp_path)
+        self._store._release(self)
 
     def __enter__(self) -> IncomingBlob:
         return self

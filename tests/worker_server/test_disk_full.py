@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,3 +83,44 @@ def test_manifest_on_a_full_disk(small_fs: Path) -> None:
     finally:
         store.close()
     assert os.listdir(small_fs / "data" / "manifests") == []
+
+
+def _begin_put(node: NodeProcess, blob: SourceBlob):
+    """A put announced on its own connection, no byte of its body sent yet: (socket, the
+    node's answer)."""
+    assert node.address is not None
+    sock = wire.connect(node.address.host, node.address.port, READ_TIMEOUT_S)
+    wire.client_handshake(sock, CLUSTER_KEY, str(node.address))
+    wire.send_frame_header(
+        sock, {"op": "put", "digest": blob.digest, "size": len(blob.content)}, len(blob.content)
+    )
+    return sock, wire.recv_frame_header(sock)[0]
+
+
+def test_concurrent_puts_never_overcommit_the_disk(small_node: NodeProcess, make_blob) -> None:
+    """Two puts of 2.5 MiB on a 4 MiB disk at once: the first reserves its size when it
+    begins, so the second is refused before a byte is sent, not half-way through (both
+    were accepted: begin_put checked free space and reserved none). The reservation goes
+    when a put is published or its connection dies."""
+    first, second, third = (make_blob(5 * 512 * 1024) for _ in range(3))
+    sock, answer = _begin_put(small_node, first)
+    with sock:
+        assert answer["status"] == "continue"
+        refused, refused_answer = _begin_put(small_node, second)
+        refused.close()
+        assert refused_answer.get("error") == "disk_full", refused_answer
+        assert "in flight" in refused_answer["message"]
+        sock.sendall(first.content)
+        assert wire.recv_frame_header(sock)[0]["status"] == "stored"
+    assert small_node.client().has([first.digest]) == {first.digest}
+    assert small_node.client().delete(first.digest)
+    # A put whose sender vanished mid-body releases what it reserved.
+    sock, answer = _begin_put(small_node, second)
+    assert answer["status"] == "continue"
+    sock.sendall(second.content[:1024])
+    sock.close()
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    while small_node.client().stat().free_bytes < len(third.content):
+        assert time.monotonic() < deadline, "the vanished put kept its reservation"
+        time.sleep(0.02)
+    assert third.put(small_node.client()) is True
