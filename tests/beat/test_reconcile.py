@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 from coordinator import config
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
@@ -161,3 +165,55 @@ def test_a_request_merely_queued_behind_a_busy_worker_is_not_sent_again(
         control.add_consumer(queue, destination=worker, reply=True)
     for i in range(2):
         wait_until(lambda i=i: committed(c, f"{i}.safetensors"), timeout=60, what="the stores")
+
+
+def test_a_worker_killed_while_the_commit_runs_loses_no_acknowledged_store(make_cluster, tmp_path):
+    """The commit task held mid-run (every node SIGSTOPped, so it waits on their answer),
+    then the worker SIGKILLed: a `store` the CLI is waiting on still commits once a worker
+    starts again (its start re-drives the commit), and the CLI exits 0 with the bytes
+    stored whole."""
+    c = make_cluster(3, concurrency=2)
+    src = make_ckpt(tmp_path / "k.safetensors")
+    vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
+    # An acknowledged store of those bytes: its task joins the pending version and ends;
+    # the CLI waits for the commit.
+    store = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "store", str(src)],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: not c.md.requests.open_requests(), what="the store request to be served")
+    for node in c.node_procs:
+        node.send_signal(signal.SIGSTOP)
+    try:
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tasks.enqueue import send_commit; send_commit(sys.argv[1])",
+                vkey,
+            ],
+            env=c.env(),
+            check=True,
+            timeout=60,
+        )
+        # The phase held: the commit task runs (Celery marks it started), the version is
+        # still pending.
+        meta = f"celery-task-meta-commit-{vkey}"
+        wait_until(lambda: '"STARTED"' in (c.md.r.get(meta) or ""), what="the commit task to run")
+        assert c.md.versions.version(vkey)["state"] == "pending"
+        os.killpg(c.worker.pid, signal.SIGKILL)
+        c.worker.wait()
+    finally:
+        for node in c.node_procs:
+            node.send_signal(signal.SIGCONT)
+    assert c.md.versions.version(vkey)["state"] == "pending"
+    c.start_worker()
+    _, err = store.communicate(timeout=120)
+    assert store.returncode == 0, err
+    assert c.md.versions.version(vkey)["state"] == COMMITTED
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "k.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
