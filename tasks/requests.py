@@ -129,12 +129,20 @@ def submit_store(
     args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
     args |= bwlimit_arg(bwlimit)
     metadata().requests.open_request(request_id, "store", host, args)
-    _ride_out(
-        lambda: send_store(
-            path, name, replicas, shards, host, request_id=request_id, bwlimit=bwlimit
-        ),
-        f"queuing the store of {name} (request {request_id})",
-    )
+    try:
+        _ride_out(
+            lambda: send_store(
+                path, name, replicas, shards, host, request_id=request_id, bwlimit=bwlimit
+            ),
+            f"queuing the store of {name} (request {request_id})",
+        )
+    except KeyboardInterrupt:
+        # Recorded already: if its message did not go out, the reconcile sweep sends it.
+        raise OutcomeUnknownError(
+            f"interrupted while queuing; the store of {name} is recorded and goes on (the"
+            f" reconcile sweep sends it if this did not): follow it with"
+            f" `smoltorrent wait {request_id}`"
+        ) from None
     return StoreRequest(task_id=request_id, name=name, path=path)
 
 

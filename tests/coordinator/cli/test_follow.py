@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import config
 from coordinator.local.cluster import LocalCluster
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.metadata import Metadata
@@ -70,8 +69,7 @@ def test_ctrl_c_while_a_store_waits_says_it_goes_on_and_wait_follows_it(
             text=True,
         )
         deadline = time.monotonic() + TIMEOUT_S
-        queue = config.host_queue(cluster.host_id)
-        while not md.r.llen(queue):  # recorded and queued: the CLI now waits for it
+        while not md.requests.open_requests():  # recorded: from here on it goes on
             assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
             time.sleep(0.05)
         cli.send_signal(signal.SIGINT)
