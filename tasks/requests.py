@@ -139,7 +139,7 @@ def submit_store(
     except KeyboardInterrupt:
         # Recorded already: if its message did not go out, the reconcile sweep sends it.
         raise OutcomeUnknownError(
-            f"interrupted while queuing; the store of {name} is recorded and goes on (the"
+            f"stopped while queuing; the store of {name} is recorded and goes on (the"
             f" reconcile sweep sends it if this did not): follow it with"
             f" `smoltorrent wait {request_id}`"
         ) from None

@@ -177,7 +177,9 @@ def test_cluster_gauges_come_from_the_listing_not_from_every_manifest(tmp_path, 
         assert gauges["smoltorrent_nodes_up"] == 2
         assert gauges["smoltorrent_under_replicated_shards"] == under > 0
         assert gauges["smoltorrent_pending_versions"] == pending > 0
-        assert "cmdstat_get" not in stats, "a manifest was read"
+        # One GET is the listing's hint (LISTING_HINT), whatever the number of versions;
+        # reading manifests would be one per version.
+        assert stats.get("cmdstat_get", {}).get("calls", 0) <= 1, "a manifest was read"
     finally:
         tasks.context.metadata.cache_clear()
         for node in nodes:

@@ -58,8 +58,10 @@ def test_ctrl_c_while_a_store_waits_says_it_goes_on_and_wait_follows_it(
     were lost, while it committed in the background."""
     src = checkpoint(cluster, "held.safetensors")
     md = Metadata(cluster.redis_url)
-    worker = cluster.worker.pid  # the leader of its own process group, with its pool
-    os.killpg(worker, signal.SIGSTOP)  # the store stays queued while the CLI waits
+    # Every node stopped: the worker takes the store and waits on them while the CLI waits
+    # on the store. Ctrl-C once the worker runs it, so its message has surely been sent.
+    for node in cluster.node_procs:
+        os.kill(node.pid, signal.SIGSTOP)
     try:
         cli = subprocess.Popen(
             [sys.executable, "-m", "coordinator.cli", "store", str(src), "--replicas", "1"],
@@ -69,13 +71,18 @@ def test_ctrl_c_while_a_store_waits_says_it_goes_on_and_wait_follows_it(
             text=True,
         )
         deadline = time.monotonic() + TIMEOUT_S
-        while not md.requests.open_requests():  # recorded: from here on it goes on
+
+        def running() -> bool:
+            return any(r.get("state") == "running" for _, r in md.requests.open_requests())
+
+        while not running():
             assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
             time.sleep(0.05)
         cli.send_signal(signal.SIGINT)
         out, err = cli.communicate(timeout=TIMEOUT_S)
     finally:
-        os.killpg(worker, signal.SIGCONT)
+        for node in cluster.node_procs:
+            os.kill(node.pid, signal.SIGCONT)
     assert cli.returncode == 3, out + err
     assert "Traceback" not in err and "error: interrupted" not in err, err
     assert "goes on" in err and "held.safetensors" in err, err

@@ -117,7 +117,7 @@ def test_ls_lists_10000_versions_correctly_in_a_few_round_trips(cluster):
     assert [r["vkey"] for r in rows] == list(expected)
     assert 0 < sent <= MAX_ROUND_TRIPS, f"{sent} requests to Redis for one listing"
     # No manifest and no version hash read per version, no walk of the keyspace.
-    assert stats.get("get", 0) == 0
+    assert stats.get("get", 0) <= 1  # the listing's hint (LISTING_HINT); a manifest is per version
     assert stats.get("hgetall", 0) <= 5
     assert not {"keys", "scan", "hscan", "sscan"} & set(stats)
 
@@ -134,7 +134,7 @@ def test_ls_of_one_name_reads_only_that_name(cluster):
     stats = _commandstats(md)
     # Copies counted for this name's blobs only: 100 versions x 2 shards.
     assert stats.get("smembers", 0) <= VERSIONS_PER_NAME * SHARDS
-    assert stats.get("get", 0) == 0
+    assert stats.get("get", 0) <= 1  # the listing's hint (LISTING_HINT); a manifest is per version
 
 
 def test_status_over_10000_versions_names_every_under_replicated_shard(cluster):
@@ -157,7 +157,7 @@ def test_status_over_10000_versions_names_every_under_replicated_shard(cluster):
         v for v, e in expected.items() if e["state"] == "pending"
     }
     stats = _commandstats(md)
-    assert stats.get("get", 0) == 0
+    assert stats.get("get", 0) <= 1  # the listing's hint (LISTING_HINT); a manifest is per version
     assert not {"keys", "scan"} & set(stats)
     # Redis work does not grow with the versions: a bounded number of requests besides
     # the probe's per-node updates.
