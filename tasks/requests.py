@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,8 +32,35 @@ from tasks.context import REDIS_TRANSIENT, bwlimit_arg, metadata, new_request_id
 from tasks.gathering import run_gather
 
 T = TypeVar("T")
+# A Ctrl-C noted by ctrl_c_stops_waiting. The interpreter raises KeyboardInterrupt wherever
+# the main thread is, and one that lands inside an import lock's callback is printed as
+# "Exception ignored" and lost: the CLI then waited on, deaf to the one Ctrl-C it got.
+_CTRL_C = threading.Event()
 # Celery (tasks.app, tasks.enqueue) is imported only where a task is sent or followed: a
 # gather a reader runs itself never needs it, and it is a tenth of a second of its start.
+
+
+@contextmanager
+def ctrl_c_stops_waiting() -> Iterator[None]:
+    """Within it (main thread only), Ctrl-C raises KeyboardInterrupt as ever and is also
+    noted, so the next pause between two polls raises it again if it was swallowed."""
+
+    def noted(_signum, _frame) -> None:
+        _CTRL_C.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, noted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _CTRL_C.clear()
+
+
+def _pause() -> None:
+    """The wait between two polls of a request; KeyboardInterrupt on a noted Ctrl-C."""
+    if _CTRL_C.wait(defaults.CLI_POLL_INTERVAL_S):
+        raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)
@@ -181,7 +211,7 @@ def wait_store(
         record = _ride_out(lambda: md.requests.request(request.task_id), what)
         if record["state"] in (DONE, FAILED):
             break
-        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+        _pause()
     if record["state"] == FAILED:
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
     vkey = record["vkey"]
@@ -240,7 +270,7 @@ def _wait_commit(
                 f"({md.dead_letters.dead_letter(f'commit-{vkey}')['error']}). Fix the cause, then "
                 f"`smoltorrent dlq replay commit-{vkey}` commits it."
             )
-        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+        _pause()
 
 
 def submit_gather(
@@ -351,7 +381,7 @@ def wait_gather(
         return False
 
     while not _ride_out(look, what):
-        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+        _pause()
     if res.failed():
         raise SmoltorrentError(str(res.result))
     return res.result
@@ -377,7 +407,7 @@ def follow(rid: str) -> tuple[StoreRequest | GatherRequest, dict]:
     what = f"waiting for the gather of {gather.name} (request {rid})"
     while record["state"] not in (DONE, FAILED):
         _check_gathering_process(rid, record)
-        time.sleep(defaults.CLI_POLL_INTERVAL_S)
+        _pause()
         record = _ride_out(lambda: md.requests.request(rid), what)
     if record["state"] == FAILED:
         raise SmoltorrentError(f"gather of {gather.name} failed: {record.get('error')}")

@@ -77,7 +77,7 @@ def cmd_store(args: argparse.Namespace) -> int:
         _check_replicas(args.replicas)
     else:
         args.replicas = defaults.DEFAULT_REPLICAS
-    from tasks.requests import submit_store, wait_store
+    from tasks.requests import ctrl_c_stops_waiting, submit_store, wait_store
 
     if os.path.isdir(args.path):
         return _store_directory(args)
@@ -95,7 +95,7 @@ def cmd_store(args: argparse.Namespace) -> int:
         return 0
     started = time.monotonic()
     try:  # from here on the store is queued: Ctrl-C stops only this command's wait
-        with _progress(args.json) as bar:
+        with ctrl_c_stops_waiting(), _progress(args.json) as bar:
             task = bar.add_task(f"storing {name}", total=1)
 
             def show(p) -> None:
@@ -253,7 +253,7 @@ def _gather_directory(args: argparse.Namespace) -> int:
 
 def cmd_gather(args: argparse.Namespace) -> int:
     from tasks.directory_requests import is_directory
-    from tasks.requests import submit_gather, wait_gather
+    from tasks.requests import ctrl_c_stops_waiting, submit_gather, wait_gather
 
     if is_directory(args.name):
         return _gather_directory(args)
@@ -262,7 +262,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
         args.name, args.output, args.version, args.tensors, bwlimit=args.bwlimit
     )
     try:
-        with _progress(args.json) as bar:
+        with ctrl_c_stops_waiting(), _progress(args.json) as bar:
             task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
             report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
     except KeyboardInterrupt:
@@ -302,11 +302,12 @@ def cmd_wait(args: argparse.Namespace) -> int:
     """Follow a store or a gather recorded earlier to its end (a `store --no-wait`, or one
     whose command was interrupted): its summary line, and the exit status it would have
     had."""
-    from tasks.requests import StoreRequest, follow
+    from tasks.requests import StoreRequest, ctrl_c_stops_waiting, follow
 
     record = metadata().requests.request(args.request_id)  # NotFoundError says so
     try:
-        request, out = follow(args.request_id)
+        with ctrl_c_stops_waiting():
+            request, out = follow(args.request_id)
     except KeyboardInterrupt:
         warn(f"stopped waiting; request {args.request_id} goes on in the background")
         return 3
