@@ -27,8 +27,7 @@ from pathlib import Path
 
 from coordinator.dataplane.store_engine import hash_blob
 from coordinator.plan.manifest import Manifest, blob_spans, source_prefix, storage_key
-from smoltorrent import defaults
-from smoltorrent.snapshot import fsync_dir
+from smoltorrent import defaults, durable
 
 log = logging.getLogger("smoltorrent.local_tier")
 
@@ -53,8 +52,8 @@ def keep(
     os.replace(staged, final)
     now = time.time_ns()
     os.utime(final, ns=(now, now))  # its place in the order: the newest, whatever its age
-    fsync_dir(directory)
-    fsync_dir(staged.parent)
+    durable.sync_path(directory)
+    durable.sync_path(staged.parent)
     evict(directory, count, max_bytes)
     return True
 
@@ -80,7 +79,7 @@ def evict(directory: Path, count: int, max_bytes: int) -> list[Path]:
             path.unlink(missing_ok=True)
             removed.append(path)
     if removed:
-        fsync_dir(directory)
+        durable.sync_path(directory)
     return removed
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from smoltorrent import defaults
+from smoltorrent import defaults, durable
 from smoltorrent.errors import StateDictError
 from smoltorrent.keypaths import Flat
 from smoltorrent.tensors import write_file
@@ -299,9 +299,9 @@ def _journal(record: dict[str, Any], staging: Path) -> Job:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # the lock follows the file through the rename
         os.write(fd, json.dumps(record).encode())
-        os.fsync(fd)
+        durable.sync(fd)
         os.replace(tmp, final)
-        fsync_dir(journal)
+        durable.sync_path(journal)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
@@ -327,11 +327,3 @@ def has_orphans(staging: Path) -> bool:
         finally:
             os.close(fd)
     return False
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

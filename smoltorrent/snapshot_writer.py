@@ -39,9 +39,9 @@ from typing import Any
 
 from coordinator import config
 from coordinator.plan.safetensors_header import read_header
-from smoltorrent import defaults, local_tier
+from smoltorrent import defaults, durable, local_tier
 from smoltorrent.errors import MetadataError, SmoltorrentError
-from smoltorrent.snapshot import fsync_dir, journal_dir
+from smoltorrent.snapshot import journal_dir
 
 log = logging.getLogger("smoltorrent.snapshot_writer")
 
@@ -139,11 +139,11 @@ class Writer:
                 )
             tmp = staged.with_name(f".{staged.stem}.partial.safetensors")
             _serialize(snapshot, record["layout"], record["header"], str(tmp))
-            _fsync(str(tmp))
+            durable.sync_path(str(tmp))
             os.replace(tmp, staged)
         else:
-            _fsync(str(staged))  # written by the framework's writer in the trainer
-        fsync_dir(staged.parent)
+            durable.sync_path(str(staged))  # written by the framework's writer in the trainer
+        durable.sync_path(staged.parent)
         if snapshot is None:
             return
         with self.lock:
@@ -205,7 +205,7 @@ class Writer:
                         bwlimit=record.get("bwlimit"),
                     ).task_id
                     # A writer adopting the save follows this request instead of a new one.
-                    _write_atomically(sidecar, request)
+                    durable.replace_file(sidecar, request.encode())
                 out = wait_store(StoreRequest(request, name, staged))
                 v = connected_metadata().versions.version(out["vkey"])
                 break
@@ -319,27 +319,10 @@ def _serialize(snapshot: str, layout: list[list[Any]], header: dict | None, out:
             mm.close()
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _request_path(record: str) -> str:
     """Beside the record, not in it: rewriting the record would make a new file, and the
     locks that say who holds the save are on the old one."""
     return record.removesuffix(".json") + ".request"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:

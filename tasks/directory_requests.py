@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator import config
-from coordinator.dataplane.staged_output import fsync_dir
 from coordinator.plan.directory import (
     RECORD_FILE,
     DirectoryPlan,
@@ -32,7 +31,7 @@ from coordinator.plan.directory import (
 )
 from coordinator.plan.manifest import check_name
 from coordinator.state.directories import Directories, DirectoryVersion, Member
-from smoltorrent import defaults
+from smoltorrent import defaults, durable
 from smoltorrent.errors import SmoltorrentError
 from tasks.requests import (
     connected_metadata,
@@ -153,18 +152,11 @@ def gather_directory(name: str, out: str, version: str | None = None) -> Directo
         for request in requests:
             wait_gather(request)
         if found.index_name is not None:
-            _write_synced(os.path.join(tmp, found.index_name), found.index or b"")
-        fsync_dir(tmp)
+            durable.write_file(os.path.join(tmp, found.index_name), found.index or b"")
+        durable.sync_path(tmp)
         os.replace(tmp, out)  # onto an empty directory too: rename(2) allows it
-        fsync_dir(parent)
+        durable.sync_path(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return found
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())

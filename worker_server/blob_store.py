@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from smoltorrent import defaults
+from smoltorrent import defaults, durable
 from smoltorrent.errors import (
     DigestMismatchError,
     DiskFullError,
@@ -45,28 +45,12 @@ NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 def write_file_atomically(path: Path, data: bytes, tmp_dir: Path) -> None:
     """Write data to path so readers see the old file or the new one, never a mix."""
-    fd, tmp_name = tempfile.mkstemp(dir=tmp_dir, prefix=path.name + ".", suffix=".part")
     try:
-        with os.fdopen(fd, "wb") as tmp_file:
-            tmp_file.write(data)
-            tmp_file.flush()
-            os.fsync(tmp_file.fileno())
-        os.replace(tmp_name, path)
-        fsync_directory(path.parent)
+        durable.replace_file(path, data, tmp_dir)
     except OSError as exc:
-        _unlink_quietly(Path(tmp_name))
         if exc.errno in NO_SPACE_ERRNOS:
             raise DiskFullError(f"no space left to write {path}: free some disk space") from exc
         raise
-
-
-def fsync_directory(path: Path) -> None:
-    """Make a rename or unlink in this directory survive a power cut."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -80,7 +64,7 @@ def unlink_durably(path: Path) -> bool:
         os.unlink(path)
     except FileNotFoundError:
         return False
-    fsync_directory(path.parent)
+    durable.sync_path(path.parent)
     return True
 
 
@@ -251,11 +235,11 @@ class BlobStore:
         target = self.blob_path(digest)
         try:
             target.parent.mkdir()
-            fsync_directory(self.blobs_dir)
+            durable.sync_path(self.blobs_dir)
         except FileExistsError:
             pass
         os.replace(tmp_path, target)
-        fsync_directory(target.parent)
+        durable.sync_path(target.parent)
         if self.discard_quarantined(digest):
             log.info("blob %s is whole here again: its quarantined copy is deleted", digest)
 
@@ -322,8 +306,8 @@ class BlobStore:
             os.replace(path, self.quarantine_dir / digest)
         except FileNotFoundError:
             return False
-        fsync_directory(self.quarantine_dir)
-        fsync_directory(path.parent)
+        durable.sync_path(self.quarantine_dir)
+        durable.sync_path(path.parent)
         return True
 
     def quarantined(self) -> list[str]:
@@ -386,9 +370,9 @@ class BlobStore:
                 if offset + len(data) < total:
                     return
                 f.flush()
-                os.fsync(f.fileno())
+                durable.sync(f.fileno())
             os.replace(partial, self._manifest_path(key))
-            fsync_directory(self.manifests_dir)
+            durable.sync_path(self.manifests_dir)
         except FileNotFoundError:
             raise ProtocolError(
                 f"manifest {key!r} part at {offset} before its first part: start from offset 0"
@@ -461,7 +445,7 @@ class IncomingBlob:
                     f"received {self._written} bytes hashing to {digest}, not the {self.size}"
                     f" bytes of blob {self.digest} that were announced; send it again"
                 )
-            os.fsync(self._fd)
+            durable.sync(self._fd)
             os.close(self._fd)
             self._fd = -1
             self._store._publish(self._tmp_path, self.digest)

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from smoltorrent import durable
 from smoltorrent.errors import GatherError
 
 # macOS's fcntl(F_PREALLOCATE) and its struct fstore (sys/fcntl.h): Python's fcntl module
@@ -53,15 +54,6 @@ def reserve(fd: int, size: int) -> None:
     os.ftruncate(fd, size)  # F_PREALLOCATE reserves blocks but leaves the length at 0
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename or create in directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def staged_output(out_path: str, size: int, what: str) -> Iterator[int]:
     """The fd of a temp file beside out_path with `size` bytes reserved; renamed onto
@@ -83,11 +75,11 @@ def staged_output(out_path: str, size: int, what: str) -> Iterator[int]:
                     " some space or write it elsewhere. Nothing was written."
                 ) from None
         yield fd
-        os.fsync(fd)
+        durable.sync(fd)
         os.close(fd)
         fd = -1
         os.replace(tmp, out_path)
-        fsync_dir(directory)
+        durable.sync_path(directory)
     except BaseException:
         if fd >= 0:
             os.close(fd)

@@ -136,3 +136,35 @@ def _no_proc_os_open(path, *args, **kwargs):
 
 builtins.open = io.open = _no_proc_open
 os.open = _no_proc_os_open
+
+# A Mac's Python has fcntl.F_FULLFSYNC, and needs it: fsync(2) there leaves the data in
+# the drive's cache. Here it is given, done by fsync(2), and every fsync is written to
+# SMOLTORRENT_TEST_FSYNC_LOG (when set) as "full" or "plain", so a test finds a durable
+# write that skipped it.
+F_FULLFSYNC = 51  # <sys/fcntl.h> on macOS
+_fcntl, _fsync = fcntl.fcntl, os.fsync
+_FSYNC_LOG = os.environ.get("SMOLTORRENT_TEST_FSYNC_LOG")
+
+
+def _note(kind: str) -> None:
+    if _FSYNC_LOG:
+        with _open(_FSYNC_LOG, "a") as log:
+            log.write(f"{os.getpid()} {kind}\n")
+
+
+def _mac_fcntl(fd, cmd, arg=0):
+    if cmd == F_FULLFSYNC:
+        _note("full")
+        _fsync(fd)
+        return 0
+    return _fcntl(fd, cmd, arg)
+
+
+def _plain_fsync(fd) -> None:
+    _note("plain")
+    _fsync(fd)
+
+
+fcntl.F_FULLFSYNC = F_FULLFSYNC
+fcntl.fcntl = _mac_fcntl
+os.fsync = _plain_fsync

@@ -35,7 +35,8 @@ def sha(path: Path) -> str:
 
 
 def test_store_gather_and_load_without_the_linux_only_calls(make_cluster, tmp_path: Path):
-    cluster = make_cluster(PYTHONPATH=mac_pythonpath())
+    fsyncs = tmp_path / "fsync.log"
+    cluster = make_cluster(PYTHONPATH=mac_pythonpath(), SMOLTORRENT_TEST_FSYNC_LOG=str(fsyncs))
     env = cluster.env()
     probe = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
@@ -77,3 +78,13 @@ def test_store_gather_and_load_without_the_linux_only_calls(make_cluster, tmp_pa
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     assert loaded.stdout.startswith("loaded ")
     assert "AttributeError" not in cluster.worker_log()
+
+    # Every durable write asked for F_FULLFSYNC, which a Mac's fsync(2) does not do: the
+    # nodes' blobs and manifests, the gathered file, the trainer's journal and snapshot.
+    kinds: dict[str, set[int]] = {}
+    for line in fsyncs.read_text().splitlines():
+        pid, kind = line.split()
+        kinds.setdefault(kind, set()).add(int(pid))
+    assert "plain" not in kinds, kinds
+    assert {n.pid for n in cluster.node_procs} <= kinds["full"], kinds
+    assert len(kinds["full"]) > len(cluster.node_procs), kinds  # the gatherers' and trainer's
