@@ -80,6 +80,11 @@ class DiskFullError(SmoltorrentError):
     """A node has no room left for a blob."""
 
 
+class DiskIOError(SmoltorrentError):
+    """A node's disk failed a write or a sync (EIO and the like): not the data's fault and
+    not space; the copy can go to another node, and the disk wants checking."""
+
+
 class PeerClosedError(ProtocolError):
     """A peer closed the connection in the middle of a frame or before answering."""
 

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 SMALL_FS_BYTES = 4 * 1024 * 1024  # small enough to fill in a blink
-# Set by .ci/run: on CI a disk-full test that cannot mount its tmpfs, or a link-cut test
-# that cannot make network namespaces, fails instead of skipping, so the suite never goes
-# green without having filled a real disk or unplugged a real link.
+# Set by .ci/run: on CI a disk-full test that cannot mount its tmpfs, a link-cut test
+# that cannot make network namespaces, or a disk-error test without libfiu fails instead
+# of skipping, so the suite never goes green without having filled a real disk, unplugged
+# a real link or failed a real system call.
 REQUIRE_TMPFS_ENV = "SMOLTORRENT_REQUIRE_TMPFS"
 REQUIRE_NETNS_ENV = "SMOLTORRENT_REQUIRE_NETNS"
+REQUIRE_FIU_ENV = "SMOLTORRENT_REQUIRE_FIU"
 
 
 def skip_unless_required(reason: str, env: str) -> None:
@@ -33,6 +35,14 @@ def require_network_namespaces() -> None:
     why = unavailable()
     if why is not None:
         skip_unless_required(f"network namespaces: {why}", REQUIRE_NETNS_ENV)
+
+
+def require_libfiu() -> None:
+    """Skip (fail on CI) a test that fails a node's system calls with libfiu's fiu-run
+    where it is not installed (Debian's fiu-utils)."""
+    if shutil.which("fiu-run") is None or shutil.which("fiu-ctrl") is None:
+        reason = "libfiu's fiu-run is not installed (Debian: fiu-utils)"
+        skip_unless_required(reason, REQUIRE_FIU_ENV)
 
 
 # Workers the tests start skip Celery's mingle, a 1 s wait for other workers' answers at

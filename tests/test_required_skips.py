@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.local import netns
-from tests.conftest import REQUIRE_NETNS_ENV, require_network_namespaces
+from tests.conftest import REQUIRE_FIU_ENV, REQUIRE_NETNS_ENV, require_network_namespaces
 
 
 def test_link_cut_tests_fail_where_namespaces_are_required_and_cannot_be_made(monkeypatch):
@@ -19,8 +19,9 @@ def test_link_cut_tests_fail_where_namespaces_are_required_and_cannot_be_made(mo
         require_network_namespaces()
 
 
-def test_ci_requires_the_tmpfs_and_the_namespaces():
+def test_ci_requires_the_tmpfs_the_namespaces_and_libfiu():
     from pathlib import Path
 
     ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
     assert "SMOLTORRENT_REQUIRE_TMPFS=1" in ci and f"{REQUIRE_NETNS_ENV}=1" in ci
+    assert f"{REQUIRE_FIU_ENV}=1" in ci and "fiu-utils" in ci

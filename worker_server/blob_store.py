@@ -32,6 +32,7 @@ from smoltorrent import defaults, durable
 from smoltorrent.errors import (
     DigestMismatchError,
     DiskFullError,
+    DiskIOError,
     NotFoundError,
     ProtocolError,
     SmoltorrentError,
@@ -456,7 +457,12 @@ class IncomingBlob:
                     f"this node ran out of disk space while storing blob {self.digest[:12]}:"
                     " free space here or place the shard on another node"
                 ) from exc
-            raise
+            # Said as an answer, not a dropped connection: the sender places the copy
+            # elsewhere and the operator learns which disk to check.
+            raise DiskIOError(
+                f"this node's disk failed while storing blob {self.digest[:12]} ({exc}):"
+                " check the disk (dmesg, SMART); the copy can go to another node"
+            ) from exc
         except BaseException:
             self.abort()
             raise

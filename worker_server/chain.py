@@ -28,6 +28,7 @@ from smoltorrent.errors import (
     AuthenticationError,
     DigestMismatchError,
     DiskFullError,
+    DiskIOError,
     NodeError,
     NotFoundError,
     PeerClosedError,
@@ -50,6 +51,8 @@ def error_code(exc: BaseException) -> str:
         return "digest_mismatch"
     if isinstance(exc, DiskFullError):
         return "disk_full"
+    if isinstance(exc, DiskIOError):
+        return "disk_error"
     if isinstance(exc, AuthenticationError):
         return "unauthorized"
     if isinstance(exc, NotFoundError):

@@ -55,6 +55,7 @@ ERROR_CODES = frozenset(
         "not_found",
         "digest_mismatch",
         "disk_full",
+        "disk_error",
         "too_large",
         "busy",
         "unsupported_version",

@@ -22,6 +22,7 @@ from smoltorrent.errors import (
     AuthenticationError,
     DigestMismatchError,
     DiskFullError,
+    DiskIOError,
     FrameTooLargeError,
     NodeError,
     NotFoundError,
@@ -47,6 +48,7 @@ ERROR_CODE_BY_CLASS: tuple[tuple[type[SmoltorrentError], str], ...] = (
     (NotFoundError, "not_found"),
     (DigestMismatchError, "digest_mismatch"),
     (DiskFullError, "disk_full"),
+    (DiskIOError, "disk_error"),
 )
 
 
@@ -332,7 +334,7 @@ class Session:
         node_id = self.store.node_id
         try:
             incoming.commit()
-        except (DigestMismatchError, DiskFullError, OSError) as exc:
+        except (DigestMismatchError, DiskFullError, DiskIOError, OSError) as exc:
             if isinstance(exc, DigestMismatchError):
                 self.metrics.verify_failed("put")
             log.warning("chain copy of blob %s from %s failed: %s", digest, self.peer, exc)

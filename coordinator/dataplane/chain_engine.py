@@ -43,12 +43,13 @@ from smoltorrent.errors import (
 )
 
 # Errors that make a target worth replacing by another node: it does not answer, it
-# cannot hold the blob, or it corrupted what it was sent (BadTargetError: the source was
-# re-hashed and is unchanged). A corrupting node is replaced at its first mismatch, not
-# after its retries: a retry costs the same bytes as a send to a spare and is far less
-# likely to land, and the mismatch stays on record (attempts, the worker's log). A node
-# that refuses for other reasons is retried and dead-lettered, so that stays visible.
-REPLACEABLE_CODES = frozenset({"peer_unavailable", "disk_full"})
+# cannot hold the blob (no space, or its disk fails), or it corrupted what it was sent
+# (BadTargetError: the source was re-hashed and is unchanged). A corrupting node is
+# replaced at its first mismatch, not after its retries: a retry costs the same bytes as a
+# send to a spare and is far less likely to land, and the mismatch stays on record
+# (attempts, the worker's log). A node that refuses for other reasons is retried and
+# dead-lettered, so that stays visible.
+REPLACEABLE_CODES = frozenset({"peer_unavailable", "disk_full", "disk_error"})
 NODE_FAILURES = (NodeUnavailableError, NodeError, ProtocolError, DigestMismatchError)
 
 

@@ -45,8 +45,12 @@ class NodeProcess:
         *,
         socket_timeout: float | None = None,
         env: dict[str, str] | None = None,
+        launcher: tuple[str, ...] = (),
     ) -> None:
         self.data_dir = Path(data_dir)
+        # A program the node runs under, which execs it (same pid): libfiu's `fiu-run -x`
+        # in the fault tests, to fail its system calls on demand.
+        self.launcher = launcher
         self.cluster_key = cluster_key
         self.socket_timeout = socket_timeout
         self.env = dict(os.environ if env is None else env)
@@ -75,7 +79,8 @@ class NodeProcess:
         env = {k: v for k, v in self.env.items() if k != "SMOLTORRENT_CLUSTER_KEY"}
         if self.cluster_key:
             env["SMOLTORRENT_CLUSTER_KEY"] = self.cluster_key.decode("utf-8")
-        command = [sys.executable, "-m", "worker_server", "--data-dir", str(self.data_dir)]
+        command = [*self.launcher, sys.executable, "-m", "worker_server"]
+        command += ["--data-dir", str(self.data_dir)]
         command += ["--host", "127.0.0.1", "--port", str(port)]
         if self.socket_timeout is not None:
             command += ["--socket-timeout", str(self.socket_timeout)]
