@@ -22,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/chaos.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.local.chaos import FAULT_KINDS, ChaosRun  # noqa: E402
+from coordinator.local.chaos import FAULT_KINDS, ChaosRun, available_kinds  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, action="append", dest="seeds", help="a seed (repeatable)")
     p.add_argument("--seeds", type=int, nargs="+", dest="seed_list", help="several seeds")
     p.add_argument("--clients", type=int, default=3, help="concurrent CLI clients")
-    p.add_argument("--faults", nargs="+", choices=FAULT_KINDS, default=list(FAULT_KINDS))
+    p.add_argument(
+        "--faults",
+        nargs="+",
+        choices=FAULT_KINDS,
+        default=list(available_kinds()),
+        help="fault kinds to draw from (default: every one whose tool is installed here)",
+    )
     p.add_argument("--dir", type=Path, help="where runs keep their files (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="one JSON line of figures per seed")
     args = p.parse_args(argv)

@@ -17,10 +17,12 @@ with, and the final state is what Redis and `smoltorrent ls/status` say.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +42,24 @@ from coordinator.state import redis_keys as K
 # The faults the nemesis draws from: (what it does, which process kind).
 PROCESS_KINDS = ("node", "worker", "beat", "redis")
 ACTIONS = ("kill", "stop")  # SIGKILL then a restart, or SIGSTOP then SIGCONT
-FAULT_KINDS = tuple(f"{a}-{p}" for p in PROCESS_KINDS for a in ACTIONS)
+# eio-node: the node's every fsync fails with EIO (libfiu's fiu-run/fiu-ctrl in that node
+# process), then works again. skew-worker: the worker restarted with its clock
+# SKEW_S off (libfaketime), every other process on the real one, then restarted true.
+FAULT_KINDS = (*(f"{a}-{p}" for p in PROCESS_KINDS for a in ACTIONS), "eio-node", "skew-worker")
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+SKEW_S = 300  # seconds the skewed worker's clock is off, either way: minutes, as without NTP
+
+
+def available_kinds() -> tuple[str, ...]:
+    """FAULT_KINDS less those whose tool is not installed here (Debian: fiu-utils for
+    eio-node, faketime for skew-worker)."""
+    missing = set()
+    if shutil.which("fiu-run") is None or shutil.which("fiu-ctrl") is None:
+        missing.add("eio-node")
+    if not os.path.exists(FAKETIME_LIB):
+        missing.add("skew-worker")
+    return tuple(k for k in FAULT_KINDS if k not in missing)
+
 
 # Sweep intervals of a second or two, so a run of a minute heals within it; the dead
 # timeout is longer than the longest hold, so a held node comes back before it is dead
@@ -67,7 +86,7 @@ NAMES = ("run/latest.safetensors", "run/best.safetensors", "eval/model.safetenso
 class Fault:
     at_s: float  # seconds after the workload starts
     kind: str  # one of FAULT_KINDS
-    target: int  # node index (0 for the single worker, beat and Redis)
+    target: int  # node index (0 for the single worker, beat and Redis; skew: seconds)
     hold_s: float  # seconds the process stays killed or stopped
 
 
@@ -80,6 +99,8 @@ class Schedule:
         lines = [f"seed {self.seed}: {len(self.faults)} faults"]
         for f in self.faults:
             who = f"node{f.target}" if f.kind.endswith("node") else f.kind.split("-")[1]
+            if f.kind == "skew-worker":
+                who = f"worker {f.target:+d}s"
             lines.append(f"  t={f.at_s:6.2f}s {f.kind.split('-')[0]:4} {who:7} for {f.hold_s:.2f}s")
         return "\n".join(lines)
 
@@ -95,6 +116,8 @@ def draw_schedule(
         kind = rng.choice(kinds)
         hold = rng.uniform(0.5, 4.0)
         target = rng.randrange(nodes) if kind.endswith("node") else 0
+        if kind == "skew-worker":  # long enough to work skewed after its ~2 s start
+            hold, target = rng.uniform(6.0, 12.0), rng.choice((-SKEW_S, SKEW_S))
         faults.append(Fault(round(t, 2), kind, target, round(hold, 2)))
         t += hold + rng.uniform(1.0, 4.0)
     return Schedule(seed, tuple(faults))
@@ -293,7 +316,7 @@ class ChaosRun:
     seconds: float = 30.0
     nodes: int = 4
     clients: int = 3
-    kinds: tuple[str, ...] = FAULT_KINDS
+    kinds: tuple[str, ...] = field(default_factory=available_kinds)
     content_bytes: int = 400_000
     say: Callable[[str], None] = print
     cluster: LocalCluster | None = None
@@ -317,6 +340,7 @@ class ChaosRun:
             worker_concurrency=4,
             # Gathers write under the run's directory (the worker's list and the CLI's).
             extra_env={**FAST_ENV, GATHER_DIRS_ENV: str(self.root)},
+            node_launcher=("fiu-run", "-x") if "eio-node" in self.kinds else (),
         )
         try:
             self.cluster.start()
@@ -480,7 +504,12 @@ class ChaosRun:
         if pid is None:
             return
         c = self.cluster
-        if action == "stop":
+        if action == "eio":
+            _fiu_ctrl(pid, f"enable name={FSYNC_POINT},failinfo={errno.EIO}")
+        elif action == "skew":
+            c.kill_worker()
+            c.start_worker(env=_skewed(fault.target))
+        elif action == "stop":
             # A whole group for the worker and beat (a worker's pool children too).
             if what in ("worker", "beat"):
                 os.killpg(pid, signal.SIGSTOP)
@@ -498,6 +527,14 @@ class ChaosRun:
 
     def _undo(self, fault: Fault) -> None:
         action, what = fault.kind.split("-")
+        if action == "eio":
+            if (pid := self._pid(fault)) is not None:
+                _fiu_ctrl(pid, f"disable name={FSYNC_POINT}")
+            return
+        if action == "skew":
+            self.cluster.kill_worker()
+            self.cluster.start_worker()
+            return
         if action == "stop":
             pid = self._pid(fault)
             if pid is not None:
@@ -593,6 +630,26 @@ class ChaosRun:
         digest = sha256_file(out)
         out.unlink()
         return digest
+
+
+FSYNC_POINT = "posix/io/sync/fsync"  # libfiu's name for fsync(2)
+
+
+def _fiu_ctrl(pid: int, command: str) -> None:
+    """Send libfiu's control command to a node run under fiu-run; a node that died
+    meanwhile (another fault, or none) has no control pipe left, which is fine."""
+    subprocess.run(["fiu-ctrl", "-c", command, str(pid)], capture_output=True, timeout=10)
+
+
+def _skewed(seconds: int) -> dict[str, str]:
+    """The environment that sets a process's wall clock `seconds` off (libfaketime);
+    its monotonic clock stays true, as NTP slewing would leave it."""
+    return {
+        "LD_PRELOAD": FAKETIME_LIB,
+        "FAKETIME": f"{seconds:+d}",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_NO_CACHE": "1",
+    }
 
 
 def _json_or(text: str, default):

@@ -176,6 +176,7 @@ class LocalCluster:
     cluster_key: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_concurrency: int = defaults.WORKER_CONCURRENCY
+    node_launcher: tuple[str, ...] = ()  # what each node runs under (NodeProcess.launcher)
     node_procs: list[NodeProcess] = field(default_factory=list)
     worker: subprocess.Popen | None = None
     beat: subprocess.Popen | None = None
@@ -222,34 +223,39 @@ class LocalCluster:
             self.spawn_worker()
         key = self.cluster_key.encode() if self.cluster_key else None
         for i in range(self.nodes):
-            self.node_procs.append(NodeProcess(self.root / f"node{i}", key, env=self.env()).spawn())
+            node = NodeProcess(
+                self.root / f"node{i}", key, env=self.env(), launcher=self.node_launcher
+            )
+            self.node_procs.append(node.spawn())
         for node in self.node_procs:
             node.wait_started()
         if worker:
             self.wait_for_worker()
         return self
 
-    def _spawn_cli(self, *argv: str) -> subprocess.Popen:
-        """`smoltorrent ARGV...` against this cluster, logging to <root>/<command>.log, in
-        its own session so a SIGKILL of its group takes any children down with it."""
+    def _spawn_cli(self, *argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`smoltorrent ARGV...` against this cluster (with `env` over its environment),
+        logging to <root>/<command>.log, in its own session so a SIGKILL of its group
+        takes any children down with it."""
         command = [sys.executable, "-m", "coordinator.cli", *argv]
         with open(self.root / f"{argv[0]}.log", "ab") as log:
             return subprocess.Popen(
                 command,
-                env=self.env(),
+                env={**self.env(), **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 
-    def start_worker(self) -> subprocess.Popen:
-        self.spawn_worker()
+    def start_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+        self.spawn_worker(env)
         return self.wait_for_worker()
 
-    def spawn_worker(self) -> subprocess.Popen:
-        """`smoltorrent worker`, not waited for (wait_for_worker waits)."""
+    def spawn_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`smoltorrent worker` (with `env` over the cluster's environment: a skewed clock,
+        say), not waited for (wait_for_worker waits)."""
         self.worker = self._spawn_cli(
-            "worker", "--loglevel", "INFO", "--concurrency", str(self.worker_concurrency)
+            "worker", "--loglevel", "INFO", "--concurrency", str(self.worker_concurrency), env=env
         )
         return self.worker
 
