@@ -43,11 +43,18 @@ from coordinator.state import redis_keys as K
 PROCESS_KINDS = ("node", "worker", "beat", "redis")
 ACTIONS = ("kill", "stop")  # SIGKILL then a restart, or SIGSTOP then SIGCONT
 # eio-node: the node's every fsync fails with EIO (libfiu's fiu-run/fiu-ctrl in that node
-# process), then works again. skew-worker: the worker restarted with its clock
-# SKEW_S off (libfaketime), every other process on the real one, then restarted true.
-FAULT_KINDS = (*(f"{a}-{p}" for p in PROCESS_KINDS for a in ACTIONS), "eio-node", "skew-worker")
+# process), then works again. full-node: the node's file system (a tmpfs of its own) is
+# filled to the last byte, then emptied again. skew-worker: the worker restarted with its
+# clock SKEW_S off (libfaketime), every other process on the real one, then restarted true.
+FAULT_KINDS = (
+    *(f"{a}-{p}" for p in PROCESS_KINDS for a in ACTIONS),
+    "eio-node",
+    "full-node",
+    "skew-worker",
+)
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 SKEW_S = 300  # seconds the skewed worker's clock is off, either way: minutes, as without NTP
+NODE_FS_BYTES = 256 * 1024 * 1024  # each node's tmpfs for full-node: a run stores some MB
 
 
 def available_kinds() -> tuple[str, ...]:
@@ -58,6 +65,8 @@ def available_kinds() -> tuple[str, ...]:
         missing.add("eio-node")
     if not os.path.exists(FAKETIME_LIB):
         missing.add("skew-worker")
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        missing.add("full-node")  # mounting each node's tmpfs needs root
     return tuple(k for k in FAULT_KINDS if k not in missing)
 
 
@@ -342,6 +351,7 @@ class ChaosRun:
             extra_env={**FAST_ENV, GATHER_DIRS_ENV: str(self.root)},
             node_launcher=("fiu-run", "-x") if "eio-node" in self.kinds else (),
         )
+        mounts = self._mount_node_disks() if "full-node" in self.kinds else []
         try:
             self.cluster.start()
             self._cli("nodes", "add", *(str(n.address) for n in self.cluster.node_procs))
@@ -368,6 +378,8 @@ class ChaosRun:
             with contextlib.suppress(Exception):
                 self.heal()
             self.cluster.stop()
+            for mount in mounts:
+                subprocess.run(["umount", "-l", str(mount)], check=False)
         report = Report(
             self.seed,
             schedule,
@@ -506,6 +518,8 @@ class ChaosRun:
         c = self.cluster
         if action == "eio":
             _fiu_ctrl(pid, f"enable name={FSYNC_POINT},failinfo={errno.EIO}")
+        elif action == "full":
+            _fill(c.node_procs[fault.target].data_dir / FILLER)
         elif action == "skew":
             c.kill_worker()
             c.start_worker(env=_skewed(fault.target))
@@ -530,6 +544,9 @@ class ChaosRun:
         if action == "eio":
             if (pid := self._pid(fault)) is not None:
                 _fiu_ctrl(pid, f"disable name={FSYNC_POINT}")
+            return
+        if action == "full":
+            (self.cluster.node_procs[fault.target].data_dir / FILLER).unlink(missing_ok=True)
             return
         if action == "skew":
             self.cluster.kill_worker()
@@ -556,6 +573,18 @@ class ChaosRun:
             c.start_worker()
         elif what == "beat" and (c.beat is None or c.beat.poll() is not None):
             c.start_beat()
+
+    def _mount_node_disks(self) -> list[Path]:
+        """A tmpfs of NODE_FS_BYTES for each node's data directory, so full-node fills a
+        disk of the node's own and nothing else."""
+        mounts = []
+        for i in range(self.nodes):
+            data = self.root / "cluster" / f"node{i}"  # LocalCluster's layout
+            data.mkdir(parents=True, exist_ok=True)
+            size = f"size={NODE_FS_BYTES}"
+            subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(data)], check=True)
+            mounts.append(data)
+        return mounts
 
     def heal(self) -> None:
         """Every process running and none stopped."""
@@ -633,6 +662,17 @@ class ChaosRun:
 
 
 FSYNC_POINT = "posix/io/sync/fsync"  # libfiu's name for fsync(2)
+FILLER = "chaos-filler"  # the file full-node grows in a node's data directory
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to `path` until its file system has no byte left."""
+    with contextlib.suppress(OSError), open(path, "ab", buffering=0) as filler:
+        while True:
+            filler.write(bytes(1 << 20))
+    with contextlib.suppress(OSError), open(path, "ab", buffering=0) as filler:
+        while True:
+            filler.write(bytes(4096))  # the last partial megabyte
 
 
 def _fiu_ctrl(pid: int, command: str) -> None:
