@@ -266,9 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("name", nargs="?", help="one checkpoint (default: all)")
     vf.add_argument("--json", action="store_true")
 
-    rm = sub.add_parser("rm", help="remove a checkpoint (all versions) or one version")
+    rm = sub.add_parser(
+        "rm",
+        help="remove a checkpoint (all versions) or one version",
+        description="Remove one version (--version) or every version of NAME, deleting the"
+        " blobs no other version uses. Removing every version asks first on a terminal; a"
+        " script says --yes (without it, and with no terminal to ask on, nothing is removed,"
+        " exit 2). --dry-run lists what would go and changes nothing.",
+    )
     rm.add_argument("name")
     rm.add_argument("--version", help="a version id prefix")
+    rm.add_argument("-y", "--yes", action="store_true", help="remove every version without asking")
+    rm.add_argument(
+        "--dry-run", action="store_true", help="list the versions that would go; remove nothing"
+    )
     rm.add_argument("--json", action="store_true")
 
     d = sub.add_parser("dlq", help="list and replay dead letters (tasks that failed for good)")

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 from coordinator import config
 from coordinator.cli.cluster import metadata, node_addresses
 from coordinator.cli.output import console, emit_json, error, table, warn
+from coordinator.state import redis_keys as K
 from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
 
 
@@ -97,6 +100,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
         vkeys = md.versions.versions(args.name)
         if not vkeys:
             raise NotFoundError(f"no checkpoint named {args.name}; see `smoltorrent ls`.")
+    if args.dry_run:
+        return _would_remove(md, args, vkeys)
+    if not args.version and not args.yes and not _confirmed(md, args.name, vkeys):
+        console.print("nothing removed")
+        return 1
     _require_worker()
     from tasks.remove import remove
 
@@ -117,6 +125,58 @@ def cmd_rm(args: argparse.Namespace) -> int:
             for line in r.get("left_behind", []):
                 warn(f"left behind (collected later): {line}")
     return 0
+
+
+def _version_rows(md, vkeys: list[str]) -> list[dict]:
+    with md.r.pipeline(transaction=False) as p:
+        for v in vkeys:
+            p.hmget(K.VERSION.format(vkey=v), ["name", "version_id", "state", "created_at"])
+        found = p.execute()
+    return [
+        {"name": n, "version_id": i, "state": s, "created_at": float(t or 0)}
+        for n, i, s, t in found
+        if i is not None
+    ]
+
+
+def _would_remove(md, args: argparse.Namespace, vkeys: list[str]) -> int:
+    rows = _version_rows(md, vkeys)
+    if args.json:
+        emit_json({"would_remove": rows})
+        return 0
+    table(
+        f"rm {args.name} would remove",
+        ["name", "version", "state", "created"],
+        [
+            (
+                r["name"],
+                r["version_id"][:12],
+                r["state"],
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])),
+            )
+            for r in rows
+        ],  # fmt: skip
+    )
+    console.print(f"{len(rows)} version(s); nothing removed (--dry-run)")
+    return 0
+
+
+def _confirmed(md, name: str, vkeys: list[str]) -> bool:
+    """Every version of `name` goes: ask on a terminal. A script (no terminal to answer on)
+    is refused: it says --yes, so a mistyped loop never empties a name unasked."""
+    if not sys.stdin.isatty():
+        raise UsageError(
+            f"`rm {name}` removes every version of it ({len(vkeys)}): add --yes to do so"
+            " without a question, --dry-run to list them, or --version V to remove one"
+        )
+    rows = _version_rows(md, vkeys)
+    ids = ", ".join(r["version_id"][:12] for r in rows[-5:])
+    more = f"{len(rows) - 5} more and " if len(rows) > 5 else ""
+    sys.stderr.write(
+        f"remove {len(rows)} versions of {name} ({more}{ids}) and the blobs only they use? [y/N] "
+    )
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 def cmd_redis(args: argparse.Namespace) -> int:

@@ -450,7 +450,7 @@ class ChaosRun:
                 # others' versions, so a remove that deletes too much shows up there.
                 scratch = f"scratch/{index}-{n}.safetensors"
                 self._store(index, n, scratch, rng.choice(self.contents), "store")
-                self._record(index, "remove", scratch, None, "", ("rm", scratch, "--json"))
+                self._record(index, "remove", scratch, None, "", ("rm", scratch, "--yes", "--json"))
 
     def _store(self, client: int, n: int, name: str, content: Path, kind: str) -> None:
         # A path of its own (a hard link: same bytes, same file), so the request it made is

@@ -82,7 +82,7 @@ def test_placement_follows_the_nodes_and_removed_manifests_go(make_cluster, tmp_
     )
     holder = next(n for n in c.node_procs if gone_vkey in NodeClient(n.address).list_manifests())
     manifest_bytes = NodeClient(holder.address).get_manifest(gone_vkey)
-    c.cli("rm", "gone.safetensors")
+    c.cli("rm", "gone.safetensors", "--yes")
     assert c.md.versions.state(gone_vkey) == "removed"
     # A node that missed the remove (restored from a backup) still has its manifest.
     NodeClient(holder.address).put_manifest(gone_vkey, manifest_bytes)

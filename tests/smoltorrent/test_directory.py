@@ -86,7 +86,7 @@ def test_a_directory_with_an_hf_index_round_trips(make_cluster, tmp_path):
     assert loaded["some"] == sorted(n for n in weight_map if n.startswith("model.layers.1."))
 
     # rm of the directory removes every file's versions and its record, then the unit.
-    c.cli("rm", "hf/llama-tiny")
+    c.cli("rm", "hf/llama-tiny", "--yes")
     assert not [r for r in c.cli_json("ls") if r["name"].startswith("hf/llama-tiny/")]
     gone = c.cli("gather", "hf/llama-tiny", "-o", str(tmp_path / "gone"), check=False)
     assert gone.returncode == 1 and "hf/llama-tiny" in gone.stderr

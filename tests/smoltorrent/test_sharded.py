@@ -139,7 +139,7 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
     assert run_api(c, RESHARD) == {"2": True, "8": True, "refused": "WorldSizeMismatchError"}
 
     # A missing rank: one rank's part of the committed step removed behind its back.
-    c.cli("rm", "run/step-00000100/rank-00001-of-00003.safetensors")
+    c.cli("rm", "run/step-00000100/rank-00001-of-00003.safetensors", "--yes")
     missing = attempt(c, "smoltorrent.load_sharded('run', 100, 0, 3)")
     assert missing["error"] == "MissingRankError" and "ranks 1 " in missing["message"]
 

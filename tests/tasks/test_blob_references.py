@@ -28,7 +28,7 @@ def test_rm_racing_a_store_that_shares_its_blobs(make_cluster, tmp_path):
     for k in range(3):
         c.cli("store", str(src), "--name", f"old{k}")
         procs = [
-            subprocess.Popen([*cmd, "rm", f"old{k}"], env=c.env()),
+            subprocess.Popen([*cmd, "rm", f"old{k}", "--yes"], env=c.env()),
             subprocess.Popen([*cmd, "store", str(src), "--name", f"new{k}"], env=c.env()),
         ]
         assert [p.wait(timeout=120) for p in procs] == [0, 0]
@@ -47,7 +47,7 @@ def test_a_remove_a_down_node_interrupted_is_never_rebuilt(make_cluster, tmp_pat
     vkey = c.md.versions.current("gone.safetensors")
     down = c.node_procs[0]
     down.kill()
-    proc = c.cli("rm", "gone.safetensors")
+    proc = c.cli("rm", "gone.safetensors", "--yes")
     assert "left behind" in " ".join(proc.stdout.split() + proc.stderr.split())
     assert c.md.versions.version(vkey)["state"] == "removing"
     down.start()
@@ -56,7 +56,7 @@ def test_a_remove_a_down_node_interrupted_is_never_rebuilt(make_cluster, tmp_pat
     assert c.md.versions.version(vkey)["state"] == "removing"
     out = tmp_path / "out.safetensors"
     assert c.cli("gather", "gone.safetensors", "-o", str(out), check=False).returncode == 1
-    c.cli("rm", "gone.safetensors")  # resumed: the node is back
+    c.cli("rm", "gone.safetensors", "--yes")  # resumed: the node is back
     assert c.md.versions.version(vkey)["state"] == "removed"
     assert all(blobs == {} and manifests == [] for blobs, manifests in inventories(c))
     c.md.r.flushall()
@@ -97,7 +97,7 @@ def test_a_stalled_remove_sent_again_never_deletes_a_newer_versions_blobs(make_c
     holders = sorted(c.md.blobs.placement(digest))
     dead = next(n for n in c.node_procs if n.client().ping() == holders[0])
     dead.kill()
-    proc = c.cli("rm", "a")
+    proc = c.cli("rm", "a", "--yes")
     assert "left behind" in " ".join(proc.stdout.split() + proc.stderr.split())
     assert c.md.versions.version(a)["state"] == "removing"
     c.md.r.delete(K.BLOB_DELETING.format(digest=digest))  # the tombstone's hour is over
@@ -110,7 +110,7 @@ def test_a_stalled_remove_sent_again_never_deletes_a_newer_versions_blobs(make_c
 
     before = holding()
     assert before  # B's bytes are on a live node (the copy A's remove deleted is not counted)
-    c.cli("rm", "a")  # the remove sent again (reconcile does, every minute)
+    c.cli("rm", "a", "--yes")  # the remove sent again (reconcile does, every minute)
     assert holding() == before
     out = tmp_path / "out.safetensors"
     c.cli("gather", "b", "-o", str(out))

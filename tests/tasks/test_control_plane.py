@@ -291,12 +291,12 @@ def test_rm_keeps_shared_blobs_until_their_last_version_goes(make_cluster, tmp_p
             for n in c.node_procs
         ]
 
-    c.cli("rm", "copy.safetensors")
+    c.cli("rm", "copy.safetensors", "--yes")
     assert sum(len(blobs) for blobs, _ in inventory()) == 8  # 4 shards x 2, still used by a
     out = tmp_path / "out.safetensors"
     c.cli("gather", "a.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
-    c.cli("rm", "a.safetensors")
+    c.cli("rm", "a.safetensors", "--yes")
     assert all(blobs == {} and manifests == [] for blobs, manifests in inventory())
     assert c.cli_json("ls") == []
     proc = c.cli("gather", "a.safetensors", "-o", str(out), check=False)

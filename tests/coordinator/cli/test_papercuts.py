@@ -26,6 +26,7 @@ TIMEOUT_S = 120.0  # seconds for one CLI run on a loaded box
 def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "coordinator.cli", *argv],
+        stdin=subprocess.DEVNULL,  # as in a script, even when the tests run on a terminal
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
