@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         default=list(available_kinds()),
         help="fault kinds to draw from (default: every one whose tool is installed here)",
     )
+    p.add_argument(
+        "--overlap", action="store_true", help="hold faults at once, each on its own process"
+    )
     p.add_argument("--dir", type=Path, help="where runs keep their files (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="one JSON line of figures per seed")
     args = p.parse_args(argv)
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds=args.minutes * 60,
             clients=args.clients,
             kinds=tuple(args.faults),
+            overlap=args.overlap,
             say=lambda line: print(line, file=sys.stderr, flush=True),
         )
         report = run.run()

@@ -115,21 +115,37 @@ class Schedule:
 
 
 def draw_schedule(
-    seed: int, seconds: float, nodes: int, kinds: tuple[str, ...] = FAULT_KINDS
+    seed: int,
+    seconds: float,
+    nodes: int,
+    kinds: tuple[str, ...] = FAULT_KINDS,
+    overlap: bool = False,
 ) -> Schedule:
-    """Faults one after another through `seconds`: a quiet gap, then one fault held a
-    while, then healed. Drawn from the seed alone."""
+    """Faults through `seconds`, drawn from the seed alone. By default one after another:
+    a quiet gap, then one fault held a while, then healed. With `overlap` the next fault
+    starts 0.3-2 s after the last one began, while it may still be held, on a process no
+    held fault is on (a node killed and stopped at once has no order to undo in)."""
     rng = random.Random(f"nemesis:{seed}")
-    faults, t = [], rng.uniform(1.0, 3.0)
+    faults: list[Fault] = []
+    t = rng.uniform(1.0, 3.0)
     while t < seconds:
         kind = rng.choice(kinds)
         hold = rng.uniform(0.5, 4.0)
         target = rng.randrange(nodes) if kind.endswith("node") else 0
         if kind == "skew-worker":  # long enough to work skewed after its ~2 s start
             hold, target = rng.uniform(6.0, 12.0), rng.choice((-SKEW_S, SKEW_S))
-        faults.append(Fault(round(t, 2), kind, target, round(hold, 2)))
-        t += hold + rng.uniform(1.0, 4.0)
+        fault = Fault(round(t, 2), kind, target, round(hold, 2))
+        held = [f for f in faults if f.at_s + f.hold_s > fault.at_s]
+        if not any(_process(f) == _process(fault) for f in held):
+            faults.append(fault)
+        t += rng.uniform(0.3, 2.0) if overlap else hold + rng.uniform(1.0, 4.0)
     return Schedule(seed, tuple(faults))
+
+
+def _process(fault: Fault) -> str:
+    """Which process a fault is on: node2, worker, beat, redis."""
+    what = fault.kind.split("-")[1]
+    return f"node{fault.target}" if what == "node" else what
 
 
 @dataclass
@@ -326,16 +342,18 @@ class ChaosRun:
     nodes: int = 4
     clients: int = 3
     kinds: tuple[str, ...] = field(default_factory=available_kinds)
+    overlap: bool = False  # faults held at once (draw_schedule)
     content_bytes: int = 400_000
     say: Callable[[str], None] = print
     cluster: LocalCluster | None = None
     ops: list[Op] = field(default_factory=list)
     faults_applied: list[dict] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _skewed: bool = False  # the worker runs with a skewed clock
 
     def run(self) -> Report:
         started = time.monotonic()
-        schedule = draw_schedule(self.seed, self.seconds, self.nodes, self.kinds)
+        schedule = draw_schedule(self.seed, self.seconds, self.nodes, self.kinds, self.overlap)
         self.say(schedule.describe())
         self.root.mkdir(parents=True, exist_ok=True)
         contents = write_contents(self.root / "contents", 4, self.content_bytes)
@@ -484,17 +502,35 @@ class ChaosRun:
     # --- the nemesis --------------------------------------------------------------
 
     def _nemesis(self, schedule: Schedule) -> None:
+        """Each fault in a thread of its own, applied at its time and undone after its
+        hold: one after another, or several held at once (an overlapping schedule)."""
         began = time.monotonic()
-        for fault in schedule.faults:
+
+        def run(fault: Fault) -> None:
             delay = fault.at_s - (time.monotonic() - began)
             if delay > 0:
                 time.sleep(delay)
             record = {**asdict(fault), "applied_at": time.time()}
-            self._apply(fault)
-            time.sleep(fault.hold_s)
-            self._undo(fault)
+            # A fault that could not be applied or undone whole (a worker restarted while
+            # another fault holds Redis down, say) is recorded so; heal() sets it right.
+            try:
+                self._apply(fault)
+                time.sleep(fault.hold_s)
+            except Exception as exc:
+                record["apply_error"] = repr(exc)
+            try:
+                self._undo(fault)
+            except Exception as exc:
+                record["undo_error"] = repr(exc)
             record["healed_at"] = time.time()
-            self.faults_applied.append(record)
+            with self._lock:
+                self.faults_applied.append(record)
+
+        threads = [threading.Thread(target=run, args=(f,), daemon=True) for f in schedule.faults]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         rest = self.seconds - (time.monotonic() - began)
         if rest > 0:
             time.sleep(rest)
@@ -522,6 +558,7 @@ class ChaosRun:
             _fill(c.node_procs[fault.target].data_dir / FILLER)
         elif action == "skew":
             c.kill_worker()
+            self._skewed = True
             c.start_worker(env=_skewed(fault.target))
         elif action == "stop":
             # A whole group for the worker and beat (a worker's pool children too).
@@ -550,6 +587,7 @@ class ChaosRun:
             return
         if action == "skew":
             self.cluster.kill_worker()
+            self._skewed = False
             self.cluster.start_worker()
             return
         if action == "stop":
@@ -597,8 +635,13 @@ class ChaosRun:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGCONT)
         self._restart("redis")
-        for i in range(len(c.node_procs)):
+        for i, node in enumerate(c.node_procs):
             self._restart("node", i)
+            (node.data_dir / FILLER).unlink(missing_ok=True)
+            if "eio-node" in self.kinds:
+                _fiu_ctrl(node.pid, f"disable name={FSYNC_POINT}")
+        if self._skewed:
+            c.kill_worker()
         self._restart("worker")
         self._restart("beat")
 

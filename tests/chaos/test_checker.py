@@ -96,3 +96,11 @@ def test_a_seed_draws_the_same_schedule_every_time():
     assert {f.kind for f in first.faults} <= set(FAULT_KINDS)
     assert all(f.at_s < 60 for f in first.faults)
     assert "seed 5" in first.describe()
+
+
+def test_an_overlapping_schedule_holds_faults_at_once_never_two_on_one_process():
+    faults = draw_schedule(5, 60, 4, overlap=True).faults
+    at_once = [(a, b) for a in faults for b in faults if a.at_s < b.at_s < a.at_s + a.hold_s]
+    assert at_once, faults
+    for a, b in at_once:
+        assert a.target != b.target or a.kind.split("-")[1] != b.kind.split("-")[1], (a, b)
