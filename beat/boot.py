@@ -99,7 +99,7 @@ def run(host: str) -> dict[str, int]:
     counts = reconcile.run_pass(started_host=host)
     app.send_task("smoltorrent.sweep.crosscheck", queue=config.CONTROL_QUEUE)
     result = {"in_flight_found": sum(map(len, found.values())), "settled": settled, **counts}
-    log.warning("boot of %s: %s", host, result)
+    log.info("boot of %s: %s", host, result)
     return result
 
 

@@ -87,5 +87,8 @@ app.conf.update(
         "interval_max": defaults.PUBLISH_RETRY_MAX_S,
     },
 )
+# Its signals connected before the worker sets up its logs (one of them formats them).
+import tasks.event_log  # noqa: E402, F401
+
 # At every reconnection to the broker: send again what the lost connection dropped.
 app.steps["consumer"].add("beat.reconnect:Redrive")

@@ -18,8 +18,10 @@ from __future__ import annotations
 import inspect
 import time
 
-from celery import signals
-from celery.utils.log import get_task_logger
+from celery import current_app, signals
+from celery._state import get_current_task
+from celery.app.log import TaskFormatter
+from celery.utils.log import ColorFormatter, get_task_logger
 
 from smoltorrent import defaults
 
@@ -115,7 +117,9 @@ def _on_retry(sender=None, request=None, reason=None, **_):
         fields = fields_of(sender, request.args, request.kwargs)
         fields["attempt"] = (request.retries or 0) + 1
         fields["error"] = reason
-        log.warning(line("retry", sender, fields))
+        # INFO: a retry is planned (a file still settling, a node restarting); what fails
+        # for good is the failure line, an ERROR.
+        log.info(line("retry", sender, fields))
 
 
 @signals.task_failure.connect
@@ -124,3 +128,34 @@ def _on_failure(sender=None, args=None, kwargs=None, exception=None, **_):
         fields = fields_of(sender, args, kwargs)
         fields["error"] = f"{type(exception).__name__}: {exception}"
         log.error(line("failed", sender, fields))
+
+
+class TaskOrPlainFormatter(TaskFormatter):
+    """A task's lines carry its name and id; a line a task logger writes outside any task
+    (the boot sequence, a consumer step) gets the worker's plain format, not Celery's
+    `???[???]:` in place of the name and id."""
+
+    def __init__(self, fmt=None, use_color=True, datefmt=None, plain=None) -> None:
+        super().__init__(fmt, use_color=use_color, datefmt=datefmt)
+        self._plain = ColorFormatter(plain, use_color=use_color, datefmt=datefmt)
+
+    def format(self, record):
+        task = get_current_task()
+        if task and task.request:
+            return super().format(record)
+        return self._plain.format(record)
+
+
+@signals.after_setup_task_logger.connect
+def _plain_outside_tasks(logger=None, format=None, colorize=None, **_):
+    conf = current_app.conf
+    for handler in getattr(logger, "handlers", []):
+        if type(handler.formatter) is TaskFormatter:
+            handler.setFormatter(
+                TaskOrPlainFormatter(
+                    format or conf.worker_task_log_format,
+                    use_color=bool(colorize),
+                    datefmt=conf.worker_task_log_datefmt,
+                    plain=conf.worker_log_format,
+                )
+            )

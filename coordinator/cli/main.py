@@ -160,7 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run a Celery worker for this host's queues")
     w.add_argument("--concurrency", type=_count(1), default=defaults.WORKER_CONCURRENCY)
-    w.add_argument("--loglevel", default="WARNING")
+    w.add_argument(
+        "--loglevel",
+        default="INFO",
+        help="INFO (default): one line per task that ends, retries or fails (event=...),"
+        " and Celery's own; WARNING: only what needs a look",
+    )
     w.add_argument(
         "--metrics-port",
         type=int,

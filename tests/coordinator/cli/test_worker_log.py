@@ -1,0 +1,35 @@
+"""The worker's log at its default level (issue 24): the `event=done` lines the docs
+promise are there, no line carries Celery's `???[???]` (a task logger's name and id written
+outside a task), and a planned retry (a store waiting for its file to settle) is INFO."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from coordinator.local.cluster import LocalCluster
+from coordinator.local.synthetic import write_checkpoint
+from tests.coordinator.cli.test_papercuts import run
+
+
+def test_the_worker_logs_its_events_at_info_by_default(tmp_path: Path):
+    cluster = LocalCluster(tmp_path / "cluster", nodes=1, host_id="logs")
+    try:
+        cluster.start(worker=False)
+        added = run("nodes", "add", str(cluster.node_procs[0].address), env=cluster.env())
+        assert added.returncode == 0, added.stderr
+        cluster.worker = cluster._spawn_cli("worker")  # no --loglevel: its default
+        cluster.wait_for_worker()
+        src = tmp_path / "fresh.safetensors"
+        write_checkpoint(src, 60_000, hidden=16)  # just written: the store waits for it
+        stored = run("store", str(src), "--replicas", "1", env=cluster.env())
+        assert stored.returncode == 0, stored.stderr
+        cluster.stop_worker()  # a warm shutdown: every line it had is written
+        text = (cluster.root / "worker.log").read_text()
+    finally:
+        cluster.stop()
+    assert "???" not in text, text
+    assert re.search(r"INFO.* event=done task=store name=fresh\.safetensors", text), text
+    retries = [line for line in text.splitlines() if "event=retry" in line]
+    assert retries and all("WARNING" not in line for line in retries), text
+    assert re.search(r"INFO.* boot of logs: ", text), text
