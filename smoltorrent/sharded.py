@@ -252,10 +252,24 @@ def load_sharded(
             "tensors its ranks recorded in save_sharded(partitions=...)."
         )
     if found.state != COMMITTED:
-        missing = sorted(set(range(world_size)) - set(found.parts))
+        # The stored step's ranks, not the loading world's: under reshard=True they differ.
+        missing = sorted(set(range(found.world_size)) - set(found.parts))
+        one = len(missing) == 1
+        redo = (
+            f"save_sharded({name!r}, {step}, {missing[0]}, {found.world_size})"
+            if one
+            else f"save_sharded({name!r}, {step}, rank, {found.world_size}) on each of them"
+        )
+        resume = (
+            f"resume from the newest complete step, {latest}, or commit this one: {redo}"
+            if latest is not None
+            else f"no step of it is complete; commit this one: {redo}"
+        )
         raise PartialStepError(
-            f"step {step} of {name} is partial: ranks {_ranks(missing)} never finished "
-            f"storing their part, so it was never committed.{hint}"
+            f"step {step} of {name} is partial: of its {found.world_size} ranks, "
+            f"{'rank' if one else 'ranks'} {_ranks(missing)} never finished storing "
+            f"{'its' if one else 'their'} part, so it was never committed. To load it, "
+            f"{resume}."
         )
     gone = [
         r
@@ -263,9 +277,18 @@ def load_sharded(
         if r not in found.parts or md.versions.state(found.parts[r].vkey) != VERSION_COMMITTED
     ]
     if gone:
+        # The newest complete step may be this one: point at an older step with every part.
+        older = _whole_step_before(md, name, step)
         raise MissingRankError(
-            f"step {step} of {name} is missing the part of ranks {_ranks(gone)} (removed or "
-            f"not committed); resuming the other ranks alone would desynchronise them.{hint}"
+            f"step {step} of {name} is missing the part of "
+            f"{'rank' if len(gone) == 1 else 'ranks'} {_ranks(gone)} of its {found.world_size} "
+            "ranks (removed or not committed); resuming the other ranks alone would "
+            "desynchronise them. "
+            + (
+                f"Resume from step {older}, the newest older step with every part."
+                if older is not None
+                else "No older step of it has every part."
+            )
         )
     options = {"framework": framework, "device": device, "staging_dir": staging_dir}
     if found.world_size == world_size:
@@ -274,6 +297,19 @@ def load_sharded(
     if tensors is not None:
         raise ShardedCheckpointError("reshard=True loads whole parts; leave tensors= out")
     return _resharded(md, name, step, found, rank, world_size, source, options)
+
+
+def _whole_step_before(md, name: str, step: int) -> int | None:
+    """The newest committed step of `name` before `step` whose every part is committed."""
+    for older in reversed(Steps(md.r).all(name)):
+        if older.step >= step or older.state != COMMITTED:
+            continue
+        if all(
+            r in older.parts and md.versions.state(older.parts[r].vkey) == VERSION_COMMITTED
+            for r in range(older.world_size)
+        ):
+            return older.step
+    return None
 
 
 def _resharded(md, name, step, found, rank, world_size, source, options) -> Any:

@@ -45,7 +45,7 @@ else:
 
 RESHARD = """
 import json, torch, smoltorrent
-from smoltorrent.errors import WorldSizeMismatchError
+from smoltorrent.errors import PartialStepError, WorldSizeMismatchError
 
 flat = torch.arange(10, dtype=torch.float32) * 1.5  # the whole, as one rank would hold it
 rows = torch.arange(7 * 3, dtype=torch.bfloat16).reshape(7, 3)
@@ -78,6 +78,15 @@ try:
     smoltorrent.load_sharded("plain", 1, 0, 2, reshard=True)  # no partitions= recorded
 except WorldSizeMismatchError as exc:
     out["refused"] = type(exc).__name__
+# Step 2 of the 4 ranks: rank 2 never stores its part. Resharding it onto 2 or 8 ranks is
+# refused, naming the stored step's missing rank (not ranks of the world loading it).
+for r in (0, 1, 3):
+    smoltorrent.save_sharded(*share(r, 4)[:1], "zero", 2, r, 4, partitions=share(r, 4)[1])
+for world in (2, 8):
+    try:
+        smoltorrent.load_sharded("zero", 2, 0, world, reshard=True)
+    except PartialStepError as exc:
+        out[f"partial{world}"] = str(exc)
 print(json.dumps(out))
 """
 
@@ -112,7 +121,7 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
     ranks(c, "run", 100, [0, 1], 3)
     assert attempt(c, "smoltorrent.latest_step('run')", "out") == {"value": None}
     partial = attempt(c, "smoltorrent.load_sharded('run', 100, 0, 3)")
-    assert partial["error"] == "PartialStepError" and "ranks 2 never finished" in partial["message"]
+    assert partial["error"] == "PartialStepError" and "rank 2 never finished" in partial["message"]
 
     ranks(c, "run", 100, [2], 3)
     assert attempt(c, "smoltorrent.latest_step('run')", "out") == {"value": 100}
@@ -136,12 +145,31 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
     # With reshard=True the same change re-partitions what the ranks recorded: a step of 4
     # ranks (a flat ZeRO partition of 10 elements, 7 rows of a dim-0 shard, a replicated
     # step) loads on 2 and on 8 ranks, byte-equal with the same cut of the whole.
-    assert run_api(c, RESHARD) == {"2": True, "8": True, "refused": "WorldSizeMismatchError"}
+    resharded = run_api(c, RESHARD)
+    assert {k: resharded.pop(k) for k in ("2", "8", "refused")} == {
+        "2": True,
+        "8": True,
+        "refused": "WorldSizeMismatchError",
+    }
+    # A partial step of 4 ranks (rank 2 never stored) loaded with reshard=True on 2 or 8
+    # ranks: the error names rank 2 of the 4, no rank of the loading world, and what to do.
+    for world in (2, 8):
+        message = resharded[f"partial{world}"]
+        assert "of its 4 ranks, rank 2 never finished" in message, message
+        assert "newest complete step, 1" in message, message
+        assert "save_sharded('zero', 2, 2, 4)" in message, message
 
     # A missing rank: one rank's part of the committed step removed behind its back.
     c.cli("rm", "run/step-00000100/rank-00001-of-00003.safetensors", "--yes")
-    missing = attempt(c, "smoltorrent.load_sharded('run', 100, 0, 3)")
-    assert missing["error"] == "MissingRankError" and "ranks 1 " in missing["message"]
+    # Resuming it on 3 ranks, or resharding it onto 2, names the rank and what to do.
+    for call in (
+        "smoltorrent.load_sharded('run', 100, 0, 3)",
+        "smoltorrent.load_sharded('run', 100, 0, 2, reshard=True)",
+    ):
+        missing = attempt(c, call)
+        assert missing["error"] == "MissingRankError", call
+        assert "the part of rank 1 of its 3 ranks" in missing["message"], missing
+        assert "No older step of it has every part" in missing["message"], missing
 
 
 def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster):
