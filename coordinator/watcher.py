@@ -37,7 +37,13 @@ from coordinator.plan.source_file import SourceIdentity
 from coordinator.state.metadata import Metadata
 from coordinator.state.versions import COMMITTED, PENDING
 from smoltorrent import defaults
-from smoltorrent.errors import CheckpointFormatError, NotFoundError, SmoltorrentError, UsageError
+from smoltorrent.errors import (
+    CheckpointFormatError,
+    IncompleteCheckpointError,
+    NotFoundError,
+    SmoltorrentError,
+    UsageError,
+)
 
 log = logging.getLogger("smoltorrent.watch")
 
@@ -234,6 +240,13 @@ class Watcher:
             return False  # still being written
         try:
             read_header(path)
+        except IncompleteCheckpointError:
+            # Shorter than its header says: its writer paused longer than the settle time.
+            # Said once (not again at each pause), and looked at again until it is whole.
+            self._say_once(
+                path, "writing", logging.INFO, "waiting for %s: still being written", path
+            )
+            return False
         except CheckpointFormatError as exc:
             # A stable file the header does not account for: junk, or a writer that paused.
             # Either way it is looked at again only when it changes.

@@ -13,6 +13,11 @@ class CheckpointFormatError(SmoltorrentError):
     """A file is not a valid .safetensors checkpoint."""
 
 
+class IncompleteCheckpointError(CheckpointFormatError):
+    """A file shorter than its own safetensors header says: still being written, or cut
+    short (the watcher waits for it; a store refuses it)."""
+
+
 class SourceChangedError(SmoltorrentError):
     """The source file changed while it was being stored."""
 

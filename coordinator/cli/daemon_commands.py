@@ -128,9 +128,21 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from smoltorrent.errors import MetadataError
     from tasks.requests import submit_store
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.replicas < 1:
         raise SmoltorrentError("--replicas must be at least 1")
+    # Refused at start: a mistyped directory would otherwise be waited for ("is gone"), and
+    # a file would be watched as if it were one. A directory that goes away later is waited
+    # for (a run's directory replaced, a disk remounted).
+    where = os.path.abspath(args.directory)
+    if os.path.isfile(where):
+        raise SmoltorrentError(
+            f"{where} is a file: watch the directory it is written in"
+            f" (`smoltorrent watch {os.path.dirname(where)}`), or store it with"
+            " `smoltorrent store`"
+        )
+    if not os.path.isdir(where):
+        raise SmoltorrentError(f"watch {where}: no such directory; create it first")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     md = metadata()
 
     def submit(path: str, name: str) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from smoltorrent import defaults
-from smoltorrent.errors import CheckpointFormatError
+from smoltorrent.errors import CheckpointFormatError, IncompleteCheckpointError
 
 LENGTH_PREFIX_BYTES = 8  # the u64 header length every safetensors file starts with
 METADATA_KEY = "__metadata__"
@@ -122,6 +122,7 @@ def parse_header(
             source,
             f"truncated header: expected {header_length} header bytes, got {len(header_bytes)}",
             "the file was cut short; copy it again or wait until it is fully written",
+            incomplete=True,
         )
     entries = _decode_json(header_bytes, source)
     metadata = _check_metadata(entries.pop(METADATA_KEY, None), source)
@@ -134,8 +135,11 @@ def parse_header(
     return CheckpointHeader(header_bytes, tuple(tensors), metadata, file_size)
 
 
-def _fail(source: str, problem: str, advice: str) -> NoReturn:
-    raise CheckpointFormatError(f"{problem} ({source}); {advice}.")
+def _fail(source: str, problem: str, advice: str, *, incomplete: bool = False) -> NoReturn:
+    """Raise the error; `incomplete`: the file is shorter than its header says (more bytes
+    may still come)."""
+    error = IncompleteCheckpointError if incomplete else CheckpointFormatError
+    raise error(f"{problem} ({source}); {advice}.")
 
 
 def _lookalike(prefix: bytes) -> str:
@@ -153,12 +157,14 @@ def _check_prefix(prefix: bytes, file_size: int, source: str) -> int:
             source,
             f"not a safetensors file: {what}, shorter than the 8-byte header length",
             "wait until the training job has finished writing it, or " + _SAVE_HINT,
+            incomplete=True,
         )
     if len(prefix) != LENGTH_PREFIX_BYTES:
         _fail(
             source,
             f"truncated file: got {len(prefix)} of the 8 header length bytes",
             "the file shrank while it was read; wait until it is fully written",
+            incomplete=True,
         )
     (header_length,) = struct.unpack("<Q", prefix)
     if LENGTH_PREFIX_BYTES + header_length > file_size:
@@ -167,6 +173,8 @@ def _check_prefix(prefix: bytes, file_size: int, source: str) -> int:
             f"not a safetensors file{_lookalike(prefix)}: header length "
             f"{format_bytes(header_length)} exceeds file size {format_bytes(file_size)}",
             _SAVE_HINT + ", or copy the file again if it was cut short",
+            # A length the format allows: the rest of the header may still be coming.
+            incomplete=header_length <= defaults.MAX_SAFETENSORS_HEADER_BYTES,
         )
     if header_length > defaults.MAX_SAFETENSORS_HEADER_BYTES:
         _fail(
@@ -288,6 +296,7 @@ def _check_layout(tensors: list[TensorInfo], data_size: int, source: str) -> Non
             f"truncated file: the data section holds {format_bytes(data_size)} but the tensors "
             f"need {format_bytes(covered)} ({covered - data_size} bytes missing)",
             "the file was cut short; wait until it is fully written or copy it again",
+            incomplete=True,
         )
     if data_size > covered:
         _fail(
