@@ -207,6 +207,9 @@ REQUEST_DEFER_MIN_S = 1.0  # seconds a deferred delivery waits at least before t
 TRANSFER_RETRIES = 6  # retries of a failed transfer: 1+2+4+8+16+32 s = about a minute of outage
 RETRY_BACKOFF_BASE_S = 1  # seconds; retry n waits base * 2^n, no jitter (predictable)
 RETRY_BACKOFF_MAX_S = 600  # seconds; cap on one backoff step if retries are raised
+# seconds before a task whose worker process died (SIGKILL, the OOM killer) runs again: a
+# run of it cannot be going on (its request lease names the dead process), so at once
+WORKER_LOST_RETRY_S = 1
 MIN_TRANSFER_RATE_BPS = (
     2 * 1024 * 1024
 )  # bytes/s; a Pi on an SD card over 100 Mbit still beats this

@@ -2,7 +2,8 @@
 
 Each setting answers a known pitfall (see DESIGN.md, Celery):
 - late acks + retry on worker loss: a killed worker's task runs again, as a
-  counted retry, instead of vanishing (or being requeued forever).
+  counted retry, instead of vanishing (or being requeued forever), and at once: Celery
+  waits a task's default_retry_delay (180 s of its own) before that retry.
 - prefetch 1: a worker does not sit on transfers another could run now.
 - the visibility timeout, set everywhere the Redis transport reads it, stays
   above the longest transfer plus its backoff, so nothing runs twice at once.
@@ -15,7 +16,7 @@ Each setting answers a known pitfall (see DESIGN.md, Celery):
 
 from __future__ import annotations
 
-from celery import Celery
+from celery import Celery, Task
 
 from beat.schedule import SCHEDULE
 from coordinator import config
@@ -26,8 +27,16 @@ from tasks import broker_transport
 REDIS_URL = ensure_redis_url()
 broker_transport.register()
 
+
+class SmoltorrentTask(Task):
+    # The wait before a task whose worker process died runs again (the OOM killer took a
+    # pool child, say); Celery's own 180 s left a gather or a store idle for 3 minutes.
+    default_retry_delay = defaults.WORKER_LOST_RETRY_S
+
+
 app = Celery(
     "smoltorrent",
+    task_cls=SmoltorrentTask,
     broker=REDIS_URL,
     backend=REDIS_URL,
     # Every message carries a readable argsrepr/kwargsrepr (what Flower shows).

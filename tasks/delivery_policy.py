@@ -28,8 +28,6 @@ DELIVERY_TASK_OPTIONS = {
     "retry_backoff_max": defaults.RETRY_BACKOFF_MAX_S,
     "retry_jitter": False,
     "max_retries": config.transfer_retries(),
-    # A retry after worker loss waits default_retry_delay (180 s in Celery), not the backoff.
-    "default_retry_delay": defaults.RETRY_BACKOFF_BASE_S,
 }
 
 

@@ -311,3 +311,40 @@ def test_a_gather_delivered_again_while_it_runs_waits_for_the_first_run(make_clu
     assert sha(out) == sha(src) and partials() == []
     assert c.md.requests.request(rid)["state"] == "done"
     assert "event=deferred task=gather" in c.worker_log()
+
+
+def test_a_gather_whose_pool_child_is_killed_is_run_again(make_cluster, tmp_path):
+    """The OOM killer takes the pool child running a gather (SIGKILL of that process only;
+    the worker's main process lives on, same boot). Celery retries a task whose worker was
+    lost after the task's default_retry_delay, 180 s unless set: the gather sat idle for 3
+    minutes (and the CLI waiting on it) before it ran again. It must run again at once,
+    take over the dead run's lease, and end with the bytes whole."""
+    c = make_cluster(2, concurrency=2)
+    src = make_ckpt(tmp_path / "oom.safetensors", 2_000_000)
+    c.cli("store", str(src), "--replicas", "2")
+    out = c.root / "oom-out.safetensors"
+    for node in c.node_procs:  # the gather's run is held while it waits on them
+        node.send_signal(signal.SIGSTOP)
+    gather = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "gather", "oom.safetensors", "-o", str(out)],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        rid, _ = wait_until(
+            lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
+        )
+        owner = wait_until(lambda: c.md.requests.request(rid).get("owner"), what="its run")
+        child = int(owner.rpartition(":")[2])
+        assert child != c.worker.pid  # a pool child, not the worker's main process
+        os.kill(child, signal.SIGKILL)
+    finally:
+        for node in c.node_procs:
+            node.send_signal(signal.SIGCONT)
+    _, err = gather.communicate(timeout=60)  # not the 180 s of Celery's default
+    assert gather.returncode == 0, err
+    assert c.worker.poll() is None  # the same worker, never restarted
+    assert sha(out) == sha(src)
+    assert c.md.requests.request(rid)["state"] == "done"
