@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 from smoltorrent import defaults
+from smoltorrent.cluster_key import KEY_FILE_NAME, key_from_env, read_key_file
 from smoltorrent.errors import ConfigError
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -49,9 +50,20 @@ def host_id() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", raw) or "localhost"
 
 
+def cluster_key_file() -> Path:
+    """Where `smoltorrent init` writes the cluster key, and where this side finds it."""
+    return home() / KEY_FILE_NAME
+
+
 def cluster_key() -> bytes | None:
-    key = os.environ.get("SMOLTORRENT_CLUSTER_KEY")
-    return key.encode() if key else None
+    """SMOLTORRENT_CLUSTER_KEY, else the file SMOLTORRENT_CLUSTER_KEY_FILE names, else
+    <home>/cluster.key if it exists, else None (smoltorrent/cluster_key.py). Read at each
+    call: a file is a few bytes, and a key replaced (`init --force`) is seen at once."""
+    key = key_from_env()
+    if key is not None:
+        return key
+    path = cluster_key_file()
+    return read_key_file(path) if path.exists() else None
 
 
 GATHER_DIRS_ENV = "SMOLTORRENT_GATHER_DIRS"
@@ -294,6 +306,7 @@ def check_environment() -> None:
     orphan_grace()
     discover_enabled()
     bwlimit()
+    cluster_key()
 
 
 def host_queue(host: str) -> str:

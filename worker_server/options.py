@@ -38,10 +38,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.DEFAULT_PORT,
         help=f"TCP port (default {defaults.DEFAULT_PORT}; 0 picks a free one)",
     )
-    parser.add_argument(
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="the cluster key file `smoltorrent init` wrote, copied to this machine (default:"
+        " the file SMOLTORRENT_CLUSTER_KEY_FILE names; with no key the node listens on"
+        " loopback only)",
+    )
+    key.add_argument(
         "--cluster-key",
-        help="shared secret for every node and coordinator (default: the"
-        " SMOLTORRENT_CLUSTER_KEY environment variable)",
+        help="the cluster key itself (visible to other users in the process list: prefer"
+        " --key-file; default: the SMOLTORRENT_CLUSTER_KEY environment variable)",
     )
     parser.add_argument(
         "--socket-timeout",
@@ -74,6 +82,7 @@ def serve(args: argparse.Namespace) -> int:
         args.host,
         args.port,
         args.cluster_key,
+        key_file=args.key_file,
         socket_timeout=args.socket_timeout,
         metrics_port=args.metrics_port,
         insecure=args.insecure,

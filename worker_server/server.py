@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from smoltorrent import defaults
-from smoltorrent.errors import SmoltorrentError
+from smoltorrent.cluster_key import KEY_ENV as CLUSTER_KEY_ENV
+from smoltorrent.cluster_key import key_from_env, read_key_file
+from smoltorrent.errors import ConfigError, SmoltorrentError
 from worker_server import protocol, wire
 from worker_server.blob_store import BlobStore, write_file_atomically
 from worker_server.limits import AddressSlots, MemoryBudget
@@ -31,7 +33,6 @@ from worker_server.session import Session
 
 log = logging.getLogger(__name__)
 
-CLUSTER_KEY_ENV = "SMOLTORRENT_CLUSTER_KEY"
 SOCKET_TIMEOUT_ENV = "SMOLTORRENT_SOCKET_TIMEOUT_S"
 METRICS_PORT_ENV = "SMOLTORRENT_METRICS_PORT"
 SCRUB_RATE_ENV = "SMOLTORRENT_SCRUB_RATE_BPS"
@@ -236,7 +237,7 @@ def _announce(server: ShardServer, port_file: Path) -> None:
     if not server.cluster_key:
         log.warning(
             "NO CLUSTER KEY: anyone who can reach %s:%d can read, write and delete blobs."
-            " Set %s or pass --cluster-key on every node and coordinator.",
+            " Set %s_FILE or pass --key-file on every node (`smoltorrent init` makes the key).",
             server.host,
             server.port,
             CLUSTER_KEY_ENV,
@@ -285,9 +286,11 @@ def listen_address(host: str | None, port: int, has_key: bool, insecure: bool) -
         return host
     raise UnsafeListenError(
         f"refusing to listen on {host} without a cluster key: anyone who can reach it could"
-        f" read, write and delete blobs. Make a key once (openssl rand -hex 32), then run"
-        f" `export {CLUSTER_KEY_ENV}=<that key>` (or pass --cluster-key) with the same key on"
-        " every node, training and reading machine; or pass --insecure if you accept that"
+        " read, write and delete blobs. Make the key once with `smoltorrent init` (on the"
+        " training box; it writes ~/.smoltorrent/cluster.key), copy that file here, then run"
+        " `smoltorrent serve --key-file PATH ...` (or set SMOLTORRENT_CLUSTER_KEY_FILE=PATH);"
+        " every node, training and reading machine uses the same key. Or pass --insecure if"
+        " you accept that"
     )
 
 
@@ -307,27 +310,28 @@ def run_from_args(
     socket_timeout: float | None = None,
     metrics_port: int | None = None,
     *,
+    key_file: str | None = None,
     insecure: bool = False,
     mdns: bool = True,
 ) -> int:
     """The CLI's entry point: serve until stopped; the process exit status (2: refused
     configuration)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    key_text = cluster_key or os.environ.get(CLUSTER_KEY_ENV) or None
     try:
-        host = listen_address(host, port, bool(key_text), insecure)
+        key = node_key(cluster_key, key_file)
+        host = listen_address(host, port, key is not None, insecure)
         timeout = _socket_timeout(socket_timeout)
         serve(
             data_dir,
             host,
             port,
-            key_text.encode("utf-8") if key_text else None,
+            key,
             socket_timeout=timeout,
             metrics_port=metrics_port_from(metrics_port),
             scrub_rate_bps=scrub_rate_from_env(),
             mdns=mdns,
         )
-    except UnsafeListenError as exc:
+    except (UnsafeListenError, ConfigError) as exc:
         log.error("%s", exc)
         return 2
     except SmoltorrentError as exc:
@@ -344,6 +348,16 @@ def run_from_args(
         )
         return 1
     return 0
+
+
+def node_key(flag_key: str | None, flag_file: str | None) -> bytes | None:
+    """--cluster-key, else --key-file, else SMOLTORRENT_CLUSTER_KEY, else the file
+    SMOLTORRENT_CLUSTER_KEY_FILE names, else None (smoltorrent/cluster_key.py)."""
+    if flag_key:
+        return flag_key.encode("utf-8")
+    if flag_file:
+        return read_key_file(flag_file)
+    return key_from_env()
 
 
 def _socket_timeout(flag_value: float | None) -> float:

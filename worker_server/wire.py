@@ -560,8 +560,8 @@ def server_handshake(sock: socket.socket, node_id: str, cluster_key: bytes | Non
     header, body_len = frame
     if header.get("op") != "auth":
         message = (
-            "this node requires the cluster key: set SMOLTORRENT_CLUSTER_KEY"
-            " (or --cluster-key) to the key the node was started with"
+            "this node requires the cluster key: copy the key file the node was started"
+            " with to ~/.smoltorrent/cluster.key here (or set SMOLTORRENT_CLUSTER_KEY_FILE)"
         )
         send_frame(sock, protocol.error_header("unauthorized", message))
         raise AuthenticationError(f"request {header.get('op')!r} before authentication")
@@ -569,7 +569,7 @@ def server_handshake(sock: socket.socket, node_id: str, cluster_key: bytes | Non
     client_nonce = bytes.fromhex(request["nonce"])
     expected = protocol.client_proof(cluster_key, server_nonce, client_nonce, node_id)
     if not protocol.proofs_match(expected, request["mac"]):
-        message = "wrong cluster key: use the same SMOLTORRENT_CLUSTER_KEY on every machine"
+        message = "wrong cluster key: use the same cluster key file on every machine"
         send_frame(sock, protocol.error_header("unauthorized", message))
         raise AuthenticationError("client proof does not match the cluster key")
     proof = protocol.server_proof(cluster_key, server_nonce, client_nonce, node_id)
@@ -593,14 +593,15 @@ def client_handshake(sock: socket.socket, cluster_key: bytes | None, peer: str) 
     if hello["auth"] == protocol.AUTH_NONE:
         if cluster_key:
             raise AuthenticationError(
-                f"node {peer} has no cluster key; start it with --cluster-key (or"
-                " SMOLTORRENT_CLUSTER_KEY) so nobody else can read or write it"
+                f"node {peer} has no cluster key; start it with --key-file (the file"
+                " `smoltorrent init` wrote) so nobody else can read or write it"
             )
         return hello["node_id"]
     if not cluster_key:
         raise AuthenticationError(
-            f"node {peer} requires the cluster key: set SMOLTORRENT_CLUSTER_KEY to the key"
-            " the node was started with"
+            f"node {peer} requires the cluster key: copy the key file the node was started"
+            " with to ~/.smoltorrent/cluster.key on this machine (or set"
+            " SMOLTORRENT_CLUSTER_KEY_FILE to its path)"
         )
     server_nonce, node_id = hello["nonce"], hello["node_id"]
     client_nonce = new_nonce()

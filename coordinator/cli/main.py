@@ -91,10 +91,12 @@ Quick start on one machine (everything local, nothing to configure):
   smoltorrent demo
 
 A real cluster across machines (a node with no cluster key listens on loopback only):
-  once:                   openssl rand -hex 32     # the cluster key
-  on every machine:       export SMOLTORRENT_CLUSTER_KEY=<that key>
-                          export SMOLTORRENT_REDIS_URL=redis://:<password>@<redis host>:6379/0
-  on each storage node:   smoltorrent serve --data-dir /srv/smoltorrent
+  on the training box:    smoltorrent init             # the cluster key file, and what
+                                                       # to run where (printed)
+  copy the key file to every machine: ~/.smoltorrent/cluster.key
+  on every machine:       export SMOLTORRENT_REDIS_URL=redis://:<password>@<redis host>:6379/0
+  on each storage node:   smoltorrent serve --key-file ~/.smoltorrent/cluster.key \
+                              --data-dir /srv/smoltorrent
   on the training box:    smoltorrent nodes add pi1:7411 pi2:7411 pi3:7411 pi4:7411
                           smoltorrent worker &          # runs the transfers
                           smoltorrent store ckpt/step_100.safetensors
@@ -104,7 +106,9 @@ A real cluster across machines (a node with no cluster key listens on loopback o
 Environment:
   SMOLTORRENT_REDIS_URL    Redis for metadata and Celery (default: an embedded one)
   SMOLTORRENT_HOME         state directory (default ~/.smoltorrent)
-  SMOLTORRENT_CLUSTER_KEY  shared secret; nodes then refuse unauthenticated peers
+  SMOLTORRENT_CLUSTER_KEY_FILE  the cluster key file (default $SMOLTORRENT_HOME/cluster.key);
+                           nodes with a key refuse unauthenticated peers
+  SMOLTORRENT_CLUSTER_KEY  the key itself, instead of a file
 """
 
 
@@ -119,6 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    i = sub.add_parser(
+        "init",
+        help="make the cluster key file and print what to run on each machine",
+        description="Write a new random cluster key to $SMOLTORRENT_HOME/cluster.key"
+        " (~/.smoltorrent/cluster.key; mode 0600) and print what to run on each storage node"
+        " and on each other training or reading machine. Every node and machine of the"
+        " cluster uses this one key: nodes refuse whoever cannot prove it.",
+    )
+    i.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing key (every node and machine then needs the new one)",
+    )
 
     s = sub.add_parser("serve", help="run a shard server (on each storage node)")
     add_serve_arguments(s)
@@ -466,6 +484,7 @@ def _report(message: str, hint: str | None, as_json: bool) -> None:
 # The module of coordinator/cli/ that holds each command's cmd_<command>, imported only
 # when that command runs: a command pays for no other's imports.
 COMMAND_MODULES = {
+    "init": "node_commands",
     "store": "transfer_commands",
     "gather": "transfer_commands",
     "wait": "transfer_commands",

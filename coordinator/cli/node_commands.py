@@ -1,9 +1,11 @@
-"""`nodes add|ls|rm` and `discover`: the storage nodes this cluster knows, registered by
-address or found over mDNS."""
+"""`init`, `nodes add|ls|rm` and `discover`: the cluster key, and the storage nodes this
+cluster knows, registered by address or found over mDNS (only those that prove the key)."""
 
 from __future__ import annotations
 
 import argparse
+import socket
+import sys
 
 from coordinator import config
 from coordinator.cli import reports
@@ -11,7 +13,63 @@ from coordinator.cli.cluster import NODE_STATE, metadata, node_addresses
 from coordinator.cli.output import console, emit_json, human_bytes, table
 from coordinator.dataplane.node_client import NodeClient
 from smoltorrent import defaults
+from smoltorrent.cluster_key import create_key_file
 from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
+
+REMOTE_KEY_FILE = "~/.smoltorrent/cluster.key"  # where every other machine keeps the key
+
+INIT_STEPS = """\
+wrote a new cluster key to {path} (mode 0600). Keep it secret: whoever holds it can read,
+write and delete every checkpoint. Every machine below needs this one file and one Redis.
+
+Redis: {redis}
+
+1. Copy the key file to each storage node and each other training or reading machine:
+     ssh HOST 'mkdir -p ~/.smoltorrent && umask 077 && cat > {remote}' < {path}
+
+2. On each storage node (it listens on every interface, port {port}):
+     smoltorrent serve --key-file {remote} --data-dir /srv/smoltorrent
+
+3. On this machine (the training box):
+     export SMOLTORRENT_REDIS_URL={url}
+     smoltorrent nodes add HOST1 HOST2 HOST3 HOST4
+     smoltorrent worker &
+     smoltorrent beat &
+     smoltorrent store checkpoints/step_100.safetensors
+   (or SMOLTORRENT_DISCOVER=1 smoltorrent worker: it registers, over mDNS, every node
+   that proves this key)
+
+4. On each other training or reading machine (the key is read from {remote};
+   elsewhere set SMOLTORRENT_CLUSTER_KEY_FILE=PATH):
+     export SMOLTORRENT_REDIS_URL={url}
+     smoltorrent worker &                                      # a training machine
+     smoltorrent gather step_100.safetensors -o /data/step_100.safetensors  # any reader
+"""
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = config.cluster_key_file()
+    create_key_file(path, force=args.force)
+    url = config.redis_url_from_env()
+    if url is not None:
+        redis, shown = f"{config.shown_url(url)} (SMOLTORRENT_REDIS_URL)", config.shown_url(url)
+    else:
+        redis = (
+            "none set: the embedded one listens on loopback only. Run a Redis the other"
+            " machines reach\n  (Debian: apt install redis-server; in redis.conf set bind,"
+            " requirepass, appendonly yes,\n  maxmemory-policy noeviction) and use its URL below."
+        )
+        shown = f"redis://:<password>@{socket.gethostname()}:6379/0"
+    sys.stdout.write(
+        INIT_STEPS.format(
+            path=path,
+            remote=REMOTE_KEY_FILE,
+            redis=redis,
+            url=shown,
+            port=defaults.DEFAULT_PORT,
+        )
+    )
+    return 0
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:

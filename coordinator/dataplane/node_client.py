@@ -8,7 +8,6 @@ error frames raise NodeError (code attribute), DigestMismatchError for
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smoltorrent import defaults
+from smoltorrent.cluster_key import key_from_env
 from smoltorrent.errors import (
     DigestMismatchError,
     NodeUnavailableError,
@@ -26,7 +26,6 @@ from smoltorrent.errors import (
 )
 from worker_server import protocol, wire
 
-CLUSTER_KEY_ENV = "SMOLTORRENT_CLUSTER_KEY"
 ADDRESS_PATTERN = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d+)")
 
 
@@ -88,8 +87,7 @@ class NodeClient:
         pace: Callable[[int], None] | None = None,
     ) -> None:
         self.address = address
-        env_key = os.environ.get(CLUSTER_KEY_ENV)
-        self.cluster_key = cluster_key or (env_key.encode("utf-8") if env_key else None)
+        self.cluster_key = cluster_key or key_from_env()
         self.timeout = defaults.SOCKET_TIMEOUT_S if timeout is None else timeout
         # Told of every slice of blob bytes sent or received (a transfer's WireMeter.wire,
         # coordinator/dataplane/bandwidth.py): counts them, and may wait for a limit.

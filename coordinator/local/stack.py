@@ -28,6 +28,7 @@ from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.state.embedded_redis import ensure_redis_url, redis_status, stop_redis
 from coordinator.state.metadata import Metadata
 from smoltorrent import defaults
+from smoltorrent.cluster_key import key_from_env
 from smoltorrent.errors import SmoltorrentError
 
 
@@ -98,6 +99,10 @@ class Stack:
         argv = [sys.executable, "-m", "worker_server", "--data-dir", str(data)]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--no-mdns"]
         argv += self._metrics(defaults.UP_NODE_METRICS + i)
+        if config.cluster_key() is not None and key_from_env() is None:
+            # The key is the home's file (`smoltorrent init`), which a node never reads by
+            # itself; the environment's key or file the nodes inherit.
+            argv += ["--key-file", str(config.cluster_key_file())]
         part = self._spawn(f"node{i}", argv, defaults.LOCAL_STOP_TIMEOUT_S)
         deadline = time.monotonic() + defaults.LOCAL_START_TIMEOUT_S
         while not port_file.exists():

@@ -237,8 +237,8 @@ def test_the_help_recipe_sets_the_key_a_node_needs_beyond_loopback(tmp_path: Pat
     and a node refusing a non-loopback bind says how to make and set one."""
     recipe = run("--help").stdout.split("A real cluster")[1].split("Environment:")[0]
     lines = recipe.splitlines()
-    key_line = next(i for i, line in enumerate(lines) if "export SMOLTORRENT_CLUSTER_KEY=" in line)
-    serve_line = next(i for i, line in enumerate(lines) if "smoltorrent serve" in line)
+    key_line = next(i for i, line in enumerate(lines) if "smoltorrent init" in line)
+    serve_line = next(i for i, line in enumerate(lines) if "smoltorrent serve --key-file" in line)
     assert key_line < serve_line, recipe
     refused = run(
         "serve",
@@ -251,5 +251,5 @@ def test_the_help_recipe_sets_the_key_a_node_needs_beyond_loopback(tmp_path: Pat
         env=clean_env(tmp_path),
     )
     assert refused.returncode == 2
-    assert "openssl rand -hex 32" in refused.stderr
-    assert "export SMOLTORRENT_CLUSTER_KEY=" in refused.stderr
+    assert "smoltorrent init" in refused.stderr
+    assert "--key-file" in refused.stderr

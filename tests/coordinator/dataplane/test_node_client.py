@@ -112,9 +112,7 @@ def test_key_comes_from_the_environment(
 
 def test_keyed_client_refuses_a_keyless_node(fake_node) -> None:
     address = fake_node(send_hello)
-    with pytest.raises(
-        AuthenticationError, match="has no cluster key; start it with --cluster-key"
-    ):
+    with pytest.raises(AuthenticationError, match="has no cluster key; start it with --key-file"):
         NodeClient(address, cluster_key=KEY).ping()
 
 
