@@ -23,9 +23,10 @@ saved = smoltorrent.save_sharded(sd, name, step, rank, world, keep_last=keep)
 print(json.dumps({"version_id": saved.version_id}))
 """
 
-# Tries a call; prints the error's class and message, or what it returned.
+# Tries each call in turn, in one process (one import of torch and the API, not one
+# per call): per call, the error's class and message, or what CHECK made of its result.
 TRY = """
-import json
+import json, sys
 import smoltorrent
 from smoltorrent.errors import ShardedCheckpointError
 from tests.checkpoints import llm_like_tensors
@@ -34,12 +35,15 @@ import torch
 def bits(sd):
     return {k: v.contiguous().reshape(-1).view(torch.uint8).tolist() for k, v in sd.items()}
 
-try:
-    out = CALL
-except ShardedCheckpointError as exc:
-    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
-else:
-    print(json.dumps({"value": CHECK}))
+results = []
+for call, check in json.loads(sys.argv[1]):
+    try:
+        out = eval(call)
+    except ShardedCheckpointError as exc:
+        results.append({"error": type(exc).__name__, "message": str(exc)})
+    else:
+        results.append({"value": eval(check)})
+print(json.dumps(results))
 """
 
 
@@ -111,34 +115,56 @@ def ranks(cluster, name: str, step: int, rank_ids, world: int, keep: int | None 
         assert "version_id" in json.loads(out.strip().splitlines()[-1])
 
 
-def attempt(cluster, call: str, check: str = "None"):
-    return run_api(cluster, TRY.replace("CALL", call).replace("CHECK", check))
+def attempts(cluster, *calls: str | tuple[str, str]) -> list[dict]:
+    """Each call tried in order in one API process: a call alone (its result unchecked) or
+    (call, check), check an expression of its result `out`."""
+    pairs = [(c, "None") if isinstance(c, str) else c for c in calls]
+    proc = subprocess.run(
+        [sys.executable, "-c", TRY, json.dumps(pairs)],
+        env=cluster.env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(pairs)
+    return results
 
 
 def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(make_cluster):
     c = make_cluster(3)
     # Ranks 0 and 1 of 3 store step 100; rank 2 never does: the step stays partial.
     ranks(c, "run", 100, [0, 1], 3)
-    assert attempt(c, "smoltorrent.latest_step('run')", "out") == {"value": None}
-    partial = attempt(c, "smoltorrent.load_sharded('run', 100, 0, 3)")
+    latest, partial = attempts(
+        c, ("smoltorrent.latest_step('run')", "out"), "smoltorrent.load_sharded('run', 100, 0, 3)"
+    )
+    assert latest == {"value": None}
     assert partial["error"] == "PartialStepError" and "rank 2 never finished" in partial["message"]
 
     ranks(c, "run", 100, [2], 3)
-    assert attempt(c, "smoltorrent.latest_step('run')", "out") == {"value": 100}
-    for r in range(3):
-        same = attempt(
-            c,
-            f"smoltorrent.load_sharded('run', 100, {r}, 3)",
-            f"bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=100000 + {r}))",
-        )
-        assert same == {"value": True}, r
-
     # World-size change: resuming step 100 on 4 ranks, or adding a 4th rank's part to it.
-    for call in (
+    changes = (
         "smoltorrent.load_sharded('run', 100, 0, 4)",
         "smoltorrent.save_sharded(llm_like_tensors(layers=1), 'run', 100, 3, 4)",
-    ):
-        refused = attempt(c, call)
+    )
+    latest, *loaded = attempts(
+        c,
+        ("smoltorrent.latest_step('run')", "out"),
+        *(
+            (
+                f"smoltorrent.load_sharded('run', 100, {r}, 3)",
+                f"bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=100000 + {r}))",
+            )
+            for r in range(3)
+        ),
+        *changes,
+    )
+    assert latest == {"value": 100}
+    for r, same in enumerate(loaded[:3]):
+        assert same == {"value": True}, r
+    for call, refused in zip(changes, loaded[3:], strict=True):
         assert refused["error"] == "WorldSizeMismatchError", call
         assert "world size 3" in refused["message"] or "by 3 ranks" in refused["message"]
 
@@ -162,11 +188,11 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
     # A missing rank: one rank's part of the committed step removed behind its back.
     c.cli("rm", "run/step-00000100/rank-00001-of-00003.safetensors", "--yes")
     # Resuming it on 3 ranks, or resharding it onto 2, names the rank and what to do.
-    for call in (
+    calls = (
         "smoltorrent.load_sharded('run', 100, 0, 3)",
         "smoltorrent.load_sharded('run', 100, 0, 2, reshard=True)",
-    ):
-        missing = attempt(c, call)
+    )
+    for call, missing in zip(calls, attempts(c, *calls), strict=True):
         assert missing["error"] == "MissingRankError", call
         assert "the part of rank 1 of its 3 ranks" in missing["message"], missing
         assert "No older step of it has every part" in missing["message"], missing
@@ -178,8 +204,10 @@ def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster)
     ranks(c, "keep", 2, [0, 1], 2, keep=2)
     ranks(c, "keep", 3, [0], 2, keep=1)  # step 3 in flight: rank 1 has not stored it yet
     ranks(c, "keep", 4, [0, 1], 2, keep=1)  # committing step 4 keeps 1: steps 1, 2 go
-    assert attempt(c, "smoltorrent.latest_step('keep')", "out") == {"value": 4}
-    gone = attempt(c, "smoltorrent.load_sharded('keep', 1, 0, 2)")
+    latest, gone = attempts(
+        c, ("smoltorrent.latest_step('keep')", "out"), "smoltorrent.load_sharded('keep', 1, 0, 2)"
+    )
+    assert latest == {"value": 4}
     assert gone["error"] == "StepNotFoundError"
     names = {"keep/step-00000001", "keep/step-00000002"}
     wait_until(
@@ -188,13 +216,16 @@ def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster)
     )
     # Step 3 was pending throughout: untouched, and it commits when rank 1 stores it.
     ranks(c, "keep", 3, [1], 2)
-    same = attempt(
+    same, latest = attempts(
         c,
-        "smoltorrent.load_sharded('keep', 3, 1, 2)",
-        "bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=3001))",
+        (
+            "smoltorrent.load_sharded('keep', 3, 1, 2)",
+            "bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=3001))",
+        ),
+        ("smoltorrent.latest_step('keep')", "out"),
     )
     assert same == {"value": True}
-    assert attempt(c, "smoltorrent.latest_step('keep')", "out") == {"value": 4}
+    assert latest == {"value": 4}
 
 
 def test_rebuild_after_losing_redis_restores_complete_steps_only(make_cluster):
@@ -204,11 +235,15 @@ def test_rebuild_after_losing_redis_restores_complete_steps_only(make_cluster):
     c.md.r.flushall()
     summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
     assert summary["steps"] == 1
-    assert attempt(c, "smoltorrent.latest_step('lost')", "out") == {"value": 7}
-    same = attempt(
+    latest, same, partial = attempts(
         c,
-        "smoltorrent.load_sharded('lost', 7, 1, 2)",
-        "bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=7001))",
+        ("smoltorrent.latest_step('lost')", "out"),
+        (
+            "smoltorrent.load_sharded('lost', 7, 1, 2)",
+            "bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=7001))",
+        ),
+        "smoltorrent.load_sharded('lost', 8, 0, 2)",
     )
+    assert latest == {"value": 7}
     assert same == {"value": True}
-    assert attempt(c, "smoltorrent.load_sharded('lost', 8, 0, 2)")["error"] == "StepNotFoundError"
+    assert partial["error"] == "StepNotFoundError"
