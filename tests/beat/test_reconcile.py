@@ -175,19 +175,22 @@ def test_a_worker_killed_while_the_commit_runs_loses_no_acknowledged_store(make_
     c = make_cluster(3, concurrency=2)
     src = make_ckpt(tmp_path / "k.safetensors")
     vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
-    # An acknowledged store of those bytes: its task joins the pending version and ends;
-    # the CLI waits for the commit.
-    store = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "store", str(src)],
-        env=c.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_until(lambda: not c.md.requests.open_requests(), what="the store request to be served")
+    # Every node stopped first: a commit sent by the store's own join then waits on them
+    # too. Stopped after the store, that commit could finish first on a loaded machine,
+    # and the held phase below never came (CI: "timed out waiting for the commit task").
     for node in c.node_procs:
         node.send_signal(signal.SIGSTOP)
     try:
+        # An acknowledged store of those bytes: its task joins the pending version and
+        # ends; the CLI waits for the commit.
+        store = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "store", str(src)],
+            env=c.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_until(lambda: not c.md.requests.open_requests(), what="the store request to be served")
         subprocess.run(
             [
                 sys.executable,
