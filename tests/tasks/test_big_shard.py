@@ -6,7 +6,6 @@ gathered file hold real bytes (about 13 GiB of disk while it runs, all removed a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,9 +18,16 @@ TENSOR_BYTES = (4 << 30) + (64 << 20)  # the 2^32 offset lies well inside it
 BIG_TIMEOUT_S = 1800  # seconds per CLI command; the test waits on the command, not a clock
 
 
-def _sha256(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _same_bytes(a, b, chunk: int = 16 << 20) -> bool:
+    """Whether two files hold the same bytes: compared a chunk at a time, three times
+    faster than hashing both (SHA-256 runs at ~1.4 GB/s here, a compare at memory speed)."""
+    with open(a, "rb", buffering=0) as fa, open(b, "rb", buffering=0) as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
 
 
 def test_a_shard_over_4_gib_round_trips_byte_identical(make_cluster, tmp_path):
@@ -40,7 +46,7 @@ def test_a_shard_over_4_gib_round_trips_byte_identical(make_cluster, tmp_path):
         assert all(len(b) == 1 and next(iter(b.values())) > 1 << 32 for b in blobs)
         c.cli("gather", "big", "-o", str(out), timeout=BIG_TIMEOUT_S)
         assert os.path.getsize(out) == size
-        assert _sha256(out) == _sha256(src)
+        assert _same_bytes(out, src)
         out.unlink()
         # A partial gather of the tensor past 4 GiB into the shard: a range read there.
         c.cli("gather", "big", "--tensors", "small", "-o", str(part), timeout=BIG_TIMEOUT_S)
