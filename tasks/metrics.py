@@ -68,13 +68,16 @@ def enable(port: int, directory: Path, host: str = "0.0.0.0") -> int:
         "Wall time of a gather.",
         buckets=defaults.WORKER_SECONDS_BUCKETS,
     )
+    # By node: its id, and its address (host:port) so a person reads which machine it is.
     _m.transfer_bytes = Counter(
-        "smoltorrent_transfer_bytes", "Shard bytes moved onto a node, by node.", ["node"]
+        "smoltorrent_transfer_bytes",
+        "Shard bytes moved onto a node, by node.",
+        ["node", "address"],
     )
     _m.transfer_seconds = Histogram(
         "smoltorrent_transfer_seconds",
         "Time of one shard transfer that moved bytes, by node.",
-        ["node"],
+        ["node", "address"],
         buckets=defaults.WORKER_SECONDS_BUCKETS,
     )
     _m.transfer_retries = Counter(
@@ -208,10 +211,14 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
             nodes = {kwargs.get("node_id", ""): retval}
         else:
             nodes = (retval.get("nodes") or {}) if isinstance(retval, dict) else {}
-        for node, how in nodes.items():
-            if how in ("sent", "replicated"):
-                _m.transfer_bytes.labels(node=node).inc(size)
-                _m.transfer_seconds.labels(node=node).observe(time.monotonic() - started)
+        moved = [node for node, how in nodes.items() if how in ("sent", "replicated")]
+        registered = metadata().nodes.nodes() if moved else {}
+        for node in moved:
+            rec = registered.get(node)
+            address = str(rec.address) if rec is not None else ""
+            _m.transfer_bytes.labels(node=node, address=address).inc(size)
+            seconds = time.monotonic() - started
+            _m.transfer_seconds.labels(node=node, address=address).observe(seconds)
     elif sender.name == "smoltorrent.gather" and isinstance(retval, dict):
         _m.gather_seconds.observe(float(retval.get("seconds", 0)))
         _m.raw_bytes.labels(direction="gather").inc(int(retval.get("raw_bytes", 0)))

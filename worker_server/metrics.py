@@ -42,8 +42,10 @@ def _number(value: float) -> str:
 class NodeMetrics:
     """What one node counts; thread-safe, cheap enough to update on every request."""
 
-    def __init__(self, node_id: str, gauges: Gauges | None = None) -> None:
+    def __init__(self, node_id: str, gauges: Gauges | None = None, address: str = "") -> None:
         self.node_id = node_id
+        # host:port it serves on, labelled beside the id: a person reads which machine.
+        self.address = address
         self.gauges = gauges or dict
         self._lock = threading.Lock()
         self._bytes_received = 0
@@ -89,7 +91,7 @@ class NodeMetrics:
             scrubbed = self._bytes_scrubbed
             failures = dict(self._verify_failures)
             requests = {op: (list(c), t[0]) for op, (c, t) in self._requests.items()}
-        node = (("node", self.node_id),)
+        node = (("node", self.node_id),) + ((("address", self.address),) if self.address else ())
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:

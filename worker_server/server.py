@@ -73,8 +73,15 @@ class ShardServer:
         self._sessions: set[threading.Thread] = set()
         self._sessions_lock = threading.Lock()
         self._stopping = threading.Event()
-        self.metrics = NodeMetrics(store.node_id, self._gauges)
+        self.metrics = NodeMetrics(store.node_id, self._gauges, self._address())
         self.scrubber = Scrubber(store, scrub_rate_bps, self.metrics)
+
+    def _address(self) -> str:
+        """host:port as the cluster registers it: the bound host, or this machine's name
+        when bound to every interface."""
+        wildcard = self.host in ("0.0.0.0", "::", "")
+        host = socket.gethostname() if wildcard else self.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def _gauges(self) -> dict[str, float]:
         stat = self.store.stat()

@@ -185,3 +185,38 @@ def test_cluster_gauges_come_from_the_listing_not_from_every_manifest(tmp_path, 
         for node in nodes:
             node.stop()
         os.kill(pid, signal.SIGTERM)
+
+
+def test_node_series_carry_the_nodes_address_beside_its_id(make_cluster, tmp_path):
+    """Metrics labelled nodes with a 32-hex id only: a person reading a dashboard could not
+    tell which machine it was (issue 24). The worker's per-node series and each node's own
+    carry `address` (host:port) beside `node`."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(port: str) -> list:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+        return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    c = make_cluster(2, SMOLTORRENT_METRICS_PORT="0")
+    src = tmp_path / "m.safetensors"
+    write_checkpoint(src, 200_000, hidden=32)
+    past = time.time() - 60
+    os.utime(src, (past, past))
+    c.cli("store", str(src), "--replicas", "2", "--shards", "1")
+    addresses = {nid: str(rec.address) for nid, rec in c.md.nodes.nodes().items()}
+    sent = [
+        s for s in scrape(worker_metrics_port(c)) if s.name == "smoltorrent_transfer_bytes_total"
+    ]
+    assert {s.labels["node"] for s in sent} == set(addresses), sent
+    assert all(s.labels.get("address") == addresses[s.labels["node"]] for s in sent), sent
+    for node in c.node_procs:
+        info = [
+            s
+            for s in scrape((node.data_dir / "metrics_port").read_text().strip())
+            if s.name == "smoltorrent_node_info"
+        ]
+        assert info[0].labels.get("address") == str(node.address), info
+        assert addresses[info[0].labels["node"]] == str(node.address)
