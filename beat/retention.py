@@ -1,5 +1,6 @@
-"""The retention sweep: keep the last K committed versions of every name, and dead
-letters for DEAD_LETTER_MAX_AGE_S.
+"""The retention sweep: keep the last K committed versions of every name, the K newest
+entries under each prefix that has a rule (coordinator/state/retention.py), never a pinned
+version, and dead letters for DEAD_LETTER_MAX_AGE_S.
 
 Which versions are past K is decided here from the versions zset (ordered by the
 sequence number of their latest request, never by wall clocks); the decision is
@@ -19,6 +20,7 @@ from celery.utils.log import get_task_logger
 from beat.sweeps import sweep
 from coordinator import config
 from coordinator.state.metadata import Metadata
+from coordinator.state.retention import plan, rules
 from coordinator.state.versions import ABORTED, COMMITTED
 from smoltorrent import defaults
 from tasks.context import metadata
@@ -45,24 +47,33 @@ def candidates(md: Metadata, name: str, keep: int, states: dict[str, str]) -> li
 
 def run_pass(keep: int | None = None) -> dict[str, int]:
     """Retire every candidate the script agrees to, and send its remove; a count of
-    outcomes ("retired", "reading", ...)."""
+    outcomes ("retired", "reading", "pinned", ...)."""
     md = metadata()
     keep = config.keep_last() if keep is None else keep
     outcomes: Counter[str] = Counter()
+
+    def retire(name: str, vkey: str, k: int, before: int | None = None) -> None:
+        outcome = md.removals.retire(vkey, k, before)
+        outcomes[outcome] += 1
+        if outcome == "retired":
+            send_remove(vkey)
+        elif outcome == "reading":
+            log.info("retention: %s %s is being gathered; removed later", name, vkey[:12])
+
     states = md.listing.version_states()  # one request, not one per version
     for name in md.versions.names():
         for vkey in candidates(md, name, keep, states):
-            outcome = md.removals.retire(vkey, keep)
-            outcomes[outcome] += 1
-            if outcome == "retired":
-                send_remove(vkey)
-            elif outcome == "reading":
-                log.info("retention: %s %s is being gathered; removed later", name, vkey[:12])
+            retire(name, vkey, keep)
+    for prefix, k in rules(md).items():
+        names, before = plan(md, prefix, k)
+        for name in names:
+            for vkey in md.versions.versions(name):  # oldest request first
+                retire(name, vkey, k, before)
     pruned = md.dead_letters.prune(defaults.DEAD_LETTER_MAX_AGE_S)
     if pruned:
         outcomes["dead letters pruned"] = pruned
     if outcomes:
-        log.warning("retention (keep %d): %s", keep, dict(outcomes))
+        log.info("retention (keep %d, and per prefix): %s", keep, dict(outcomes))
     return dict(outcomes)
 
 

@@ -28,5 +28,20 @@ def node_addresses(texts: list[str], default_port: int | None = None) -> list[No
         raise UsageError(str(exc)) from exc
 
 
+def at_label(name: str, version: str | None) -> tuple[str, str | None]:
+    """`NAME@LABEL` as (NAME, the id of its version tagged LABEL); any other name as it is
+    (a name holding "@" that is stored is that name)."""
+    if "@" not in name:
+        return name, version
+    md = metadata()
+    if md.versions.has_name(name):
+        return name, version
+    base, _, label = name.rpartition("@")
+    if version is not None:
+        raise UsageError(f"give {name} or --version, not both: {label!r} names a version")
+    vkey = md.versions.with_label(base, label)
+    return base, md.versions.version(vkey)["version_id"]
+
+
 # down: missed its latest probe, not yet dead; dead: silent past SMOLTORRENT_DEAD_AFTER_S
 NODE_STATE = {"up": "up", "down": "down", "dead": "DEAD"}

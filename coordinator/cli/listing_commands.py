@@ -8,7 +8,7 @@ import time
 
 from coordinator import config
 from coordinator.cli import reports
-from coordinator.cli.cluster import NODE_STATE, metadata
+from coordinator.cli.cluster import NODE_STATE, at_label, metadata
 from coordinator.cli.output import console, emit_json, human_bytes, table
 
 
@@ -23,7 +23,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         console.print("no checkpoints stored yet; store one with `smoltorrent store PATH`.")
         return 0
-    columns = ["name", "version", "state", "tensors", "size", "shards", "copies", "created"]
+    columns = ["name", "version", "state", "tensors", "size", "shards", "copies", "kept"]
+    columns.append("created")
     one_name = args.name is not None and not args.name.endswith("/")
     if one_name:
         columns = columns[1:]
@@ -45,6 +46,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             human_bytes(r["size"]),
             r["shards"],
             f"{r['min_copies']}/{r['replicas']}" + (" !" if r["under_replicated"] else ""),
+            ",".join(["pinned"] * r["pinned"] + [f"@{t}" for t in r["tags"]]),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])),
         )
 
@@ -55,6 +57,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    args.name, args.version = at_label(args.name, args.version)
     h = reports.header(metadata(), args.name, args.version)
     if not args.tensors:
         del h["tensors"]

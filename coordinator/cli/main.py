@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
 
     g = sub.add_parser("gather", help="rebuild a checkpoint into a file (or a directory)")
-    g.add_argument("name")
+    g.add_argument("name", help="a checkpoint name, or NAME@LABEL (see `smoltorrent tag`)")
     g.add_argument(
         "-o",
         "--output",
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         " name, dtype and shape. Read from the manifest in Redis: no node is asked and no"
         " tensor byte moves.",
     )
-    sh.add_argument("name")
+    sh.add_argument("name", help="a checkpoint name, or NAME@LABEL (see `smoltorrent tag`)")
     sh.add_argument("--version", help="a version id prefix (default: the current version)")
     sh.add_argument("--tensors", action="store_true", help="list every tensor")
     sh.add_argument("--json", action="store_true")
@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Remove one version (--version) or every version of NAME, deleting the"
         " blobs no other version uses. Removing every version asks first on a terminal; a"
         " script says --yes (without it, and with no terminal to ask on, nothing is removed,"
-        " exit 2). --dry-run lists what would go and changes nothing.",
+        " exit 2). --dry-run lists what would go and changes nothing. A pinned version is"
+        " never removed: `smoltorrent unpin` it first.",
     )
     rm.add_argument("name")
     rm.add_argument("--version", help="a version id prefix")
@@ -304,6 +305,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="list the versions that would go; remove nothing"
     )
     rm.add_argument("--json", action="store_true")
+
+    pin = sub.add_parser(
+        "pin",
+        help="keep a version from retention (until unpinned)",
+        description="Pin a committed version (the current one unless VERSION is given):"
+        " retention, the last K per name and the rules of `smoltorrent retain`, never removes"
+        " it, and `rm` refuses it, until `smoltorrent unpin`. `ls` marks it pinned.",
+    )
+    pin.add_argument("name")
+    pin.add_argument("version", nargs="?", help="a version id prefix (default: the current one)")
+    pin.add_argument("--json", action="store_true")
+    unpin = sub.add_parser("unpin", help="let retention remove a pinned version again")
+    unpin.add_argument("name")
+    unpin.add_argument("version", nargs="?", help="a version id prefix (default: the current one)")
+    unpin.add_argument("--json", action="store_true")
+    tag = sub.add_parser(
+        "tag",
+        help="label a version, to gather or show it as NAME@LABEL",
+        description="Give a committed version of NAME the label LABEL (letters, digits, . _"
+        " -), taken from any other version of NAME that had it: `smoltorrent gather"
+        " NAME@LABEL -o OUT` and `smoltorrent show NAME@LABEL` then mean that version. A"
+        " label does not keep a version from retention: pin it for that. --rm takes the label"
+        " off.",
+    )
+    tag.add_argument("name")
+    tag.add_argument("version", help="a version id prefix")
+    tag.add_argument("label")
+    tag.add_argument("--rm", action="store_true", help="take LABEL off that version")
+    tag.add_argument("--json", action="store_true")
+    retain = sub.add_parser(
+        "retain",
+        help="keep only the K newest checkpoints under a prefix (e.g. a run's steps)",
+        description="Retention by prefix: the retention sweep keeps the K newest entries"
+        " directly under PREFIX/ (a name, or a folder of names, kept or removed whole),"
+        " newest by their latest store request, and removes every version of the older"
+        " ones, except a pinned version, one being gathered or still pending. For a run that"
+        " saves run1/step_100.safetensors, run1/step_200.safetensors, ... (one name a step,"
+        " which the last K per name, SMOLTORRENT_KEEP_LAST, never prunes). Directory and"
+        " sharded checkpoints are left to `rm` and save_sharded(keep=). With no argument,"
+        " lists the rules.",
+    )
+    retain.add_argument("prefix", nargs="?", metavar="PREFIX/")
+    what = retain.add_mutually_exclusive_group()
+    what.add_argument("--keep", type=_count(1), metavar="K", help="entries kept under PREFIX/")
+    what.add_argument("--off", action="store_true", help="drop the rule on PREFIX/")
+    retain.add_argument(
+        "--dry-run", action="store_true", help="list what the next sweep would remove"
+    )
+    retain.add_argument("--json", action="store_true")
 
     d = sub.add_parser("dlq", help="list and replay dead letters (tasks that failed for good)")
     dsub = d.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
@@ -495,6 +545,10 @@ COMMAND_MODULES = {
     "discover": "node_commands",
     "verify": "operation_commands",
     "rm": "operation_commands",
+    "pin": "operation_commands",
+    "unpin": "operation_commands",
+    "tag": "operation_commands",
+    "retain": "operation_commands",
     "dlq": "operation_commands",
     "rebuild": "operation_commands",
     "redis": "operation_commands",

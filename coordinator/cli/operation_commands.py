@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -100,6 +101,13 @@ def cmd_rm(args: argparse.Namespace) -> int:
         vkeys = md.versions.versions(args.name)
         if not vkeys:
             raise NotFoundError(f"no checkpoint named {args.name}; see `smoltorrent ls`.")
+    pinned = [v for v, (pin, _) in md.versions.labels(vkeys).items() if pin]
+    if pinned:
+        ids = ", ".join(r["version_id"][:12] for r in _version_rows(md, pinned))
+        raise SmoltorrentError(
+            f"{args.name}: version(s) {ids} pinned, so nothing was removed; `smoltorrent unpin"
+            f" NAME VERSION` first"
+        )
     if args.dry_run:
         return _would_remove(md, args, vkeys)
     if not args.version and not args.yes and not _confirmed(md, args.name, vkeys):
@@ -177,6 +185,118 @@ def _confirmed(md, name: str, vkeys: list[str]) -> bool:
     )
     sys.stderr.flush()
     return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _committed(md, name: str, version: str | None) -> tuple[str, str]:
+    """(vkey, version id) of NAME's VERSION (a version id prefix) or current version."""
+    vkey = md.versions.resolve(name, version)
+    return vkey, md.versions.version(vkey)["version_id"]
+
+
+def _said(args: argparse.Namespace, answer: dict, line: str) -> int:
+    if args.json:
+        emit_json(answer)
+    else:
+        console.print(line)
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    md = metadata()
+    vkey, vid = _committed(md, args.name, args.version)
+    state = md.versions.pin(vkey)
+    if state != "committed":
+        raise SmoltorrentError(f"{args.name} {vid[:12]} is {state}: only a committed one is pinned")
+    return _said(
+        args,
+        {"name": args.name, "version_id": vid, "pinned": True},
+        f"pinned {args.name} {vid[:12]}: retention keeps it until `smoltorrent unpin`",
+    )
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    md = metadata()
+    vkey, vid = _committed(md, args.name, args.version)
+    was = md.versions.unpin(vkey)
+    return _said(
+        args,
+        {"name": args.name, "version_id": vid, "pinned": False, "was_pinned": was},
+        f"unpinned {args.name} {vid[:12]}" if was else f"{args.name} {vid[:12]} was not pinned",
+    )
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    if not LABEL.fullmatch(args.label):
+        raise UsageError(
+            f"{args.label!r} is not a label: letters, digits, '.', '_' and '-', up to 64,"
+            " starting with a letter or digit"
+        )
+    md = metadata()
+    vkey, vid = _committed(md, args.name, args.version)
+    answer = {"name": args.name, "version_id": vid, "label": args.label}
+    if args.rm:
+        if not md.versions.untag(vkey, args.label):
+            raise NotFoundError(f"{args.name} {vid[:12]} is not tagged {args.label!r}")
+        return _said(args, answer, f"{args.name} {vid[:12]} is no longer {args.label}")
+    state = md.versions.tag(vkey, args.name, args.label)
+    if state != "committed":
+        raise SmoltorrentError(f"{args.name} {vid[:12]} is {state}: only a committed one is tagged")
+    return _said(
+        args, answer, f"tagged {args.name} {vid[:12]} {args.label}: {args.name}@{args.label}"
+    )
+
+
+def cmd_retain(args: argparse.Namespace) -> int:
+    from coordinator.state import retention
+
+    md = metadata()
+    if args.prefix is None:
+        if args.keep or args.off or args.dry_run:
+            raise UsageError("give the PREFIX/ the rule is for")
+        found = retention.rules(md)
+        if args.json:
+            emit_json(found)
+        elif not found:
+            console.print(
+                "no retention rules; `smoltorrent retain PREFIX/ --keep K` keeps the K newest"
+                " under PREFIX/"
+            )
+        else:
+            table("retention rules", ["prefix", "keep"], sorted(found.items()))
+        return 0
+    retention.check_prefix(args.prefix)
+    if args.off:
+        dropped = retention.drop_rule(md, args.prefix)
+        return _said(
+            args,
+            {"prefix": args.prefix, "keep": None, "dropped": dropped},
+            f"no retention rule on {args.prefix} now" + ("" if dropped else " (there was none)"),
+        )
+    keep = args.keep or retention.rules(md).get(args.prefix)
+    if keep is None:
+        raise UsageError(f"no rule on {args.prefix} yet: give --keep K")
+    if args.dry_run:
+        names, _ = retention.plan(md, args.prefix, keep)
+        if args.json:
+            emit_json({"prefix": args.prefix, "keep": keep, "would_remove": names})
+        else:
+            for name in names:
+                console.print(name)
+            console.print(
+                f"{len(names)} name(s) under {args.prefix} past the {keep} newest"
+                " (pinned versions stay); nothing removed (--dry-run)"
+            )
+        return 0
+    retention.set_rule(md, args.prefix, keep)
+    return _said(
+        args,
+        {"prefix": args.prefix, "keep": keep},
+        f"retention keeps the {keep} newest under {args.prefix} (applied by the retention"
+        " sweep of `smoltorrent beat`; pinned versions stay)",
+    )
 
 
 def cmd_redis(args: argparse.Namespace) -> int:

@@ -23,14 +23,19 @@ def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
     if name is not None and not name.endswith("/"):
         if not md.versions.has_name(name):
             raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
-        return [row for row, _, _ in _versions(md, name)]
-    # A prefix reads every summary and keeps its own: the listing is one sorted set of all
-    # versions, a few round trips whatever their number.
-    return [
-        row
-        for row, _, _ in _versions(md)
-        if row["name"].startswith(name or "") and row["name"].rpartition("/")[2] != RECORD_FILE
-    ]
+        rows = [row for row, _, _ in _versions(md, name)]
+    else:
+        # A prefix reads every summary and keeps its own: the listing is one sorted set of
+        # all versions, a few round trips whatever their number.
+        rows = [
+            row
+            for row, _, _ in _versions(md)
+            if row["name"].startswith(name or "") and row["name"].rpartition("/")[2] != RECORD_FILE
+        ]
+    labels = md.versions.labels([row["vkey"] for row in rows])  # one more round trip
+    for row in rows:
+        row["pinned"], row["tags"] = labels[row["vkey"]]
+    return rows
 
 
 def _versions(

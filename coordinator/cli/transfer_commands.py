@@ -10,7 +10,7 @@ import time
 
 from coordinator import config
 from coordinator.cli import reports
-from coordinator.cli.cluster import metadata
+from coordinator.cli.cluster import at_label, metadata
 from coordinator.cli.output import console, emit_json, human_bytes, warn
 from coordinator.state.liveness import probe_registered
 from coordinator.state.versions import COMMITTED
@@ -257,6 +257,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
 
     if is_directory(args.name):
         return _gather_directory(args)
+    args.name, args.version = at_label(args.name, args.version)
 
     request = submit_gather(
         args.name, args.output, args.version, args.tensors, bwlimit=args.bwlimit

@@ -53,6 +53,15 @@ SUMMARIES_FILLED = PREFIX + "versions:summaries_filled"
 # listing in its first run; a hint only (any key it names may be gone), so it expires
 LISTING_HINT = PREFIX + "versions:listing_hint"
 
+# hash vkey -> unix time it was pinned: retention (per name, per prefix) never removes it
+PINS = PREFIX + "pins"
+# hash vkey -> its labels, space-separated (`tag NAME VERSION LABEL`, `gather NAME@LABEL`);
+# a label names one version of a name at a time
+TAGS = PREFIX + "tags"
+# hash prefix (ending in "/") -> K: the retention sweep keeps the K newest entries under it
+# (a name, or a folder of names), see beat/retention.py
+RETAIN = PREFIX + "retain"
+
 # counter: one sequence number per accepted request (orders a name's versions)
 SEQ = PREFIX + "seq"
 # hash: kind, host, seq, state, args (JSON), vkey, error, boot, times

@@ -53,26 +53,42 @@ class Removals:
                 return state
         raise _churn(vkey)
 
-    def retire(self, vkey: str, keep: int) -> str:
-        """Retention's remove: committed | aborted -> removing unless the version is
-        current, read by a gather, or among the `keep` newest committed versions of its
-        name (an aborted one: unless no committed version is newer). "retired" (the caller
-        sends the remove), else why not: "current", "reading", "kept" or the state found."""
+    def retire(self, vkey: str, keep: int, before: int | None = None) -> str:
+        """Retention's remove: committed | aborted -> removing unless the version is read
+        by a gather, pinned, or kept: by default, current or among the `keep` newest
+        committed versions of its name (an aborted one: unless no committed version is
+        newer); with `before` (retention by prefix, `keep` unused), some request of its
+        name is numbered `before` or later (its current version may go: the name goes
+        whole, version by version). "retired" (the caller sends the remove), else why not:
+        "current", "reading", "pinned", "kept" or the state found."""
         for _ in range(defaults.SCRIPT_KEY_RETRIES):
             found = self._remove_keys(vkey)
             if found is None:
                 return "missing"
             name, keys, blob_keys, blobs = found
-            newer = self._newer(name, vkey)
+            if before is None:
+                passed = self._newer(name, vkey)
+            else:
+                every = self.r.zrange(K.VERSIONS.format(name=name), 0, -1)
+                passed = [v for v in every if v != vkey]
             outcome = self._retire(
                 keys=[
                     *keys,
                     K.READERS.format(vkey=vkey),
+                    K.PINS,
                     *blob_keys,
-                    *(K.VERSION.format(vkey=v) for v in newer),
+                    *(K.VERSION.format(vkey=v) for v in passed),
                 ],
-                args=[name, vkey, time.time(), defaults.BLOB_TOMBSTONE_TTL_S, keep, len(blobs)]
-                + [*blobs, *newer],
+                args=[
+                    name,
+                    vkey,
+                    time.time(),
+                    defaults.BLOB_TOMBSTONE_TTL_S,
+                    keep if before is None else -1,
+                    before if before is not None else 0,
+                    len(blobs),
+                ]
+                + [*blobs, *passed],
             )
             if outcome != _STALE:
                 return outcome
@@ -144,6 +160,11 @@ class Removals:
             )
         )
         if finished:
+            # Its pin and labels name a version that is gone.
+            with self.r.pipeline(transaction=False) as p:
+                p.hdel(K.PINS, vkey)
+                p.hdel(K.TAGS, vkey)
+                p.execute()
             # A pending version removed had its spans kept. They describe these very bytes:
             # a store of them starting meanwhile loses nothing (its transfers read the
             # manifest then).

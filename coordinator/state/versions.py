@@ -69,6 +69,8 @@ class Versions:
         self._create = load(r, "versions/create")
         self._commit = load(r, "versions/commit")
         self._abort = load(r, "versions/abort")
+        self._pin = load(r, "versions/pin")
+        self._tag = load(r, "versions/tag")
 
     def create_pending(
         self,
@@ -211,6 +213,59 @@ class Versions:
 
     def current(self, name: str) -> str | None:
         return self.r.hget(K.CURRENT, name)
+
+    def pin(self, vkey: str) -> str:
+        """Keep a committed version from retention; the state found (pinned only if it is
+        "committed")."""
+        return self._pin(keys=[K.VERSION.format(vkey=vkey), K.PINS], args=[vkey, time.time()])
+
+    def unpin(self, vkey: str) -> bool:
+        """True if it was pinned."""
+        return bool(self.r.hdel(K.PINS, vkey))
+
+    def tag(self, vkey: str, name: str, label: str) -> str:
+        """Give a committed version of `name` the label `label`, taking it from any other
+        version of `name`; the state found (labelled only if it is "committed")."""
+        return self._tag(
+            keys=[K.VERSION.format(vkey=vkey), K.VERSIONS.format(name=name), K.TAGS],
+            args=[vkey, label],
+        )
+
+    def untag(self, vkey: str, label: str) -> bool:
+        """Take `label` off a version; True if it had it."""
+        labels = (self.r.hget(K.TAGS, vkey) or "").split()
+        if label not in labels:
+            return False
+        kept = " ".join(item for item in labels if item != label)
+        if kept:
+            self.r.hset(K.TAGS, vkey, kept)
+        else:
+            self.r.hdel(K.TAGS, vkey)
+        return True
+
+    def labels(self, vkeys: list[str]) -> dict[str, tuple[bool, list[str]]]:
+        """vkey -> (pinned, its labels), for these versions: one round trip."""
+        if not vkeys:
+            return {}
+        with self.r.pipeline(transaction=False) as p:
+            p.hmget(K.PINS, vkeys)
+            p.hmget(K.TAGS, vkeys)
+            pins, tags = p.execute()
+        return {
+            v: (pin is not None, (tag or "").split())
+            for v, pin, tag in zip(vkeys, pins, tags, strict=True)
+        }
+
+    def with_label(self, name: str, label: str) -> str:
+        """vkey of the version of `name` labelled `label` (NotFoundError if none)."""
+        vkeys = self.versions(name)
+        for vkey, (_, labels) in self.labels(vkeys).items():
+            if label in labels:
+                return vkey
+        raise NotFoundError(
+            f"no version of {name} is tagged {label!r}; `smoltorrent ls {name}` shows its"
+            " versions and tags"
+        )
 
     def resolve(self, name: str, version: str | None = None) -> str:
         """vkey of `name` at `version` (a version-id prefix), or its current version."""

@@ -141,6 +141,9 @@ def test_every_caller_passes_the_keys_its_script_names(md, calls):
     md.listing.version_states()  # fills the summaries again, version by version
     assert md.removals.start_reading(b, "reader-1", 30) == "committed"
     assert md.removals.retire(a, 1) == "retired"
+    assert md.versions.pin(b) == "committed"
+    assert md.versions.tag(b, "ckpt", "best") == "committed"
+    assert md.removals.retire(c, 1, before=0) == "kept"  # by prefix: ckpt was asked for since
     assert md.removals.begin_remove(c) == "committed"  # the current one: b becomes current
     assert md.versions.current("ckpt") == b
     for d in md.blobs.blobs_to_delete(c):
