@@ -90,6 +90,7 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
     reconcile sweep (a repair racing them could only add a surplus copy); their blobs are
     marked `placing` so no trim races the store either."""
     pending: list[str] = []
+    from_listing = vkeys is None
     if vkeys is None:
         listed, states = md.listing.listed_states()
         vkeys = [v for v in listed if states.get(v) == COMMITTED]
@@ -104,7 +105,11 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
             chosen.append((vkey, settled_shards(md, vkey)))
         except NotFoundError:
             continue  # committed, aborted or removed since the listing
-    recorded = md.versions.version_blobs(vkey for vkey, _ in chosen)
+    if from_listing:  # the sweep: every committed version parsed once, not every pass
+        recorded = md.versions.committed_blobs(vkeys)
+        recorded.update(md.versions.version_blobs(v for v, done in chosen if done is not None))
+    else:
+        recorded = md.versions.version_blobs(vkeys)
     for vkey, done in chosen:
         version = recorded.get(vkey)
         if version is None:

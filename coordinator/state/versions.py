@@ -66,6 +66,8 @@ def listing_row(manifest: Manifest, transfers: int) -> str:
 class Versions:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
+        # vkey -> (its committed_at, its parsed blobs): see committed_blobs
+        self._parsed: dict[str, tuple[str, VersionBlobs]] = {}
         self._create = load(r, "versions/create")
         self._commit = load(r, "versions/commit")
         self._abort = load(r, "versions/abort")
@@ -158,6 +160,31 @@ class Versions:
                 if raw is not None
             )
         return out
+
+    def committed_blobs(self, vkeys: Iterable[str]) -> dict[str, VersionBlobs]:
+        """version_blobs of committed versions, each manifest read and parsed once per
+        client while its commit stands: the repair sweep runs every 30 s over every
+        committed version, and parsed them all each time. A version's committed_at (one
+        short reply each, batched) says whether the parse kept is still its own: a commit
+        again (a rollback, the version removed and stored again) reads it afresh. Versions
+        not in `vkeys` leave the cache."""
+        vkeys = list(vkeys)
+        stamps: list[str | None] = []
+        batch = defaults.LISTING_BATCH_VERSIONS
+        for start in range(0, len(vkeys), batch):
+            with self.r.pipeline(transaction=False) as p:
+                for vkey in vkeys[start : start + batch]:
+                    p.hget(K.VERSION.format(vkey=vkey), "committed_at")
+                stamps += p.execute()
+        stamped = {v: at for v, at in zip(vkeys, stamps, strict=True) if at is not None}
+        stale = [v for v, at in stamped.items() if self._parsed.get(v, (None,))[0] != at]
+        fresh = self.version_blobs(stale)
+        self._parsed = {
+            v: (at, fresh[v]) if v in fresh else self._parsed[v]
+            for v, at in stamped.items()
+            if v in fresh or v not in stale
+        }
+        return {v: self._parsed[v][1] for v in vkeys if v in self._parsed}
 
     def state(self, vkey: str) -> str | None:
         return self.r.hget(K.VERSION.format(vkey=vkey), "state")

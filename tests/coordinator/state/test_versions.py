@@ -5,6 +5,7 @@ from __future__ import annotations
 from bench.scale_metadata import CountedMetadata
 from coordinator.local.synthetic import synthetic_manifest
 from coordinator.plan.manifest import VersionBlobs, storage_key
+from coordinator.state import redis_keys as K
 from coordinator.state.repair_plan import wanted_blobs
 from coordinator.state.versions import COMMITTED
 from tests.coordinator.state.stores import pending, prepared, settle_all
@@ -120,3 +121,37 @@ def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path
     blobs = wanted_blobs(counted)
     assert len(blobs) == 2 * len(vkeys)
     assert counted.sent <= 10
+
+
+def test_the_repair_sweep_parses_a_committed_manifest_once_while_its_commit_stands(md):
+    """Issue 22: the repair sweep read and parsed every committed manifest every 30 s. Its
+    next pass reads none of them again (only one short stamp each); a version committed
+    since is read, one committed again is read afresh, one removed leaves."""
+    vkeys = []
+    for i in range(50):
+        m = synthetic_manifest("kept", i)
+        vkey = storage_key(m.name, m.version_id)
+        md.versions.create_pending(m, vkey, {}, [("node-a", "node-b") for _ in m.shards])
+        md.versions.commit(vkey, m.name)
+        vkeys.append(vkey)
+    counted = CountedMetadata(md.url)
+    first = wanted_blobs(counted)
+    gets = counted.r.info("commandstats")["cmdstat_get"]["calls"]
+    assert wanted_blobs(counted) == first
+    assert counted.r.info("commandstats")["cmdstat_get"]["calls"] == gets  # no manifest read
+
+    m = synthetic_manifest("kept", 50)
+    new = storage_key(m.name, m.version_id)
+    md.versions.create_pending(m, new, {}, [("node-a", "node-b") for _ in m.shards])
+    md.versions.commit(new, m.name)
+    md.r.hset(K.VERSION.format(vkey=vkeys[0]), "committed_at", "1")  # committed again
+    md.r.hset(K.VERSION.format(vkey=vkeys[1]), "committed_at", "2")
+    md.r.zrem(K.ALL_VERSIONS, vkeys[2])  # no longer listed: removed
+    before = counted.r.info("commandstats")["cmdstat_get"]["calls"]
+    again = wanted_blobs(counted)
+    read = counted.r.info("commandstats")["cmdstat_get"]["calls"] - before
+    assert read == 3  # the manifests of the new version and of the two committed again
+    assert set(counted.versions._parsed) == set(vkeys[:2] + vkeys[3:] + [new])
+    assert len(again) == len(first) + len(md.versions.manifest(new).shards) - len(
+        md.versions.manifest(vkeys[2]).shards
+    )
