@@ -130,9 +130,12 @@ def execute(md, actions: decide.Actions) -> dict[str, int]:
         redrive_request(rid, record)
     for vkey in actions.transfers:
         v, plan = md.versions.version(vkey), md.transfers.plan(vkey)
+        manifest = md.versions.manifest(vkey)
         busy = actions.busy.get(vkey, set())
+        # A task delivering a blob serves every entry using it (Manifest.first_uses).
+        busy |= {i for i, first in enumerate(manifest.first_uses()) if first in busy}
         skip = md.transfers.settled(vkey) | {f"{s}:{r}" for s in busy for r in range(len(plan[s]))}
-        send_transfers(vkey, md.versions.manifest(vkey), plan, v["host"], skip=skip)
+        send_transfers(vkey, manifest, plan, v["host"], skip=skip)
         md.transfers.mark_resent(vkey)
     for vkey in actions.commits:
         send_commit(vkey)

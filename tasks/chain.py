@@ -47,10 +47,12 @@ def chain_transfer(
     replicas: list[int],
     node_ids: list[str],
     digest: str,
+    same: list[int] = (),
 ) -> dict:
     """Make the nodes of `node_ids` (replicas `replicas` of shard `shard`, in chain order)
-    hold the shard; settle each replica in the barrier as it is placed. Returns how each
-    node got it: {"how": ..., "nodes": {node id: "sent" | "replicated" | "exists"}}."""
+    hold the shard; settle each replica in the barrier as it is placed, for the shard and
+    for the later entries `same` with its blob (tasks/enqueue.py send_transfers). Returns
+    how each node got it: {"how": ..., "nodes": {node id: "sent" | "replicated" | "exists"}}."""
     md = metadata()
     try:
         v = md.versions.version(vkey)
@@ -79,7 +81,7 @@ def chain_transfer(
         node = plan[r] if r < len(plan) else n
         if node in holding:  # placed by an earlier try that died before settling it
             # held: refused if a trim took it out of the placement since the read above
-            settle(vkey, shard, r, node, digest, name, held=True)
+            settle(vkey, shard, r, node, digest, name, held=True, same=same)
     if not todo:
         return {"how": "exists", "nodes": {}}
     keep_off = set(plan) | holding | {n for _, n in todo}
@@ -107,7 +109,8 @@ def chain_transfer(
             )
         replacement.replica = r
         keep_off.add(replacement.node_id)
-        md.transfers.replace_target(vkey, shard, r, n, replacement.node_id)
+        for index in [shard, *same]:
+            md.transfers.replace_target(vkey, index, r, n, replacement.node_id)
         targets.append(replacement)
     holders = [
         node_client(h, registered)
@@ -135,17 +138,20 @@ def chain_transfer(
     finally:
         record_wire(md, vkey, meter)
     for r, (old, new) in outcome.replaced.items():
-        if r in outcome.placed and md.transfers.replace_target(vkey, shard, r, old, new):
-            log.warning(
-                "%s shard %d: replica %d moved from node %s to %s", name, shard, r, old, new
-            )
+        if r not in outcome.placed:
+            continue
+        for index in [shard, *same]:
+            if md.transfers.replace_target(vkey, index, r, old, new):
+                log.warning(
+                    "%s shard %d: replica %d moved from node %s to %s", name, index, r, old, new
+                )
     for r, node, exc in outcome.lost:
         md.transfers.record_attempt(
             vkey, {**base, "replica": r, "node": node, "error": f"replaced: {exc}"}
         )
     for r, (node, how) in sorted(outcome.placed.items()):
         md.transfers.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
-        settle(vkey, shard, r, node, digest, name)
+        settle(vkey, shard, r, node, digest, name, same=same)
     for r, (node, exc) in sorted(outcome.failed.items()):
         md.transfers.record_attempt(vkey, {**base, "replica": r, "node": node, "error": str(exc)})
     if outcome.failed:

@@ -72,11 +72,25 @@ def record_dead_letter(
     if sender.name == "smoltorrent.chain":
         # Each replica it still owed settles as failed, as its own transfer would have.
         for replica in kwargs["replicas"]:
-            settle(kwargs["vkey"], kwargs["shard"], replica, None, kwargs["digest"])
+            settle(
+                kwargs["vkey"],
+                kwargs["shard"],
+                replica,
+                None,
+                kwargs["digest"],
+                same=kwargs.get("same", ()),
+            )
     if sender.name == "smoltorrent.transfer":
         # Settled even when not replayable (its node was removed): the version must not
         # wait forever for a transfer that will never run again.
-        settle(kwargs["vkey"], kwargs["shard"], kwargs["replica"], None, kwargs["digest"])
+        settle(
+            kwargs["vkey"],
+            kwargs["shard"],
+            kwargs["replica"],
+            None,
+            kwargs["digest"],
+            same=kwargs.get("same", ()),
+        )
 
 
 def _chain_nodes(kwargs: dict) -> str | None:

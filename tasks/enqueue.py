@@ -7,6 +7,7 @@ Tasks import this module and never each other, so no two task modules form a cir
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from coordinator import config
 from coordinator.plan.manifest import Manifest
@@ -32,18 +33,28 @@ def send_transfers(
     """The tasks that put every (shard, replica) not in `skip` on its node, deterministic
     ids; returns how many replicas they cover. With chain replication (the default) the
     unsettled replicas of a shard are one chain task when there are two or more of them;
-    otherwise one transfer task per (shard, replica)."""
+    otherwise one transfer task per (shard, replica).
+
+    A blob several entries use (byte-identical chunks) is delivered once, as its first
+    entry, whose targets the others share (tasks/store.py): its tasks carry the later
+    entries (`same`) and settle their replicas too. A replica of it is sent while any of
+    those entries still waits for it."""
     sent = 0
+    firsts, repeats = manifest.first_uses(), manifest.repeats()
     for index, nodes in enumerate(targets):
+        if firsts[index] != index:
+            continue  # delivered with the first entry of its blob
         shard = manifest.entries[index]
+        same = repeats.get(index, [])
+        extra = {"same": same} if same else {}
         limit = transfer_time_limit(shard.blob_size)
-        todo = [r for r in range(len(nodes)) if f"{index}:{r}" not in skip]
+        todo = [r for r in range(len(nodes)) if any(f"{i}:{r}" not in skip for i in [index, *same])]
         if config.chain_replication() and len(todo) >= 2:
-            send_chain(vkey, manifest, index, todo, [nodes[r] for r in todo], host, limit)
-            sent += len(todo)
+            send_chain(vkey, manifest, index, todo, [nodes[r] for r in todo], host, limit, same)
+            sent += len(todo) * (1 + len(same))
             continue
         for replica, node_id in enumerate(nodes):
-            if f"{index}:{replica}" in skip:
+            if replica not in todo:
                 continue
             # Flower's line for it, with the bytes the task's own arguments do not carry.
             argsrepr, kwargsrepr = transfer_repr(
@@ -58,6 +69,7 @@ def send_transfers(
                     "replica": replica,
                     "node_id": node_id,
                     "digest": shard.blob_sha256,
+                    **extra,
                 },
                 task_id=f"transfer-{vkey}-{index}-{replica}",
                 queue=config.transfer_queue(host),
@@ -67,7 +79,7 @@ def send_transfers(
                 argsrepr=argsrepr,
                 kwargsrepr=kwargsrepr,
             )
-            sent += 1
+            sent += 1 + len(same)
     if not manifest.entries:
         # No tensors, no transfers: the barrier is complete as it stands.
         send_commit(vkey, manifest.name)
@@ -91,9 +103,11 @@ def send_chain(
     node_ids: list[str],
     host: str,
     limit: int,
+    same: Sequence[int] = (),
 ) -> None:
-    """One chain task for these replicas of shard `index`; its id names the replicas, so
-    a re-send of the same set is the same task."""
+    """One chain task for these replicas of shard `index` (and of the later entries
+    `same` with its blob); its id names the replicas, so a re-send of the same set is the
+    same task."""
     replicas_text = "-".join(str(r) for r in replicas)
     app.send_task(
         "smoltorrent.chain",
@@ -104,6 +118,7 @@ def send_chain(
             "replicas": replicas,
             "node_ids": node_ids,
             "digest": manifest.entries[index].blob_sha256,
+            **({"same": list(same)} if same else {}),
         },
         task_id=f"chain-{vkey}-{index}-{replicas_text}",
         queue=config.transfer_queue(host),
@@ -219,14 +234,17 @@ def settle(
     digest: str,
     name: str | None = None,
     held: bool = False,
+    same: Sequence[int] = (),
 ) -> None:
-    """Record a finished transfer; the one that completes the set enqueues the commit and
-    only then marks it enqueued (a crash in between is found by the reconcile sweep).
-    `held`: counted from the placement, not sent (see Transfers.settle)."""
+    """Record a finished transfer, for shard `shard` and the later entries `same` with its
+    blob; the one that completes the set enqueues the commit and only then marks it
+    enqueued (a crash in between is found by the reconcile sweep). `held`: counted from
+    the placement, not sent (see Transfers.settle)."""
     md = metadata()
-    if md.transfers.settle(vkey, shard, replica, node_id, digest, held):
-        send_commit(vkey, name)
-        md.transfers.mark_commit_enqueued(vkey)
+    for index in [shard, *same]:
+        if md.transfers.settle(vkey, index, replica, node_id, digest, held):
+            send_commit(vkey, name)
+            md.transfers.mark_commit_enqueued(vkey)
 
 
 def send_remove(vkey: str, name: str | None = None) -> None:

@@ -138,6 +138,9 @@ def _store(
     if config.chain_replication():
         # Heads and tails spread so every node's outbound link carries its share.
         targets = chain_order(targets, [s.blob_size for s in manifest.entries])
+    # Entries with one blob (byte-identical chunks) share its first entry's nodes: it is
+    # delivered once there and settles them all (tasks/enqueue.py send_transfers).
+    targets = [targets[first] for first in manifest.first_uses()]
     host = config.host_id()
     found = md.versions.create_pending(
         manifest,

@@ -32,9 +32,17 @@ log = get_task_logger(__name__)
 
 @app.task(name="smoltorrent.transfer", **DELIVERY_TASK_OPTIONS)
 def transfer(
-    self, vkey: str, name: str, shard: int, replica: int, node_id: str, digest: str
+    self,
+    vkey: str,
+    name: str,
+    shard: int,
+    replica: int,
+    node_id: str,
+    digest: str,
+    same: list[int] = (),
 ) -> str:
-    """Make node `node_id` hold shard `shard` of version `vkey`; settle it in the barrier."""
+    """Make node `node_id` hold shard `shard` of version `vkey`; settle it in the barrier,
+    with the later entries `same` that use its blob (tasks/enqueue.py send_transfers)."""
     md = metadata()
     try:
         v = md.versions.version(vkey)
@@ -53,12 +61,12 @@ def transfer(
     attempt = {"shard": shard, "replica": replica, "node": node_id, "attempt": self.request.retries}
     meter = delivery_meter(v, vkey)
     try:
-        return _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt)
+        return _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt, same)
     finally:
         record_wire(md, vkey, meter)
 
 
-def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt) -> str:
+def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt, same) -> str:
     """Send the replica from the source, paced by `meter` (or have a holder push it, or
     move it to a spare), then settle it; how it was placed."""
     shard, digest = span.index, span.digest
@@ -85,23 +93,23 @@ def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt) -> str:
         return "source changed"
     except RETRYABLE as exc:
         md.transfers.record_attempt(vkey, {**attempt, "error": str(exc)})
-        moved = move_to_spare(md, v, vkey, span, replica, node_id, exc, meter)
+        moved = move_to_spare(md, v, vkey, span, replica, node_id, exc, meter, same)
         if moved is None:
             raise
         spare_id, how = moved
         md.transfers.record_attempt(vkey, {**attempt, "node": spare_id, "result": how})
-        settle(vkey, shard, replica, spare_id, digest, name)
+        settle(vkey, shard, replica, spare_id, digest, name, same=same)
         return how
     if how == "sent":
         meter.raw(raw_size(span))
     md.transfers.record_attempt(vkey, {**attempt, "result": how})
-    settle(vkey, shard, replica, node_id, digest, name)
+    settle(vkey, shard, replica, node_id, digest, name, same=same)
     if len(md.blobs.placement(digest)) >= len(md.transfers.plan(vkey)[shard]):
         release(span)  # every replica is placed: its spooled chunk is done
     return how
 
 
-def move_to_spare(md, v, vkey, span, replica, node_id, exc, meter):
+def move_to_spare(md, v, vkey, span, replica, node_id, exc, meter, same=()):
     """A target that stops answering, is full or corrupts what it is sent loses this replica
     to another live node that does not hold the shard: (that node, how it got the shard),
     or None when no node can take it (the transfer then retries and dead-letters)."""
@@ -136,6 +144,8 @@ def move_to_spare(md, v, vkey, span, replica, node_id, exc, meter):
         return None
     if how == "sent":
         meter.raw(raw_size(span))
+    for index in same:  # the later entries with this blob name the same node
+        md.transfers.replace_target(vkey, index, replica, node_id, spare_id)
     if md.transfers.replace_target(vkey, shard, replica, node_id, spare_id):
         log.warning(
             "%s shard %d: replica %d moved from %s to %s",

@@ -153,9 +153,13 @@ def store_shard_chain(
         else:
             head_target, chain, head_client = todo[0], todo[1:], todo[0].client
         sending = None  # a node holding the blob heads: no byte leaves the source
+        if span.spool is not None:
+            # An encoded chunk, whoever heads: the chain announces its encoded blob, which
+            # a head that wants the bytes gets from the spooled file (encoded again if that
+            # is gone). Announced as the chunk's raw range, a holder heading the chain
+            # asked for the raw bytes under the blob's digest, and every node refused them.
+            path, identity, span = sendable(path, identity, span, spool)
         if head_target is not None:
-            if span.spool is not None:  # the source sends: from the encoded chunk's file
-                path, identity, span = sendable(path, identity, span, spool)
             identity.check(path)
             if progress is not None:
                 sending = partial(progress, [t.replica for t in [head_target, *chain]])

@@ -129,8 +129,18 @@ def prepare_chunked_store(
                     hashed = list(pool.map(lambda p: encode_one(path, header, p, None), plans))
                     raws = [h[0][0] for h in hashed]
                 known = lookup(raws)
+                # A chunk whose bytes an earlier one of this version repeats (every norm
+                # at ones) is encoded once, as that one: the store sends its blob once.
+                first = {}
+                repeats = {
+                    p.index: first[raws[p.index]]
+                    for p in plans
+                    if first.setdefault(raws[p.index], p.index) != p.index
+                }
+            else:
+                repeats = {}
 
-            def one(plan: ChunkPlan) -> tuple[tuple[str, str, int], BlobSpan | None]:
+            def one(plan: ChunkPlan) -> tuple[tuple[str, str, int], BlobSpan | None] | None:
                 done = hashed[plan.index]
                 raw = done[0][0] if done else None
                 if raw is None and lookup is not None:
@@ -140,12 +150,16 @@ def prepare_chunked_store(
                     return (raw, blob, size), None
                 if done is not None:
                     return done
+                if plan.index in repeats:
+                    return None  # its first chunk's blob, filled in below
                 digests, span = encode_one(path, header, plan, scratch if encode else None)
                 if raw is not None and digests[0] != raw:
                     source_changed(path, plan.index)
                 return digests, span
 
             encoded = list(pool.map(one, plans))
+            for index, earlier in repeats.items():
+                encoded[index] = encoded[index] or (encoded[earlier][0], None)
         identity.check(path)
         digests = [digest for digest, _ in encoded]
         manifest = Manifest(

@@ -115,6 +115,22 @@ class Manifest:
         """(SHA-256, size) of every blob a node keeps for this version, in order."""
         return tuple((entry.blob_sha256, entry.blob_size) for entry in self.entries)
 
+    def first_uses(self) -> tuple[int, ...]:
+        """For each entry, the index of the first entry with the same blob (itself, unless
+        its bytes repeat: byte-identical chunks, as every norm of a freshly initialised
+        model). A store delivers each blob once, as its first entry, and that delivery
+        settles every entry using it: two deliveries of one blob raced each other."""
+        first: dict[str, int] = {}
+        return tuple(first.setdefault(e.blob_sha256, i) for i, e in enumerate(self.entries))
+
+    def repeats(self) -> dict[int, list[int]]:
+        """First entry of a blob used more than once -> the later entries using it."""
+        out: dict[int, list[int]] = {}
+        for index, first in enumerate(self.first_uses()):
+            if first != index:
+                out.setdefault(first, []).append(index)
+        return out
+
     def tensor_count(self) -> int:
         """How many tensors the source holds (a chunked manifest names none itself: its
         header does)."""

@@ -216,3 +216,25 @@ def test_a_chunk_two_versions_share_survives_the_retention_of_one(make_cluster, 
     dest = tmp_path / "out.safetensors"
     c.cli_json("gather", "r", "-o", str(dest))
     assert sha(dest) == sha(second)
+
+
+def test_byte_identical_chunks_in_one_version_are_sent_once_and_all_gather(make_cluster, tmp_path):
+    """A freshly initialised model has several tensors with the same bytes (every norm at
+    ones): their chunks are one blob. The version lists each chunk, the blob is sent once
+    per replica, and the version commits and gathers whole."""
+    c = make_cluster(3, chunks=True, SMOLTORRENT_METRICS_PORT="0", SMOLTORRENT_ENCODE="zstd")
+    tensors = model()
+    for i in range(3):  # 1 MiB each: a chunk of its own, the same bytes in every layer
+        tensors[f"layers.{i}.post_norm.weight"] = torch.ones(512, 512, dtype=torch.float32)
+    src = write(tmp_path / "init.safetensors", tensors)
+    out = c.cli_json("store", str(src), "--name", "init")
+    assert c.md.versions.state(out["vkey"]) == COMMITTED
+    manifest = c.md.versions.manifest(out["vkey"])
+    blobs = {chunk.blob_sha256: chunk.blob_size for chunk in manifest.chunks}
+    assert len(manifest.chunks) - len(blobs) >= 2, "three chunks share one blob"
+    assert sum(node_bytes_received(c)) == 2 * sum(blobs.values())
+    assert {d: len(paths) for d, paths in blob_files(c).items()} == dict.fromkeys(blobs, 2)
+    assert not any((c.root / "spool").glob("*/*")), "encoded once, and the spool emptied"
+    dest = tmp_path / "out.safetensors"
+    c.cli_json("gather", "init", "-o", str(dest))
+    assert sha(dest) == sha(src)

@@ -9,8 +9,12 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
+from coordinator.dataplane.chunk_engine import prepare_chunked_store
+from coordinator.dataplane.chunk_source import chunk_span
 from coordinator.dataplane.store_engine import PreparedStore, prepare_store
 from smoltorrent.errors import NodeUnavailableError, SourceChangedError
 from tests.checkpoints import write_llm_like
@@ -151,3 +155,25 @@ def test_a_source_changed_behind_its_identity_abandons_rather_than_blames_the_he
     with pytest.raises(SourceChangedError, match="changed while shard 0 was sent"):
         run(p, [target(n, r) for r, n in enumerate(nodes[:3])], spare=lambda seen: spares.append(1))
     assert spares == []
+
+
+def test_a_holder_heads_the_chain_of_an_encoded_chunk_with_the_encoded_blob(nodes, tmp_path):
+    """A chunk's span in the checkpoint is its raw range; the chain announces the encoded
+    blob, so a node holding it pushes its copy (the chain asked the holder for the raw
+    bytes under the blob's digest, and every node refused them)."""
+    src = tmp_path / "ones.safetensors"
+    save_file({"norm.weight": torch.ones(512, 512)}, src)  # 1 MiB: one chunk, encoded
+    free = {n.client().ping(): 10**12 for n in nodes}
+    p = prepare_chunked_store(src, "ones", free, tmp_path / "spool")
+    (chunk,) = p.manifest.chunks
+    assert chunk.blob_size < chunk.data_end - chunk.data_start
+    first = store_shard_chain(p.path, p.identity, p.spans[0], [target(nodes[0], 0)], [])
+    assert first.bytes_from_source == chunk.blob_size
+    span = chunk_span(p.manifest, chunk, "")  # as a later store has it: nothing spooled
+    targets = [target(n, r) for r, n in enumerate(nodes[1:3], start=1)]
+    out = store_shard_chain(
+        p.path, p.identity, span, targets, [nodes[0].client()], spool=str(tmp_path / "again")
+    )
+    assert out.failed == {} and out.bytes_from_source == 0
+    assert {how for _, how in out.placed.values()} == {"replicated"}
+    assert held(nodes[1], chunk.blob_sha256) and held(nodes[2], chunk.blob_sha256)
