@@ -246,6 +246,9 @@ LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to co
 # seconds; a small shard on loopback (~10 ms) to a checkpoint of tens of GB over 100 Mbit/s (hours)
 WORKER_SECONDS_BUCKETS = (0.01, 0.05, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
 FLOWER_PORT = 5555  # TCP; Flower's own default, what its docs and users expect
+# Where node and worker /metrics listen unless --metrics-host says otherwise: loopback,
+# since the page has no login (a Prometheus elsewhere needs 0.0.0.0 or an address).
+METRICS_HOST = "127.0.0.1"
 # characters of a task's readable args or kwargs (tasks/readable.py): a name, a shard, a
 # node and a size fit; a path longer than this is cut rather than widen Flower's table
 TASK_REPR_MAX_CHARS = 200

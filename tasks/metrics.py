@@ -42,7 +42,7 @@ _m = SimpleNamespace()
 _started: dict[str, tuple[float, int | None]] = {}
 
 
-def enable(port: int, directory: Path, host: str = "0.0.0.0") -> int:
+def enable(port: int, directory: Path, host: str = defaults.METRICS_HOST) -> int:
     """Serve /metrics on port (0 picks one) from this, the worker's main process, before
     its pool forks; returns the bound port."""
     if os.environ.get(MULTIPROC_ENV) != str(directory):

@@ -64,6 +64,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         " SMOLTORRENT_METRICS_PORT environment variable, else no metrics)",
     )
     parser.add_argument(
+        "--metrics-host",
+        help="address /metrics listens on (default: the SMOLTORRENT_METRICS_HOST environment"
+        " variable, else 127.0.0.1: metrics have no login; give 0.0.0.0 or this node's"
+        " address for a Prometheus on another machine)",
+    )
+    parser.add_argument(
         "--no-mdns",
         action="store_true",
         help="do not advertise this node over multicast DNS (_smoltorrent._tcp.local.; on by"
@@ -85,6 +91,7 @@ def serve(args: argparse.Namespace) -> int:
         key_file=args.key_file,
         socket_timeout=args.socket_timeout,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         insecure=args.insecure,
         mdns=not args.no_mdns,
     )

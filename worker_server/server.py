@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SOCKET_TIMEOUT_ENV = "SMOLTORRENT_SOCKET_TIMEOUT_S"
 METRICS_PORT_ENV = "SMOLTORRENT_METRICS_PORT"
+METRICS_HOST_ENV = "SMOLTORRENT_METRICS_HOST"
 SCRUB_RATE_ENV = "SMOLTORRENT_SCRUB_RATE_BPS"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PORT_FILE = "port"  # in the data dir: the port actually bound, for tests and embedded clusters
@@ -189,6 +190,7 @@ def serve(
     *,
     socket_timeout: float = defaults.SOCKET_TIMEOUT_S,
     metrics_port: int | None = None,
+    metrics_host: str = defaults.METRICS_HOST,
     scrub_rate_bps: int = defaults.SCRUB_RATE_BPS,
     mdns: bool = False,
 ) -> None:
@@ -205,18 +207,20 @@ def serve(
     try:
         server = ShardServer(store, host, port, cluster_key, socket_timeout, scrub_rate_bps)
         if metrics_port is not None:
-            metrics_http = serve_metrics(server.metrics, host, metrics_port)
+            metrics_http = serve_metrics(server.metrics, metrics_host, metrics_port)
             bound = metrics_http.server_address[1]
             write_file_atomically(
                 Path(data_dir) / METRICS_PORT_FILE, f"{bound}\n".encode("ascii"), store.tmp_dir
             )
-            log.info("metrics on http://%s:%d/metrics", host, bound)
+            log.info("metrics on http://%s:%d/metrics", metrics_host, bound)
         # Handlers go in before the port file appears: whoever waits for it may signal at once.
         with _stop_on_signals(server):
             try:
                 _announce(server, port_file)
                 if mdns:
-                    bound_metrics = metrics_http.server_address[1] if metrics_http else None
+                    # A metrics port only where a browser's machine could scrape it.
+                    reachable = metrics_http is not None and not _is_loopback(metrics_host)
+                    bound_metrics = metrics_http.server_address[1] if reachable else None
                     advert = start_advert(
                         Advert(
                             store.node_id, server.port, defaults.PROTOCOL_VERSION, bound_metrics
@@ -317,6 +321,7 @@ def run_from_args(
     socket_timeout: float | None = None,
     metrics_port: int | None = None,
     *,
+    metrics_host: str | None = None,
     key_file: str | None = None,
     insecure: bool = False,
     mdns: bool = True,
@@ -335,6 +340,7 @@ def run_from_args(
             key,
             socket_timeout=timeout,
             metrics_port=metrics_port_from(metrics_port),
+            metrics_host=metrics_host_from(metrics_host),
             scrub_rate_bps=scrub_rate_from_env(),
             mdns=mdns,
         )
@@ -398,6 +404,12 @@ def metrics_port_from(flag_value: int | None) -> int | None:
             f"{METRICS_PORT_ENV}={text!r} is not a port number: set it to a free TCP port"
             " (0 picks one) or unset it to serve no metrics"
         ) from None
+
+
+def metrics_host_from(flag_value: str | None) -> str:
+    """--metrics-host, else SMOLTORRENT_METRICS_HOST, else 127.0.0.1: /metrics has no login,
+    so it is served beyond this machine only when asked."""
+    return flag_value or os.environ.get(METRICS_HOST_ENV) or defaults.METRICS_HOST
 
 
 def scrub_rate_from_env() -> int:

@@ -5,6 +5,7 @@ cluster for one run."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 import threading
@@ -14,12 +15,26 @@ from coordinator.cli.output import console, emit_json, table
 from smoltorrent import defaults
 from smoltorrent.errors import SmoltorrentError, UsageError
 
+FLOWER_LOGINS = ("--basic-auth", "--auth")  # Flower's options that require a login
+FLOWER_LOGIN_ENV = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
+
 
 def cmd_flower(args: argparse.Namespace) -> int:
+    extra = args.flower_options[1:] if args.flower_options[:1] == ["--"] else args.flower_options
+    login = any(o.split("=")[0] in FLOWER_LOGINS for o in extra) or any(
+        os.environ.get(name) for name in FLOWER_LOGIN_ENV
+    )
+    if not (login or args.insecure or _loopback(args.address)):
+        raise UsageError(
+            f"refusing to run Flower on {args.address} with no login: anyone who reaches it"
+            " could see every task and revoke them. Give it one after `--`: `smoltorrent"
+            f" flower --address {args.address} -- --basic-auth=USER:PASS` (or --auth=... for"
+            " OAuth; or set FLOWER_BASIC_AUTH), or pass --insecure if a proxy in front already"
+            " asks for one"
+        )
     from tasks.app import REDIS_URL
 
     env = dict(os.environ, SMOLTORRENT_REDIS_URL=REDIS_URL)
-    extra = args.flower_options[1:] if args.flower_options[:1] == ["--"] else args.flower_options
     command = [
         sys.executable,
         "-m",
@@ -37,6 +52,13 @@ def cmd_flower(args: argparse.Namespace) -> int:
     # Become Flower rather than wait on it: a SIGTERM or SIGKILL sent to this command
     # then reaches Flower itself, and nothing is left behind listening on the port.
     os.execve(sys.executable, command, env)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def cmd_demo(args: argparse.Namespace, run_command) -> int:
@@ -83,6 +105,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         name_prefix=args.name_prefix,
         flower_port=args.flower_port if args.flower else None,
         metrics=args.metrics,
+        metrics_host=args.metrics_host,
         say=lambda line: console.print(f"up: {line}", highlight=False),
     )
     return run_up(stack)

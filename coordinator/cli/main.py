@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="serve Prometheus /metrics on this port (or SMOLTORRENT_METRICS_PORT; default off)",
     )
+    w.add_argument(
+        "--metrics-host",
+        help="address /metrics listens on (or SMOLTORRENT_METRICS_HOST; default 127.0.0.1:"
+        " metrics have no login; 0.0.0.0 for a Prometheus on another machine)",
+    )
 
     b = sub.add_parser(
         "beat",
@@ -400,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"serve Prometheus metrics: worker on {defaults.UP_WORKER_METRICS}, node i on"
         f" {defaults.UP_NODE_METRICS}+i",
     )
+    up.add_argument(
+        "--metrics-host",
+        help="with --metrics: the address they listen on (default 127.0.0.1; metrics have no"
+        " login; 0.0.0.0 for a Prometheus on another machine)",
+    )
 
     wa = sub.add_parser(
         "watch",
@@ -438,7 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1: Flower has no login and can revoke"
-        " tasks; put it behind a proxy with authentication before widening this)",
+        " tasks; beyond loopback it needs a login, -- --basic-auth=USER:PASS or -- --auth=..."
+        " (or FLOWER_BASIC_AUTH / FLOWER_AUTH), or --insecure)",
+    )
+    f.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow --address beyond loopback with no login (anyone who reaches it can see"
+        " every task and revoke them)",
     )
     f.add_argument(
         "flower_options",

@@ -33,7 +33,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from celery.signals import worker_init
 
     from tasks.app import app
-    from worker_server.server import metrics_port_from
+    from worker_server.server import metrics_host_from, metrics_port_from
 
     # Every object made so far goes where the collector never looks, before the pool
     # forks: a child's collections would otherwise write to (and so copy) every page
@@ -45,8 +45,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if metrics_port is not None:
         from tasks.metrics import enable
 
-        bound = enable(metrics_port, config.home() / "metrics" / f"worker-{host}")
-        print(f"metrics on http://0.0.0.0:{bound}/metrics", flush=True)
+        metrics_host = metrics_host_from(args.metrics_host)
+        bound = enable(metrics_port, config.home() / "metrics" / f"worker-{host}", metrics_host)
+        print(f"metrics on http://{metrics_host}:{bound}/metrics", flush=True)
     queues = ",".join([config.CONTROL_QUEUE, config.host_queue(host), config.transfer_queue(host)])
     mingle = [] if config.worker_mingle() else ["--without-mingle"]
     app.worker_main(

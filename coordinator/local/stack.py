@@ -49,6 +49,7 @@ class Stack:
     name_prefix: str = ""
     flower_port: int | None = None
     metrics: bool = False
+    metrics_host: str | None = None  # None: the default, 127.0.0.1
     say: Callable[[str], None] = print
     root: Path = field(default_factory=lambda: config.home() / "up")
     parts: list[Part] = field(default_factory=list)
@@ -86,7 +87,10 @@ class Stack:
         self.say(f"ready: {', '.join(p.name for p in self.parts)}; logs in {self.root / 'logs'}")
 
     def _metrics(self, port: int) -> list[str]:
-        return ["--metrics-port", str(port)] if self.metrics else []
+        if not self.metrics:
+            return []
+        host = ["--metrics-host", self.metrics_host] if self.metrics_host else []
+        return ["--metrics-port", str(port), *host]
 
     def _node(self, i: int, md: Metadata) -> None:
         data = self.root / f"node{i}"

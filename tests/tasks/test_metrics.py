@@ -51,6 +51,8 @@ def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
         f"127.0.0.1:{(n.data_dir / 'metrics_port').read_text().strip()}" for n in c.node_procs
     ]
     worker_target = f"127.0.0.1:{worker_metrics_port(c)}"
+    # Issue 22: /metrics has no login, so it listens on loopback unless --metrics-host.
+    assert "metrics on http://127.0.0.1:" in c.worker_log()
     prom = start_prometheus(
         tmp_path / "prometheus",
         {"smoltorrent-nodes": node_targets, "smoltorrent-worker": [worker_target]},

@@ -144,3 +144,43 @@ def test_smoltorrent_serve_and_the_module_take_the_same_options() -> None:
     cli = options([sys.executable, "-m", "coordinator.cli", "serve", "--help"])
     assert module == cli
     assert {"--data-dir", "--port", "--socket-timeout", "--metrics-port"} <= module
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on port."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:
+            found.add(address)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("extra", "bound"), [([], "0100007F"), (["--metrics-host", "0.0.0.0"], "00000000")]
+)
+def test_metrics_listen_on_loopback_unless_told(
+    tmp_path: Path, extra: list[str], bound: str
+) -> None:
+    """Issue 22: a node's /metrics (no auth) listened wherever the node did, 0.0.0.0 with
+    a key. Now on 127.0.0.1 unless --metrics-host says otherwise."""
+    env = dict(os.environ, SMOLTORRENT_CLUSTER_KEY="metrics-test-key")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker_server", "--data-dir", str(tmp_path), "--port", "0"]
+        + ["--host", "0.0.0.0", "--no-mdns", "--metrics-port", "0", *extra],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:
+            if "listening on" in line:
+                break
+        metrics_port = int((tmp_path / "metrics_port").read_text())
+        assert _listening(metrics_port) == {bound}
+        assert _listening(int((tmp_path / "port").read_text())) == {"00000000"}  # the node itself
+    finally:
+        process.terminate()
+        process.wait(EXIT_TIMEOUT_S)

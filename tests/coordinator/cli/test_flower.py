@@ -215,3 +215,34 @@ def _check_rendered_page(tmp_path: Path, port: int) -> None:
     )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shot.stat().st_size > 10_000  # a page with a table, not a blank one
+
+
+def test_flower_beyond_loopback_needs_a_login_or_insecure(redis_only: LocalCluster) -> None:
+    """Issue 22: `flower --address 0.0.0.0` was accepted without auth, although Flower can
+    revoke tasks and shows every checkpoint's name. Now it is refused, saying how."""
+    env = {k: v for k, v in redis_only.env().items() if not k.startswith("FLOWER_")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "flower", "--address", "0.0.0.0"]
+        + ["--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "--basic-auth" in refused.stderr and "--insecure" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    # With a login (Flower's own option, or its variable), it listens where asked.
+    flower = Flower(dict(env, FLOWER_BASIC_AUTH=AUTH), "--address", "0.0.0.0")
+    try:
+        flower.wait_listening()
+        assert listening_addresses(flower.port) == {"00000000"}  # 0.0.0.0
+    finally:
+        assert flower.stop() == []
+    flower = Flower(env, "--address", "0.0.0.0", "--insecure")
+    try:
+        flower.wait_listening()
+        assert listening_addresses(flower.port) == {"00000000"}
+    finally:
+        assert flower.stop() == []
