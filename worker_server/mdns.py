@@ -11,7 +11,15 @@ subset a single service needs):
 
 and PTR for `_services._dns-sd._udp.local.` (service type enumeration). Answers go to
 the multicast group (every browser on the link sees them), or straight back to a
-legacy querier that asked from a port other than 5353. It announces itself twice at
+legacy querier that asked from a port other than 5353.
+
+Only queries from the link are answered (RFC 6762 11): one sent to the group (never
+routed beyond the link) or one that arrives with IP TTL 255 (a router on the way would
+have lowered it). Any other unicast query may come from anywhere, a scan or a reflection
+through the node, and is dropped. The kernel tells each packet's destination and TTL
+(IP_PKTINFO and IP_RECVTTL on Linux, IP_RECVDSTADDR and IP_RECVTTL on macOS); where it
+cannot, nothing is answered to a querier directly: answers go to the group only, which
+reaches no one off the link. It announces itself twice at
 start (RFC 6762 8.3) and again when its address changes (DHCP), and says goodbye
 (TTL 0) at stop, so a browser learns of a move or a departure without polling.
 
@@ -28,6 +36,7 @@ import logging
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +55,19 @@ UNICAST_RESPONSE = 0x8000  # the QU bit of a question's class
 FLAGS_RESPONSE = 0x8400  # QR (a response) + AA (authoritative)
 MAX_POINTER_HOPS = 32  # compression pointers followed per name; more means a loop
 MAX_PACKET = 9000  # bytes; RFC 6762 17: mDNS messages fit in a jumbo frame
+
+
+# Ancillary data asking each packet's destination and TTL: (option, cmsg type) per
+# platform, from <netinet/in.h>; Python's socket module names none of them on Linux.
+if sys.platform.startswith("linux"):
+    _DESTINATION = (8, 8)  # IP_PKTINFO: struct in_pktinfo, header destination at bytes 8-12
+    _TTL = (12, 2)  # IP_RECVTTL, delivered as IP_TTL: an int
+elif sys.platform == "darwin":
+    _DESTINATION = (7, 7)  # IP_RECVDSTADDR: a struct in_addr
+    _TTL = (24, 24)  # IP_RECVTTL: an unsigned char
+else:
+    _DESTINATION = _TTL = None
+LINK_TTL = 255  # RFC 6762 11: a packet with this TTL was sent from the link itself
 
 
 @dataclass(frozen=True)
@@ -232,6 +254,7 @@ class Responder:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._announced: str | None = None
+        self._knows_origin = False  # whether the kernel tells each packet's destination, TTL
 
     def _address(self, peer: str) -> str | None:
         return self.fixed or route_address(peer)
@@ -251,6 +274,7 @@ class Responder:
             sock.close()
             raise
         self._sock = sock
+        self._knows_origin = _ask_origin(sock)
         self._join()
         self._thread = threading.Thread(target=self._run, name="smoltorrent-mdns", daemon=True)
         self._thread.start()
@@ -312,17 +336,24 @@ class Responder:
             if not ready:
                 continue
             try:
-                packet, (peer, peer_port) = self._sock.recvfrom(MAX_PACKET)
+                packet, ancillary, _, (peer, peer_port) = self._sock.recvmsg(
+                    MAX_PACKET, ANCILLARY_BYTES
+                )
             except OSError:
                 if self._stop.is_set():
                     return
                 continue
+            on_link = _from_link(ancillary) if self._knows_origin else None
+            if on_link is False:
+                continue  # a unicast query from who knows where: not ours to answer
             try:
-                self._answer(packet, peer, peer_port)
+                self._answer(packet, peer, peer_port, direct=bool(on_link))
             except (ValueError, struct.error, UnicodeError):
                 continue  # not a query we understand: dropped, as RFC 6762 asks
 
-    def _answer(self, packet: bytes, peer: str, peer_port: int) -> None:
+    def _answer(self, packet: bytes, peer: str, peer_port: int, direct: bool) -> None:
+        """Answer a query; straight to a legacy querier only when `direct` (it is known to
+        be on the link), else to the group."""
         query_id, questions = parse_query(packet)
         if not questions:
             return
@@ -330,7 +361,7 @@ class Responder:
         answers, extra = answers_for(self.advert, questions, address)
         if not answers:
             return
-        if peer_port != defaults.MDNS_PORT:
+        if peer_port != defaults.MDNS_PORT and direct:
             # A legacy (one-shot) querier: answer it alone, echoing its id and questions.
             echo = _question_section(packet, len(questions))
             reply = response(answers, extra, query_id, echo, len(questions))
@@ -350,6 +381,39 @@ class Responder:
             self.announce(goodbye=True)
         self._sock.close()
         self._sock = None
+
+
+ANCILLARY_BYTES = 128  # room for both control messages (a few dozen bytes)
+
+
+def _ask_origin(sock: socket.socket) -> bool:
+    """Ask the kernel for each packet's destination and TTL; whether it will tell."""
+    if _DESTINATION is None or _TTL is None:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, _DESTINATION[0], 1)
+        sock.setsockopt(socket.IPPROTO_IP, _TTL[0], 1)
+    except OSError:
+        return False
+    return True
+
+
+def _from_link(ancillary: list[tuple[int, int, bytes]]) -> bool | None:
+    """Whether a packet surely came from the link: sent to the group, or with TTL 255.
+    None if the kernel said neither its destination nor its TTL."""
+    destination = ttl = None
+    for level, kind, data in ancillary:
+        if level != socket.IPPROTO_IP or _DESTINATION is None or _TTL is None:
+            continue
+        if kind == _DESTINATION[1]:
+            raw = data[8:12] if sys.platform.startswith("linux") else data[:4]
+            if len(raw) == 4:
+                destination = socket.inet_ntoa(raw)
+        elif kind == _TTL[1] and data:
+            ttl = data[0] if len(data) == 1 else int.from_bytes(data[:4], sys.byteorder)
+    if destination is None and ttl is None:
+        return None
+    return destination == defaults.MDNS_GROUP or ttl == LINK_TTL
 
 
 def start_advert(advert: Advert, listen_host: str) -> Responder | None:

@@ -91,3 +91,80 @@ def test_compressed_names_are_followed_and_loops_refused() -> None:
             parse_query(bad)
     with pytest.raises(ValueError):  # a response is never answered
         parse_query(response([], []))
+
+
+# --- which queriers the responder answers (issue 22: unicast queries from any source) ----
+
+QUERIER = r"""
+import socket, struct, sys
+from worker_server.mdns import SERVICE, TYPE_PTR, encode_name
+node, group = sys.argv[1], "224.0.0.251"
+def ask(query_id, ttl, to):
+    body = encode_name(SERVICE) + struct.pack("!HH", TYPE_PTR, 1)
+    packet = struct.pack("!HHHHHH", query_id, 0, 1, 0, 0, 0) + body
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+    sock.sendto(packet, (to, 5353))
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind(("0.0.0.0", 0))  # a port other than 5353: a legacy querier, answered to itself
+sock.settimeout(30)
+ask(1, 64, node)    # unicast, TTL 64: as if routed from another network
+ask(2, 255, node)   # unicast, TTL 255: can only come from this link
+ask(3, 64, group)   # to the group: never routed off the link
+ask(4, 64, node)
+ask(5, 255, node)
+got = []
+while not {2, 3, 5} <= set(got):
+    got.append(struct.unpack_from("!H", sock.recv(9000))[0])
+print(" ".join(map(str, got)))
+"""
+
+
+def test_unicast_queries_are_answered_only_from_the_link(tmp_path) -> None:
+    """A node answers a query sent to the mDNS group or arriving with IP TTL 255 (RFC 6762
+    11: only a sender on the link can deliver that), and drops a unicast query with a
+    lower TTL, which may come from anywhere (a scan, or a reflection through the node)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from coordinator.local import netns
+    from tests.conftest import require_network_namespaces
+
+    require_network_namespaces()
+    lan = netns.Lan(["n0"], prefix=f"stm{os.getpid() % 10000}", subnet="10.78.0")
+    log = tmp_path / "node.log"
+    try:
+        lan.open()
+        # A route for the group, as a LAN host has through its default route.
+        netns.run("ip", "-n", lan.ns("n0"), "route", "add", "default", "dev", "eth0")
+        with open(log, "wb") as sink:
+            node = subprocess.Popen(
+                [*lan.exec_prefix("n0"), sys.executable, "-m", "worker_server"]
+                + ["--data-dir", str(tmp_path / "node"), "--host", "0.0.0.0", "--port", "0"],
+                env=dict(os.environ, SMOLTORRENT_CLUSTER_KEY="mdns-test-key"),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            deadline = time.monotonic() + 60
+            while "mDNS: advertising" not in log.read_text():
+                assert node.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            out = subprocess.run(
+                [*lan.exec_prefix("n0"), sys.executable, "-c", QUERIER, lan.address("n0")],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            answered = [int(x) for x in out.stdout.split()]
+            assert {2, 3, 5} <= set(answered)
+            assert 1 not in answered and 4 not in answered, answered
+        finally:
+            node.terminate()
+            node.wait(30)
+    finally:
+        left = lan.close()
+    assert left == []
