@@ -7,8 +7,12 @@ lists what answered; `--register` and the worker's continuous browse
 its data directory: a node that comes back at another address (DHCP) is the same node
 at a new address, and its shards, recorded by id, stay its own.
 
-An advert is a claim, not a proof: before registering, the node is asked at the
-advertised address for its id, and with a cluster key the handshake proves it.
+An advert is a claim, not a proof: anyone on the link can advertise any id, at any
+address. A node found is registered only once it proves the cluster key in the keyed
+handshake (worker_server/wire.py) at the advertised address, as the id it claims. With
+no cluster key nothing found is registered (register() refuses): a keyless handshake
+proves nothing, so an advert alone could add a stranger or move a registered node's id,
+and its shards, to the advertiser. `discover` still lists what it saw.
 """
 
 from __future__ import annotations
@@ -24,11 +28,17 @@ from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Ze
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.state.metadata import Metadata
 from smoltorrent import defaults
-from smoltorrent.errors import SmoltorrentError
+from smoltorrent.errors import ConfigError, SmoltorrentError
 
 log = logging.getLogger("smoltorrent.discovery")
 
 SERVICE = "_smoltorrent._tcp.local."  # what worker_server/mdns.py answers for
+NO_KEY = (
+    "no cluster key: a node found over mDNS is registered only once it proves the key, and"
+    " without one it cannot. Make the key with `smoltorrent init` (or set"
+    " SMOLTORRENT_CLUSTER_KEY_FILE), or register a node you trust by address:"
+    " smoltorrent nodes add HOST"
+)
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,10 @@ def browse(timeout_s: float = defaults.DISCOVER_TIMEOUT_S) -> list[Found]:
 def register(md: Metadata, found: Found, cluster_key: bytes | None) -> tuple[str, NodeAddress]:
     """Register a found node by its id at the first of its addresses where it answers as
     that node: ("added" | "moved" (a known id at a new address) | "known", the address).
-    SmoltorrentError if it answers nowhere as the node it claims to be."""
+    SmoltorrentError if it answers nowhere as the node it claims to be; ConfigError with
+    no cluster key (nothing to prove)."""
+    if not cluster_key:
+        raise ConfigError(NO_KEY)
     errors = []
     for host in found.hosts:
         address = NodeAddress(host, found.port)

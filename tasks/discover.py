@@ -1,6 +1,7 @@
 """The worker's continuous mDNS browse (SMOLTORRENT_DISCOVER=1): every node that
-advertises itself is registered by its id, and one that comes back at a new address is
-moved there with its shards (coordinator/discovery.py).
+advertises itself and proves the cluster key is registered by its id, and one that comes
+back at a new address is moved there with its shards (coordinator/discovery.py). With no
+cluster key, nodes seen are logged once each and never registered.
 
 It runs in the worker's main process, started once the pool is up, so no prefork child
 inherits a half-started browser.
@@ -23,10 +24,27 @@ log = get_logger(__name__)
 _browser: list[Browser] = []
 
 
+_told: set[tuple[str, str]] = set()  # (node id, address) already logged as not registered
+
+
 def _register(found: Found) -> None:
     from coordinator.discovery import register
 
-    outcome, address = register(metadata(), found, config.cluster_key())
+    key = config.cluster_key()
+    if key is None:
+        # Listed, never registered: without a key nothing proves an advert (anyone on the
+        # link could add a node, or move a registered one's id to their own address).
+        if (found.node_id, str(found.address)) not in _told:
+            _told.add((found.node_id, str(found.address)))
+            log.warning(
+                "discovery: saw node %s at %s; not registering it: no cluster key, so it"
+                " cannot prove it is ours. Make one with `smoltorrent init` (every node and"
+                " this worker need it), or register nodes by address: smoltorrent nodes add",
+                found.node_id[:12],
+                found.address,
+            )
+        return
+    outcome, address = register(metadata(), found, key)
     if outcome != "known":
         where = "at" if outcome == "added" else "to"
         log.warning("discovery: node %s %s %s %s", found.node_id[:12], outcome, where, address)

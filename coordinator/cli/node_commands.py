@@ -14,7 +14,7 @@ from coordinator.cli.output import console, emit_json, human_bytes, table
 from coordinator.dataplane.node_client import NodeClient
 from smoltorrent import defaults
 from smoltorrent.cluster_key import create_key_file
-from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
+from smoltorrent.errors import ConfigError, NotFoundError, SmoltorrentError, UsageError
 
 REMOTE_KEY_FILE = "~/.smoltorrent/cluster.key"  # where every other machine keeps the key
 
@@ -141,10 +141,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
-    from coordinator.discovery import browse, register
+    from coordinator.discovery import NO_KEY, browse, register
 
     if not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
+    if args.register and config.cluster_key() is None:
+        raise ConfigError(f"discover --register: {NO_KEY}")
     found = browse(args.timeout)
     md = metadata()
     known = md.nodes.nodes()

@@ -130,7 +130,7 @@ class Stack:
         (data / "port").unlink(missing_ok=True)
         command = [sys.executable, "-m", "worker_server", "--data-dir", str(data)]
         command += ["--host", "0.0.0.0", "--port", str(NODE_PORT)]
-        command += ["--metrics-port", str(METRICS_PORT)]
+        command += ["--metrics-port", str(METRICS_PORT), "--metrics-host", "0.0.0.0"]
         self.spawn(f"node{i}", f"st{self.link.tag}n{i}", command)
         wait_for(lambda: (data / "port").exists(), f"node{i} to listen")
 
@@ -251,3 +251,122 @@ def test_a_node_started_with_no_mdns_stays_quiet(stack: Stack, tmp_path: Path) -
     stack.spawn("quiet", f"st{stack.link.tag}n0", command)
     wait_for(lambda: (data / "port").exists(), "the node to listen")
     assert stack.cli_json("discover", "--timeout", "2") == []
+
+
+def start_rogue(stack: Stack, member: str, host: int, node_id: str | None, key: str) -> str:
+    """A real node in a namespace of its own that advertises itself over mDNS, started with
+    `key` ("": none, --insecure) and, with node_id, claiming that id: what anyone on the
+    link can run. Its address."""
+    stack.link.add(member, host)
+    address = f"{stack.link.subnet}.{host}"
+    data = stack.root / member
+    data.mkdir()
+    if node_id is not None:
+        (data / "node_id").write_text(node_id + "\n")
+    command = [sys.executable, "-m", "worker_server", "--data-dir", str(data)]
+    command += ["--host", "0.0.0.0", "--port", str(NODE_PORT)]
+    command += [] if key else ["--insecure"]
+    stack.spawn(member, f"st{stack.link.tag}{member}", command, SMOLTORRENT_CLUSTER_KEY=key)
+    wait_for(lambda: (data / "port").exists(), f"{member} to listen")
+    return address
+
+
+def start_quiet_node(stack: Stack, key: str) -> tuple[str, str]:
+    """The real node: no advert (so only an impostor advertises its id), registered by
+    address as a user does. (node id, address)."""
+    stack.link.add("n0", 11)
+    data = stack.root / "real"
+    command = [sys.executable, "-m", "worker_server", "--data-dir", str(data), "--no-mdns"]
+    command += ["--host", "0.0.0.0", "--port", str(NODE_PORT)]
+    command += [] if key else ["--insecure"]
+    stack.spawn("real", f"st{stack.link.tag}n0", command, SMOLTORRENT_CLUSTER_KEY=key)
+    wait_for(lambda: (data / "port").exists(), "the real node to listen")
+    address = f"{stack.link.subnet}.11:{NODE_PORT}"
+    cli(stack, key, "nodes", "add", address)
+    return (data / "node_id").read_text().strip(), address
+
+
+def cli(stack: Stack, key: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    saved = stack.env
+    stack.env = dict(saved, SMOLTORRENT_CLUSTER_KEY=key)
+    try:
+        return stack.cli(*argv, check=check)
+    finally:
+        stack.env = saved
+
+
+def registered(stack: Stack, key: str) -> dict[str, str]:
+    rows = json.loads(cli(stack, key, "nodes", "ls", "--json").stdout)
+    return {row["node_id"]: row["address"] for row in rows}
+
+
+def worker_log(stack: Stack) -> str:
+    return (stack.root / "worker.log").read_text(errors="replace")
+
+
+def test_unkeyed_discovery_registers_nothing_and_an_advert_cannot_move_a_node(
+    stack: Stack,
+) -> None:
+    """Issue 22: with no cluster key, SMOLTORRENT_DISCOVER=1 registered any advertiser,
+    and one that claimed a registered node's id moved that node to its own address."""
+    real_id, real_address = start_quiet_node(stack, "")
+    impostor = start_rogue(stack, "n1", 12, real_id, "")
+    stranger = start_rogue(stack, "n2", 13, None, "")
+    stranger_id = (stack.root / "n2" / "node_id").read_text().strip()
+
+    stack.spawn(
+        "worker",
+        stack.client,
+        [sys.executable, "-m", "coordinator.cli", "worker", "--concurrency", "1"],
+        SMOLTORRENT_DISCOVER="1",
+        SMOLTORRENT_CLUSTER_KEY="",
+    )
+
+    def decided() -> bool:
+        # The worker says why it registers neither; on a build that registers them, the
+        # registry changes instead.
+        seen = worker_log(stack)
+        said = all(
+            f"{n[:12]} at {a}" in seen for n, a in [(real_id, impostor), (stranger_id, stranger)]
+        )
+        return said or registered(stack, "") != {real_id: real_address}
+
+    wait_for(decided, "the worker to decide about both adverts")
+    assert registered(stack, "") == {real_id: real_address}
+    assert "no cluster key" in worker_log(stack)
+
+    # `discover` still lists what answered; `--register` without a key is refused.
+    listed = json.loads(cli(stack, "", "discover", "--json", "--timeout", "2").stdout)
+    seen = {f["node_id"]: f["address"] for f in listed}
+    assert seen.get(stranger_id) == f"{stranger}:{NODE_PORT}"
+    refused = cli(stack, "", "discover", "--register", "--timeout", "1", check=False)
+    assert refused.returncode == 2
+    assert "cluster key" in refused.stderr and "nodes add" in refused.stderr
+    assert registered(stack, "") == {real_id: real_address}
+
+
+def test_keyed_discovery_registers_only_a_node_that_proves_the_key(stack: Stack) -> None:
+    """With the key, an advertiser that does not hold it (none, or another) is never
+    registered, and one claiming a registered node's id does not move it."""
+    real_id, real_address = start_quiet_node(stack, KEY)
+    impostor = start_rogue(stack, "n1", 12, real_id, "")
+    wrong_key = start_rogue(stack, "n2", 13, None, "not-the-cluster-key")
+    wrong_id = (stack.root / "n2" / "node_id").read_text().strip()
+    member = start_rogue(stack, "n3", 14, None, KEY)
+    member_id = (stack.root / "n3" / "node_id").read_text().strip()
+
+    stack.spawn(
+        "worker",
+        stack.client,
+        [sys.executable, "-m", "coordinator.cli", "worker", "--concurrency", "1"],
+        SMOLTORRENT_DISCOVER="1",
+    )
+
+    def decided() -> bool:
+        seen = worker_log(stack)
+        refused = all(f"{a}:{NODE_PORT}" in seen for a in (impostor, wrong_key))
+        return refused and member_id in registered(stack, KEY)
+
+    wait_for(decided, "the worker to register the member and refuse both impostors")
+    assert registered(stack, KEY) == {real_id: real_address, member_id: f"{member}:{NODE_PORT}"}
+    assert wrong_id not in registered(stack, KEY)
