@@ -32,6 +32,38 @@ def _commandstats(md: Metadata) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): v["calls"] for k, v in md.r.info("commandstats").items()}
 
 
+def _settle_all(md: Metadata, vkey: str, settles, transfers: int, shards: int) -> None:
+    """md.transfers.settle for each (shard, replica, node_id, digest) of one version, the
+    same script with the same keys and arguments, queued in one round trip instead of two
+    per settle (the seeding's 10,000 versions took most of this module's time). The
+    version hash settle reads first holds what create_pending wrote: transfers, shards."""
+    first, *rest = settles
+    md.transfers.settle(vkey, *first)  # also loads the script on this client
+    with md.r.pipeline(transaction=False) as p:
+        for shard, replica, node_id, digest in rest:
+            md.transfers._settle.queue_loaded(
+                p,
+                keys=[
+                    K.SETTLED.format(vkey=vkey),
+                    K.READY.format(vkey=vkey),
+                    K.VERSION.format(vkey=vkey),
+                    K.PLACEMENT.format(digest=digest),
+                    K.TRIM_MARK.format(digest=digest, node_id=node_id or ""),
+                    K.PLACEMENTS_LISTED,
+                ],
+                args=[
+                    f"{shard}:{replica}",
+                    "" if node_id is None else str(shard),
+                    node_id or "",
+                    transfers,
+                    shards,
+                    "",
+                    digest,
+                ],
+            )
+        assert -1 not in p.execute()  # no copy being trimmed (settle raises for it)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Redis holding 10,000 versions, and two real nodes registered (for status's probe)."""
@@ -64,11 +96,13 @@ def cluster(tmp_path_factory):
             elif i % 25 == 4:
                 state, copies = "pending", {0: [], 1: []}
             else:
+                settles = []
                 for s, holders in copies.items():
-                    for r, node_id in enumerate(holders):
-                        md.transfers.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
+                    digest = m.shards[s].blob_sha256
+                    settles += [(s, r, node_id, digest) for r, node_id in enumerate(holders)]
                     if not holders[1:]:
-                        md.transfers.settle(vkey, s, 1, None, m.shards[s].blob_sha256)
+                        settles.append((s, 1, None, digest))
+                _settle_all(md, vkey, settles, transfers=4, shards=SHARDS)
                 md.versions.commit(vkey, name)
             expected[vkey] = {
                 "name": name,
