@@ -111,3 +111,32 @@ def test_a_remove_not_passed_a_version_it_must_read_changes_nothing_and_is_run_a
     assert md.versions.state(b) == COMMITTED and md.versions.current("n") == b
     assert md.removals.begin_remove(b) == COMMITTED
     assert md.versions.current("n") == a
+
+
+def test_retire_by_prefix_takes_whole_old_names_but_no_pinned_pending_or_newer_one(md, tmp_path):
+    """Retention per prefix (issue 22): the entries past the K newest under a prefix go,
+    their current versions too, in the same guarded step as the last K per name."""
+    from coordinator.state import retention
+
+    f1 = committed_version(md, tmp_path, "run/f", 40)  # two versions, the older entry
+    f2 = committed_version(md, tmp_path, "run/f", 41)
+    b = committed_version(md, tmp_path, "run/b", 42)
+    late = prepared(tmp_path, "run/f", 43)  # stored again later on
+    c = committed_version(md, tmp_path, "run/c", 44)
+    d = prepared(tmp_path, "run/d", 45)
+    pending(md, d)  # in flight: the newest entry
+    names, before = retention.plan(md, "run/", 2)
+    assert names == ["run/f", "run/b"] and before is not None
+    assert md.removals.retire(b.vkey, 2, before) == "retired"  # run/b's current, whole
+    assert md.versions.current("run/b") is None
+    md.versions.pin(f1.vkey)
+    assert md.removals.retire(f1.vkey, 2, before) == "pinned"
+    assert md.removals.retire(f2.vkey, 2, before) == "retired"  # current: f1 takes over
+    assert md.versions.current("run/f") == f1.vkey
+    # A new request for run/f (after the plan was made) keeps it: checked in the script.
+    md.versions.unpin(f1.vkey)
+    pending(md, late)
+    assert md.removals.retire(f1.vkey, 2, before) == "kept"
+    assert md.removals.retire(late.vkey, 2, before) == "pending"
+    assert md.removals.retire(c.vkey, 2, before) == "kept"  # among the two newest
+    assert md.removals.retire(d.vkey, 2, before) == "pending"
