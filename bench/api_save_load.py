@@ -1,25 +1,42 @@
-"""The training stall of smoltorrent.save: wait=False against an in-memory copy of the same
-tensors (the target: at most 1.2x it), against wait=True and against a plain
-safetensors.torch.save_file of the same state dict to the same disk; and the bytes a
-partial load of ~10% of the tensors moves.
+"""Saving and loading a training state side by side (issue 23): torch.save, safetensors
+save_file, torch.distributed.checkpoint (DCP) save and async_save, and smoltorrent.save
+with wait=True and wait=False, for a model with AdamW (parameters and both moments, fp32)
+of --sizes GiB each.
 
-    .venv/bin/python -m bench.api_save_load [--mib 300] [--repeat 5] [--json OUT]
+    .venv/bin/python -m bench.api_save_load [--sizes 1,4] [--repeat 3] [--json OUT]
 
-A local cluster (redis-server, 4 node processes, a Celery worker; R=2) is started, and
-one child process plays the training script: it builds a bf16 state dict of about
---mib MiB once, then per repeat (every tensor changed first, so every store moves new
-bytes) times
-  copy         a clone of every tensor into new memory (what any consistent snapshot
-               costs at least)
-  plain        safetensors.torch.save_file into SMOLTORRENT_HOME/staging (page cache,
-               no fsync: what a training loop's own save costs)
-  async_stall  smoltorrent.save(..., wait=False) until it returns: the training stall
-  async_commit the same save until handle.result() (local write to committed on nodes)
-  sync         smoltorrent.save(..., wait=True)
-Each measurement starts once the previous store has committed, so a background store
-never runs on the next one's clock. Then it loads ~10% of the tensors with tensors=
-and reports the bytes the nodes sent (their own counters) against the checkpoint size.
-Medians and min-max of --repeat runs.
+A local cluster (redis-server, 4 node processes, a Celery worker; R=2) is started once;
+each size runs in a child process of its own, which plays the training script: it builds
+a transformer-ish stack of fp32 layers (embedding, per layer qkv, out, up and down
+projections and two norms) sized so that parameters plus AdamW's two moments reach the
+size, runs one forward, backward and optimizer.step() so the moments exist, and drops the
+gradients. Then, per repeat (every tensor of the state changed first, so every save
+writes new bytes; each measurement starts once the one before is on disk and synced):
+
+  copy        an in-memory copy of every tensor: clone() ("fresh": new memory on the
+              first run; later runs get blocks the allocator kept from the run before),
+              and copy_() into buffers whose pages are already touched ("reused"). The
+              stall target of smoltorrent.save(wait=False) is at most 1.2x the copy.
+  torch.save  {"model", "optim", "step"} to a file; stored = + fsync of the file
+  safetensors save_file of the flat tensors; stored = + fsync
+  dcp         torch.distributed.checkpoint.save, FileSystemWriter (fsyncs its files)
+  dcp_async   torch.distributed.checkpoint.async_save, FileSystemWriter, the default
+              (thread) checkpointer: stall = until it returns, stored = its future's end
+  st_wait     smoltorrent.save(state, wait=True): stall = stored = committed at R
+  st_async    smoltorrent.save(state, wait=False): stall = until it returns, stored = until
+              handle.result() (committed at R on the nodes)
+
+Loads, each timed until every byte of the state is in memory (one byte of every page
+read after the call: safetensors' load_file maps the file and reads lazily): torch.load
+(weights_only), safetensors load_file, dcp.load into freshly allocated tensors, and
+smoltorrent.load(name, source="local") (this machine's kept copy, every byte checked
+against the manifest) and source="cluster" (gathered from the nodes and verified). Every
+file read is in the page cache (written just before; the VM's RAM holds it), so the loads
+are warm. DCP runs in one process with no process group (DCP saves as one process then).
+
+The stall is the time the calling (training) thread is blocked; background work of the
+async saves still takes CPU from the 2 cores while it runs, which a training step would
+feel and this bench does not time. Medians of --repeat runs; every run is in the JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -40,193 +58,395 @@ if __package__ in (None, ""):  # run as `python bench/api_save_load.py`
 from coordinator.local.cluster import LocalCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MIB = 1 << 20
+GIB = 1 << 30
 
 TRAINING_SCRIPT = r"""
-import json, os, sys, time, urllib.request
+import gc, json, os, shutil, subprocess, sys, time
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.utils._pytree import tree_leaves, tree_map
 import safetensors.torch
 import smoltorrent
+import warnings
 
-mib, repeat, data_dirs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(os.pathsep)
-hidden = 2048
-rows = 512  # each tensor: 512 x 2048 bf16 = 2 MiB
-count = max(1, mib // 2)
-gen = torch.Generator().manual_seed(0)
-sd = {f"layers.{i}.weight": torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
-      for i in range(count)}
-size = sum(t.numel() * t.element_size() for t in sd.values())
-staging = os.path.join(os.environ["SMOLTORRENT_HOME"], "staging")
-os.makedirs(staging, exist_ok=True)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+gib, repeat, scratch = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+hidden, vocab = 1024, 32000
+per_layer = 12 * hidden * hidden + 4 * hidden  # qkv, out, up, down; two norms
+params_wanted = gib * (1 << 30) / 12  # fp32 parameter + two fp32 moments: 12 bytes each
+layers = max(1, round((params_wanted - vocab * hidden) / per_layer))
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = torch.nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / hidden**0.5, dim=-1) @ v
+        x = x + self.out(attn)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.embed.weight.T
+
+
+model = Model()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+tokens = torch.randint(0, vocab, (2, 16))
+loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+loss.backward()
+optimizer.step()
+optimizer.zero_grad(set_to_none=True)
+del loss
+gc.collect()
+
+
+def state():
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 1}
+
+
+def flat():
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, s in optimizer.state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": v for k, v in s.items()})
+    return out
+
+
+tensors = list(flat().values())
+size = sum(t.numel() * t.element_size() for t in tensors)
+
 
 def bump():
-    for t in sd.values():
-        t.add_(1)
+    # Every tensor's bytes change (the step counts too), so no save repeats the one before.
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(1)
 
-def sent():
-    total = 0.0
-    for d in data_dirs:
-        port = open(os.path.join(d, "metrics_port")).read().strip()
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        line = next(x for x in text.splitlines()
-                    if x.startswith("smoltorrent_node_bytes_sent_total"))
-        total += float(line.split()[-1])
-    return total
 
-runs = []
-smoltorrent.save({"warm": torch.zeros(1)}, "bench/warmup")  # imports, connections
-warm = os.path.join(staging, "warm.safetensors")
-safetensors.torch.save_file(sd, warm)  # the writer's first call, and the page cache
-os.unlink(warm)
-os.sync()
-for r in range(repeat):
-    bump()
-    t0 = time.perf_counter()
-    copied = {k: v.clone() for k, v in sd.items()}
-    copy = time.perf_counter() - t0
-    del copied
+def durable(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
-    bump()
-    path = os.path.join(staging, f"plain-{r}.safetensors")
-    t0 = time.perf_counter()
-    safetensors.torch.save_file(sd, path)
-    plain = time.perf_counter() - t0
-    os.unlink(path)
+
+def touch(loaded):
+    # A load may hand back tensors mapped from the file (safetensors' load_file does), whose
+    # bytes are read on first use: read one byte of every page, so each load is timed to
+    # the state in memory.
+    for v in tree_leaves(loaded):
+        if isinstance(v, torch.Tensor) and v.numel():
+            v.reshape(-1).view(torch.uint8)[::4096].sum()
+
+
+def settle():
+    gc.collect()
     os.sync()
 
-    bump()
-    t0 = time.perf_counter()
-    handle = smoltorrent.save(sd, "bench/async.safetensors", wait=False)
-    stall = time.perf_counter() - t0
-    handle.result()
-    commit = time.perf_counter() - t0
-    os.sync()
 
-    bump()
-    t0 = time.perf_counter()
-    smoltorrent.save(sd, "bench/sync.safetensors", wait=True)
-    sync = time.perf_counter() - t0
-    os.sync()
-    runs.append({"copy": copy, "plain": plain, "async_stall": stall, "async_commit": commit,
-                 "sync": sync})
-    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+def cli(*argv):
+    subprocess.run([sys.executable, "-m", "coordinator.cli", *argv], check=True,
+                   capture_output=True)
 
-names = sorted(sd)[: max(1, len(sd) // 10)]
-before = sent()
+
+smoltorrent.save({"warm": torch.zeros(1)}, "bench/warmup")  # imports, writer, connections
+# The first save of this size: its snapshot goes into fresh shared memory (a page fault per
+# page); later saves reuse that buffer, as a training loop's saves do. Its reference is a
+# clone into fresh memory just before, under the same memory pressure (the first clone of
+# the process: the allocator has no freed blocks to hand back yet).
 t0 = time.perf_counter()
-part = smoltorrent.load("bench/sync.safetensors", tensors=names)
-partial_s = time.perf_counter() - t0
-moved = sent() - before
-assert sorted(part) == names
-print(json.dumps({"size": size, "tensors": len(sd), "runs": runs,
-                  "partial": {"tensors": len(names), "seconds": partial_s, "bytes_sent": moved,
-                              "tensor_bytes": sum(sd[n].numel() * 2 for n in names)}}))
+copied = [t.clone() for t in tensors]
+first = {"copy_cold": time.perf_counter() - t0}
+del copied
+gc.collect()
+t0 = time.perf_counter()
+handle = smoltorrent.save(state(), "bench/first", wait=False)
+first["stall"] = time.perf_counter() - t0
+handle.result()
+first["stored"] = time.perf_counter() - t0
+cli("rm", "bench/first", "--yes")
+settle()
+runs = []
+for r in range(repeat):
+    run = {}
+    bump()
+    t0 = time.perf_counter()
+    copied = [t.clone() for t in tensors]
+    run["copy_fresh"] = time.perf_counter() - t0
+    del copied
+    kept = [torch.empty_like(t) for t in tensors]
+    for k, t in zip(kept, tensors):
+        k.copy_(t)  # their pages touched once, as a buffer kept between saves is
+    bump()
+    t0 = time.perf_counter()
+    for k, t in zip(kept, tensors):
+        k.copy_(t)
+    run["copy_reused"] = time.perf_counter() - t0
+    del kept  # not held through the saves: the 4 GiB run's memory stays under 24 GiB
+    settle()
+
+    bump()
+    path = os.path.join(scratch, "torch.pt")
+    t0 = time.perf_counter()
+    torch.save(state(), path)
+    run["torch_save_stall"] = time.perf_counter() - t0
+    durable(path)
+    run["torch_save_stored"] = time.perf_counter() - t0
+    settle()
+    t0 = time.perf_counter()
+    loaded = torch.load(path, weights_only=True)
+    touch(loaded)
+    run["torch_save_load"] = time.perf_counter() - t0
+    del loaded
+    os.unlink(path)
+    settle()
+
+    bump()
+    path = os.path.join(scratch, "flat.safetensors")
+    t0 = time.perf_counter()
+    safetensors.torch.save_file(flat(), path)
+    run["safetensors_stall"] = time.perf_counter() - t0
+    durable(path)
+    run["safetensors_stored"] = time.perf_counter() - t0
+    settle()
+    t0 = time.perf_counter()
+    loaded = safetensors.torch.load_file(path)
+    touch(loaded)
+    run["safetensors_load"] = time.perf_counter() - t0
+    del loaded
+    os.unlink(path)
+    settle()
+
+    for kind in ("dcp", "dcp_async"):
+        bump()
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd}
+        where = os.path.join(scratch, kind)
+        t0 = time.perf_counter()
+        if kind == "dcp":
+            dcp.save(sd, storage_writer=FileSystemWriter(where))
+            run[f"{kind}_stall"] = time.perf_counter() - t0
+        else:
+            future = dcp.async_save(sd, storage_writer=FileSystemWriter(where))
+            run[f"{kind}_stall"] = time.perf_counter() - t0
+            future.result()
+        run[f"{kind}_stored"] = time.perf_counter() - t0
+        settle()
+        t0 = time.perf_counter()
+        into = tree_map(lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v, sd)
+        dcp.load(into, checkpoint_id=where)
+        touch(into)
+        run[f"{kind}_load"] = time.perf_counter() - t0
+        del into, sd, msd, osd
+        shutil.rmtree(where)
+        settle()
+
+    bump()
+    t0 = time.perf_counter()
+    smoltorrent.save(state(), "bench/wait", wait=True)
+    run["st_wait_stall"] = run["st_wait_stored"] = time.perf_counter() - t0
+    settle()
+
+    bump()
+    t0 = time.perf_counter()
+    handle = smoltorrent.save(state(), "bench/async", wait=False)
+    run["st_async_stall"] = time.perf_counter() - t0
+    saved = handle.result()
+    run["st_async_stored"] = time.perf_counter() - t0
+    settle()
+    for source in ("local", "cluster"):
+        t0 = time.perf_counter()
+        loaded = smoltorrent.load("bench/async", source=source)
+        touch(loaded)
+        run[f"st_load_{source}"] = time.perf_counter() - t0
+        del loaded
+        settle()
+    run["st_size"] = saved.size
+    # Only the latest versions are kept: the nodes' disks hold R copies of every version.
+    cli("rm", "bench/wait", "--yes")
+    cli("rm", "bench/async", "--yes")
+    runs.append(run)
+    print(json.dumps(run), file=sys.stderr, flush=True)
+
+print(json.dumps({"size": size, "tensors": len(tensors), "layers": layers,
+                  "params": sum(p.numel() for p in model.parameters()), "first_save": first,
+                  "runs": runs}))
 """
 
+# (row label, stall key, stored key, load keys) in the table's order
+METHODS = (
+    ("torch.save", "torch_save_stall", "torch_save_stored", ("torch_save_load",)),
+    ("safetensors save_file", "safetensors_stall", "safetensors_stored", ("safetensors_load",)),
+    ("DCP save", "dcp_stall", "dcp_stored", ("dcp_load",)),
+    ("DCP async_save", "dcp_async_stall", "dcp_async_stored", ("dcp_async_load",)),
+    ("smoltorrent.save(wait=True)", "st_wait_stall", "st_wait_stored", ()),
+    (
+        "smoltorrent.save(wait=False)",
+        "st_async_stall",
+        "st_async_stored",
+        ("st_load_local", "st_load_cluster"),
+    ),
+)
 
-def summarize(result: dict) -> dict:
+
+def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
     out = {}
-    for key in ("copy", "plain", "async_stall", "async_commit", "sync"):
-        values = [r[key] for r in result["runs"]]
+    for key in runs[0]:
+        values = [r[key] for r in runs]
         out[key] = {
-            "median_s": statistics.median(values),
-            "min_s": min(values),
-            "max_s": max(values),
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "first": values[0],
         }
-    plain = out["plain"]["median_s"]
-    out["stall_vs_plain"] = out["async_stall"]["median_s"] / plain
-    out["stall_vs_copy"] = out["async_stall"]["median_s"] / out["copy"]["median_s"]
-    out["stall_vs_sync"] = out["async_stall"]["median_s"] / out["sync"]["median_s"]
-    partial = result["partial"]
-    out["partial"] = {**partial, "fraction_of_checkpoint": partial["bytes_sent"] / result["size"]}
     return out
+
+
+def run_size(cluster: LocalCluster, gib: float, repeat: int, scratch: Path) -> dict:
+    env = dict(cluster.env(), PYTHONPATH=str(ROOT))
+    scratch.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAINING_SCRIPT, str(gib), str(repeat), str(scratch)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=None,  # the per-run lines show as they come
+        text=True,
+        timeout=4 * 3600,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"the {gib} GiB run failed (exit {proc.returncode})")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["gib"] = gib
+    result["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+    result["seconds"] = time.time() - started
+    result["load_average_after"] = os.getloadavg()
+    result["summary"] = medians(result["runs"])
+    return result
+
+
+def table(result: dict) -> str:
+    s = result["summary"]
+    size = result["size"]
+
+    def cell(key: str) -> str:
+        m = s[key]
+        return f"{m['median']:.2f} ({m['min']:.2f}-{m['max']:.2f})"
+
+    def speed(key: str) -> str:
+        return f"{size / GIB / s[key]['median']:.2f} GiB/s"
+
+    copy_fresh, copy_reused = s["copy_fresh"]["median"], s["copy_reused"]["median"]
+    lines = [
+        f"{size / GIB:.2f} GiB state: {result['params'] / 1e6:.0f}M fp32 parameters + AdamW "
+        f"moments, {result['tensors']} tensors ({result['layers']} layers), "
+        f"{len(result['runs'])} runs; seconds, median (min-max)",
+        "",
+        "| | stall | stored | load |",
+        "| --- | --- | --- | --- |",
+        f"| in-memory copy, clone() | {cell('copy_fresh')} | | |",
+        f"| in-memory copy, copy_() into kept buffers | {cell('copy_reused')} | | |",
+    ]
+    for label, stall, stored, loads in METHODS:
+        if loads == ("st_load_local", "st_load_cluster"):
+            load = (
+                f"local tier {cell('st_load_local')} ({speed('st_load_local')}); "
+                f"cluster {cell('st_load_cluster')} ({speed('st_load_cluster')})"
+            )
+        else:
+            load = cell(loads[0]) if loads else ""
+        lines.append(f"| {label} | {cell(stall)} | {cell(stored)} | {load} |")
+    stall = s["st_async_stall"]["median"]
+    lines += [
+        "",
+        f"smoltorrent.save(wait=False) stall: {stall / copy_fresh:.2f}x the clone, "
+        f"{stall / copy_reused:.2f}x the copy into touched buffers (target at most 1.2x the "
+        "copy); "
+        f"the first save of this size (fresh shared memory): stall "
+        f"{result['first_save']['stall']:.2f} s against {result['first_save']['copy_cold']:.2f}"
+        f" s for a clone into fresh memory just before "
+        f"({result['first_save']['stall'] / result['first_save']['copy_cold']:.2f}x), stored "
+        f"{result['first_save']['stored']:.2f} s; "
+        f"DCP async_save stall {s['dcp_async_stall']['median'] / copy_fresh:.2f}x the clone",
+    ]
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=300, help="state dict size, MiB")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--sizes", default="1,4", help="state sizes in GiB, comma-separated")
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--json", help="write the raw results and summary here")
+    parser.add_argument("--json", help="write the raw runs and medians here")
+    parser.add_argument(
+        "--scratch", help="where the files, the cluster and its nodes live (default: TMPDIR)"
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="smoltorrent-api-bench-") as scratch:
-        cluster = LocalCluster(
-            Path(scratch) / "cluster",
-            nodes=args.nodes,
-            host_id="bench",
-            extra_env={"SMOLTORRENT_METRICS_PORT": "0"},
-        )
+    sizes = [float(x) for x in args.sizes.split(",")]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="smoltorrent-api-bench-", dir=args.scratch) as tmp:
+        fs = subprocess.run(
+            ["df", "--output=fstype", tmp], capture_output=True, text=True
+        ).stdout.split()[-1]
+        cluster = LocalCluster(Path(tmp) / "cluster", nodes=args.nodes, host_id="bench")
         try:
             cluster.start()
-            env = dict(cluster.env(), PYTHONPATH=str(ROOT))
             subprocess.run(
                 [sys.executable, "-m", "coordinator.cli", "nodes", "add"]
                 + [str(n.address) for n in cluster.node_procs],
-                env=env,
+                env=cluster.env(),
                 check=True,
                 capture_output=True,
             )
-            data_dirs = os.pathsep.join(str(n.data_dir) for n in cluster.node_procs)
-            started = time.time()
-            proc = subprocess.run(
-                [sys.executable, "-c", TRAINING_SCRIPT, str(args.mib), str(args.repeat), data_dirs],
-                env=env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=3600,
-            )
-            if proc.returncode != 0:
-                sys.stderr.write(proc.stderr)
-                return 1
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            for gib in sizes:
+                result = run_size(cluster, gib, args.repeat, Path(tmp) / "files")
+                print(table(result) + "\n", flush=True)
+                results.append(result)
         finally:
             cluster.stop()
-    summary = summarize(result)
-    load = os.getloadavg()
     record = {
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "commit": commit,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "filesystem": fs,
+            "torch": _version("torch"),
+        },
         "args": vars(args),
-        "load_average_after": load,
-        "result": result,
-        "summary": summary,
+        "results": results,
     }
-    print(table(record))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return 0
 
 
-def table(record: dict) -> str:
-    s, r = record["summary"], record["result"]
-    lines = [
-        f"state dict: {r['size'] / MIB:.0f} MiB bf16 in {r['tensors']} tensors, "
-        f"{len(r['runs'])} runs, 4 nodes, R=2",
-        "operation                          | median s |  min-max s",
-        "-----------------------------------+----------+-----------",
-    ]
-    for key, label in (
-        ("copy", "in-memory copy (clone)"),
-        ("plain", "safetensors save_file (baseline)"),
-        ("async_stall", "save(wait=False): the stall"),
-        ("async_commit", "save(wait=False) to commit"),
-        ("sync", "save(wait=True)"),
-    ):
-        m = s[key]
-        lines.append(f"{label:<35}| {m['median_s']:8.2f} | {m['min_s']:.2f}-{m['max_s']:.2f}")
-    p = s["partial"]
-    lines.append(
-        f"stall / in-memory copy: {s['stall_vs_copy']:.2f}x; "
-        f"stall / plain save_file: {s['stall_vs_plain']:.2f}x; "
-        f"stall / save(wait=True): {s['stall_vs_sync']:.2f}x"
-    )
-    lines.append(
-        f"partial load of {p['tensors']} of {r['tensors']} tensors: "
-        f"{p['bytes_sent'] / MIB:.1f} MiB sent by the nodes = "
-        f"{100 * p['fraction_of_checkpoint']:.1f}% of the checkpoint "
-        f"(selected tensors: {p['tensor_bytes'] / MIB:.1f} MiB), {p['seconds']:.2f} s"
-    )
-    return "\n".join(lines)
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 if __name__ == "__main__":
