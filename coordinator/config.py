@@ -221,6 +221,14 @@ def transfer_time_base() -> int:
     )
 
 
+def no_node_retries() -> int:
+    """Times a store that finds no live node backs off and plans again before it fails
+    (SMOLTORRENT_NO_NODE_RETRIES)."""
+    return _int_from_env(
+        "SMOLTORRENT_NO_NODE_RETRIES", defaults.NO_NODE_RETRIES, "a number of retries"
+    )
+
+
 def _seconds_from_env(name: str, default: float) -> float:
     """A positive number of seconds from `name`, else `default`; ConfigError if malformed."""
     text = os.environ.get(name)

@@ -225,7 +225,8 @@ SETTLED_MARGIN_S = 1.0  # seconds past STABLE_AFTER_S a file written whole is da
 REMOVING_WAIT_S = 5.0  # seconds a store of bytes being removed waits before trying again
 STABLE_RETRIES = 150  # times a store waits for an unstable file (150 x 2 s = 5 min)
 # times a store that finds no live node backs off and plans again before it fails:
-# 1+2+4+8 s, long enough for nodes restarting together (a power cut, an upgrade)
+# 1+2+4+8 s, long enough for nodes restarting together (a power cut, an upgrade).
+# SMOLTORRENT_NO_NODE_RETRIES sets it (a test of the failure itself waits 1 s, not 15)
 NO_NODE_RETRIES = 4
 GATHER_PROGRESS_INTERVAL_S = 0.5  # seconds between progress updates of a gather task
 STORE_PROGRESS_INTERVAL_S = 0.5  # seconds between a transfer's writes of its bytes sent

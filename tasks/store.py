@@ -100,7 +100,7 @@ def _store(
         )
         # Nodes restarting (a power cut, an upgrade) come back in seconds: back off and
         # plan again, NO_NODE_RETRIES times, before failing the request for good.
-        if no_node_tries >= defaults.NO_NODE_RETRIES:
+        if no_node_tries >= config.no_node_retries():
             raise error
         raise self.retry(
             exc=error,

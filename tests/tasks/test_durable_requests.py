@@ -82,7 +82,8 @@ def test_worker_killed_while_the_store_plans_loses_nothing(make_cluster, tmp_pat
 
 
 def test_a_failed_request_is_reported_and_closed(make_cluster, tmp_path):
-    c = make_cluster(1)
+    # One back-off (1 s) before the store gives up, not four (15 s): the failure is the point.
+    c = make_cluster(1, SMOLTORRENT_NO_NODE_RETRIES="1")
     src = make_ckpt(tmp_path / "f.safetensors")
     c.node_procs[0].kill()
     c.md.nodes.mark_down(c.md.nodes.nodes().popitem()[0])  # not counted alive from an earlier probe
