@@ -155,7 +155,8 @@ def test_an_update_right_after_save_returns_never_reaches_the_stored_version(mak
 
 
 def test_a_store_that_fails_shows_on_the_handle_and_keeps_the_staged_file(make_cluster):
-    c = make_cluster(2)
+    # One back-off (1 s) before the store gives up, not four (15 s): the failure is the point.
+    c = make_cluster(2, SMOLTORRENT_NO_NODE_RETRIES="1")
     for node in c.node_procs:  # no node registered: the store fails for good
         c.cli("nodes", "rm", str(node.address))
     out = run_api(
