@@ -18,8 +18,9 @@ and fsync as in production. A bench, not a test: nothing is asserted.
 
 With --celery, the same through what a user runs instead: a LocalCluster (Redis, 4 node
 processes, a Celery worker) and `smoltorrent store` / `gather` as subprocesses, one
-cluster per way: shards (SMOLTORRENT_CHUNKS=0), chunks encoded (SMOLTORRENT_ENCODE=zstd)
-and chunks auto (the default policy: RAW on loopback). Bytes moved are counted at the
+cluster per way: shards (SMOLTORRENT_CHUNKS=0), chunks encoded (SMOLTORRENT_CHUNKS=1,
+SMOLTORRENT_ENCODE=zstd) and chunks auto (SMOLTORRENT_CHUNKS=1, the default encode policy:
+RAW on loopback). Bytes moved are counted at the
 nodes (smoltorrent_node_bytes_received_total); seconds are the CLI's wall clock, start-up
 included.
 """
@@ -89,8 +90,9 @@ def sources(result, by_id, count):
 
 CELERY_WAYS = {
     "shards": {"SMOLTORRENT_CHUNKS": "0"},
-    "chunks": {"SMOLTORRENT_ENCODE": "zstd"},
-    "auto": {},  # the default: chunks, RAW on loopback
+    # SMOLTORRENT_CHUNKS=1 while stores default to whole shards (coordinator/config.py).
+    "chunks": {"SMOLTORRENT_CHUNKS": "1", "SMOLTORRENT_ENCODE": "zstd"},
+    "auto": {"SMOLTORRENT_CHUNKS": "1"},  # the encode policy's default: RAW on loopback
 }
 
 
