@@ -268,6 +268,9 @@ WORKER_HEARTBEAT_S = 5.0  # seconds between a worker's refreshes of its alive ke
 # queued may have been lost with the connection)
 RECONNECT_RECHECK_S = 1.0
 WORKER_ALIVE_TTL_S = 20  # seconds; a worker silent this long (4 missed beats) is gone
+# seconds a command waits for this host's worker that said it is starting (Celery's boot
+# takes 2-3 s here, more on a small board) before saying none serves the host
+WORKER_START_GRACE_S = 30
 RECONCILE_INTERVAL_S = 60.0  # seconds between reconcile sweeps: a lost step waits at most this
 # seconds a step (a queued commit, a remove, a re-driven request) may take before the
 # sweep sends it again; every one of them is idempotent, so a repeat costs only work

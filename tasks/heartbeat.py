@@ -24,6 +24,8 @@ _stop = threading.Event()
 
 def _beat() -> None:
     host = config.host_id()
+    with contextlib.suppress(RedisError):  # started: its alive key speaks for it from now
+        metadata().nodes.worker_started(host)
     while True:
         try:
             metadata().nodes.worker_alive(host, BOOT_ID)

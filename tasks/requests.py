@@ -106,7 +106,18 @@ def require_worker(host: str | None = None) -> None:
     when the key is missing (Redis was just flushed or restored) is the worker asked by
     name, which returns as soon as it answers."""
     host = host or config.host_id()
-    if metadata().nodes.worker_boot(host) is not None:
+    nodes = metadata().nodes
+    # `smoltorrent worker & smoltorrent store ...`: a worker launched with this command
+    # gets WORKER_CHECK_TIMEOUT_S to say it is starting, then its Celery boot (seconds, up
+    # to WORKER_START_GRACE_S) to send its first heartbeat.
+    started = time.monotonic()
+    while nodes.worker_boot(host) is None:
+        starting = nodes.worker_is_starting(host)
+        grace = defaults.WORKER_START_GRACE_S if starting else defaults.WORKER_CHECK_TIMEOUT_S
+        if time.monotonic() - started > grace:
+            break
+        _pause()
+    else:
         return
     name = f"smoltorrent@{host}"
     from tasks.app import app

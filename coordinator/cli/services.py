@@ -5,6 +5,7 @@ starts as a copy of the worker, so a module left out is left out once per proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import gc
 import os
@@ -30,6 +31,7 @@ def _restart_without_objc_fork_check() -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     _restart_without_objc_fork_check()  # before Celery, or anything, is imported
+    _say_starting()
     from celery.signals import worker_init
 
     from tasks.app import app
@@ -68,6 +70,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ]
     )
     return 0
+
+
+def _say_starting() -> None:
+    """Tell Redis this host's worker is starting, first thing (Celery's boot takes
+    seconds): a `store` run right after `smoltorrent worker &` waits for it."""
+    from redis.exceptions import RedisError
+
+    from tasks.context import metadata
+
+    with contextlib.suppress(RedisError):  # no Redis: the worker's own start says so
+        metadata().nodes.worker_starting(config.host_id())
 
 
 def cmd_beat(args: argparse.Namespace) -> int:

@@ -104,6 +104,16 @@ class Nodes:
         if self.r.get(key) == boot:
             self.r.delete(key)
 
+    def worker_starting(self, host: str) -> None:
+        """Say that a worker for `host` is starting (until WORKER_START_GRACE_S)."""
+        self.r.set(K.WORKER_STARTING.format(host=host), 1, ex=defaults.WORKER_START_GRACE_S)
+
+    def worker_started(self, host: str) -> None:
+        self.r.delete(K.WORKER_STARTING.format(host=host))
+
+    def worker_is_starting(self, host: str) -> bool:
+        return bool(self.r.exists(K.WORKER_STARTING.format(host=host)))
+
     def worker_boot(self, host: str) -> str | None:
         """Boot id of the worker serving `host`, None if none was heard from lately."""
         return self.r.get(K.WORKER_ALIVE.format(host=host))

@@ -146,6 +146,9 @@ DIRECTORY = PREFIX + "directory:{name}"
 
 # TTL key per host: the boot id of the worker serving it, refreshed while it runs
 WORKER_ALIVE = PREFIX + "worker:{host}:alive"
+# set by `smoltorrent worker` as it starts, before Celery boots (TTL WORKER_START_GRACE_S):
+# a command asking for this host's worker meanwhile waits for it instead of failing
+WORKER_STARTING = PREFIX + "worker:{host}:starting"
 # set of the hosts whose workers ever set an alive key (pruned once the key expired), so
 # the reconcile sweep finds the live workers without scanning the keyspace
 WORKER_HOSTS = PREFIX + "workers"
