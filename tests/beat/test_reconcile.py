@@ -182,15 +182,18 @@ def test_a_worker_killed_while_the_commit_runs_loses_no_acknowledged_store(make_
         node.send_signal(signal.SIGSTOP)
     try:
         # An acknowledged store of those bytes: its task joins the pending version and
-        # ends; the CLI waits for the commit.
+        # ends; the CLI waits for the commit. Cut as the crash's store cut them (2 shards):
+        # cut by its own plan it made another version on CI, whose transfers to the stopped
+        # nodes took both pool slots, and the commit below never started.
         store = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "store", str(src)],
+            [sys.executable, "-m", "coordinator.cli", "store", str(src), "--shards", "2"],
             env=c.env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         wait_until(lambda: not c.md.requests.open_requests(), what="the store request to be served")
+        assert c.md.listing.pending_versions() == [vkey]  # it joined the crashed version
         subprocess.run(
             [
                 sys.executable,
