@@ -141,25 +141,29 @@ class Versions:
             )
         return Manifest.from_json(raw)
 
+    def _each(self, vkeys: list[str], ask) -> list:
+        """ask(pipeline, vkey) queued for every vkey, one round trip per
+        LISTING_BATCH_VERSIONS, not per version: the replies in order."""
+        out: list = []
+        batch = defaults.LISTING_BATCH_VERSIONS
+        for start in range(0, len(vkeys), batch):
+            with self.r.pipeline(transaction=False) as p:
+                for vkey in vkeys[start : start + batch]:
+                    ask(p, vkey)
+                out += p.execute()
+        return out
+
     def version_blobs(self, vkeys: Iterable[str]) -> dict[str, VersionBlobs]:
         """vkey -> its name, replicas and blobs (from its manifest), for those of `vkeys`
         that have one (a version removed meanwhile is left out): one round trip per
         LISTING_BATCH_VERSIONS, not per version."""
         vkeys = list(vkeys)
-        out: dict[str, VersionBlobs] = {}
-        batch = defaults.LISTING_BATCH_VERSIONS
-        for start in range(0, len(vkeys), batch):
-            chunk = vkeys[start : start + batch]
-            with self.r.pipeline(transaction=False) as p:
-                for vkey in chunk:
-                    p.get(K.MANIFEST.format(vkey=vkey))
-                raws = p.execute()
-            out.update(
-                (vkey, VersionBlobs.from_json(raw))
-                for vkey, raw in zip(chunk, raws, strict=True)
-                if raw is not None
-            )
-        return out
+        raws = self._each(vkeys, lambda p, vkey: p.get(K.MANIFEST.format(vkey=vkey)))
+        return {
+            vkey: VersionBlobs.from_json(raw)
+            for vkey, raw in zip(vkeys, raws, strict=True)
+            if raw is not None
+        }
 
     def committed_blobs(self, vkeys: Iterable[str]) -> dict[str, VersionBlobs]:
         """version_blobs of committed versions, each manifest read and parsed once per
@@ -169,13 +173,7 @@ class Versions:
         again (a rollback, the version removed and stored again) reads it afresh. Versions
         not in `vkeys` leave the cache."""
         vkeys = list(vkeys)
-        stamps: list[str | None] = []
-        batch = defaults.LISTING_BATCH_VERSIONS
-        for start in range(0, len(vkeys), batch):
-            with self.r.pipeline(transaction=False) as p:
-                for vkey in vkeys[start : start + batch]:
-                    p.hget(K.VERSION.format(vkey=vkey), "committed_at")
-                stamps += p.execute()
+        stamps = self._each(vkeys, lambda p, v: p.hget(K.VERSION.format(vkey=v), "committed_at"))
         stamped = {v: at for v, at in zip(vkeys, stamps, strict=True) if at is not None}
         stale = [v for v, at in stamped.items() if self._parsed.get(v, (None,))[0] != at]
         fresh = self.version_blobs(stale)
