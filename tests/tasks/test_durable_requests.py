@@ -254,25 +254,33 @@ def test_a_refused_manifest_is_retried_not_dead_lettered(make_cluster, tmp_path)
     assert c.cli_json("dlq", "ls") == []
 
 
+def _held_gather(make_cluster, tmp_path, stem: str):
+    """A 2-node cluster holding STEM.safetensors at R=2, both nodes SIGSTOPped, and a
+    `smoltorrent gather` of it started: its run is held while it waits on them (the
+    caller sends SIGCONT). (cluster, source, output path, the gather's process)."""
+    c = make_cluster(2, concurrency=2)
+    src = make_ckpt(tmp_path / f"{stem}.safetensors", 2_000_000)
+    c.cli("store", str(src), "--replicas", "2")
+    out = c.root / f"{stem}-out.safetensors"
+    for node in c.node_procs:
+        node.send_signal(signal.SIGSTOP)
+    gather = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "gather", src.name, "-o", str(out)],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return c, src, out, gather
+
+
 def test_a_gather_delivered_again_while_it_runs_waits_for_the_first_run(make_cluster, tmp_path):
     """Two real deliveries of one gather request: the first run is held mid-transfer (both
     holders SIGSTOPped, its temp file already reserved), the second is sent with the same
     request id. The second must leave the request to the first (one temp file, one run),
     and the gather ends once with the right bytes. It ran in full beside the first:
     start_request short-circuited only a done request."""
-    c = make_cluster(2, concurrency=2)
-    src = make_ckpt(tmp_path / "d.safetensors", 2_000_000)
-    c.cli("store", str(src), "--replicas", "2")
-    out = c.root / "d-out.safetensors"
-    for node in c.node_procs:
-        node.send_signal(signal.SIGSTOP)
-    gather = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "gather", "d.safetensors", "-o", str(out)],
-        env=c.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    c, src, out, gather = _held_gather(make_cluster, tmp_path, "d")
     try:
 
         def partials() -> list[str]:
@@ -320,19 +328,7 @@ def test_a_gather_whose_pool_child_is_killed_is_run_again(make_cluster, tmp_path
     lost after the task's default_retry_delay, 180 s unless set: the gather sat idle for 3
     minutes (and the CLI waiting on it) before it ran again. It must run again at once,
     take over the dead run's lease, and end with the bytes whole."""
-    c = make_cluster(2, concurrency=2)
-    src = make_ckpt(tmp_path / "oom.safetensors", 2_000_000)
-    c.cli("store", str(src), "--replicas", "2")
-    out = c.root / "oom-out.safetensors"
-    for node in c.node_procs:  # the gather's run is held while it waits on them
-        node.send_signal(signal.SIGSTOP)
-    gather = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "gather", "oom.safetensors", "-o", str(out)],
-        env=c.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    c, src, out, gather = _held_gather(make_cluster, tmp_path, "oom")
     try:
         rid, _ = wait_until(
             lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
