@@ -169,26 +169,31 @@ def workdir(path: Path) -> Path:
     return path
 
 
-def processes_with(token: str) -> list[int]:
-    """Every process still running whose environment carries this block's token."""
+def processes_with(token: str, under: Path) -> list[int]:
+    """Every process still running whose environment carries this block's token, or whose
+    working directory is in `under`: a daemonized redis-server writes its process title
+    over its environment (so the token is gone) and works in its --dir, inside the block's
+    home."""
     needle = f"SMOLTORRENT_DOCS_BLOCK={token}".encode()
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             with contextlib.suppress(OSError):
-                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                if needle in (proc / "environ").read_bytes().split(b"\0") or (
+                    Path(os.readlink(proc / "cwd")).is_relative_to(under)
+                ):
                     pids.append(int(proc.name))
     return pids
 
 
-def stop_everything(token: str) -> None:
+def stop_everything(token: str, under: Path) -> None:
     """SIGTERM what the block left (nodes, a worker, its own Redis), SIGKILL past a grace."""
     for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-        for pid in processes_with(token):
+        for pid in processes_with(token, under):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait
-        while processes_with(token) and time.monotonic() < deadline:
+        while processes_with(token, under) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
@@ -253,7 +258,7 @@ def test_shell_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path
     try:
         code, output = run_block(block, env, workdir(tmp_path / "work"))
     finally:
-        stop_everything(token)
+        stop_everything(token, tmp_path)
     assert code == 0, f"{block.id} exited {code}:\n{block.code}\n--- output ---\n{output}"
     if block.until:
         assert block.until in output, output
@@ -268,3 +273,19 @@ def test_a_block_that_fails_fails(code: str, tmp_path: Path) -> None:
     exit_code, output = run_block(block, dict(os.environ), tmp_path)
     assert exit_code != 0, output
     assert "unreachable" not in output
+
+
+def test_what_a_block_started_is_stopped_even_a_daemonized_redis(tmp_path: Path) -> None:
+    """A block that starts an embedded Redis leaves no redis-server behind: the daemon
+    writes its title over the environment that carried the block's token (three were left
+    after every CI run), so it is also found by its working directory in the block's home."""
+    token = uuid.uuid4().hex
+    start = "import sys, pathlib; from coordinator.state.embedded_redis import start_redis; "
+    start += "print(start_redis(pathlib.Path(sys.argv[1]))[0])"
+    env = {**os.environ, "SMOLTORRENT_DOCS_BLOCK": token}
+    argv = [sys.executable, "-c", start, str(tmp_path / "home" / "redis")]
+    pid = int(subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout)
+    assert pid in processes_with(token, tmp_path)
+    stop_everything(token, tmp_path)
+    with contextlib.suppress(FileNotFoundError):  # gone, or dead and not yet reaped by init
+        assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
