@@ -48,8 +48,10 @@ def human_bytes(n: float) -> str:
 
 def emit_json(data) -> None:
     # One write: json.dump writes every token on its own (700,000 writes, 1.5 s, for an
-    # `ls --json` of 10,000 versions).
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    # `ls --json` of 10,000 versions). Indented for a person at a terminal only: an indent
+    # takes json's pure-Python encoder, 159 ms against 33 ms for those 10,000 rows.
+    indent = 2 if sys.stdout.isatty() else None  # not console: rich stays unimported
+    sys.stdout.write(json.dumps(data, indent=indent, sort_keys=True, default=str) + "\n")
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
