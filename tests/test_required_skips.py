@@ -25,3 +25,25 @@ def test_ci_requires_the_tmpfs_the_namespaces_and_libfiu():
     ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
     assert "SMOLTORRENT_REQUIRE_TMPFS=1" in ci and f"{REQUIRE_NETNS_ENV}=1" in ci
     assert f"{REQUIRE_FIU_ENV}=1" in ci and "fiu-utils" in ci
+
+
+def test_every_test_that_makes_namespaces_requires_them():
+    """A test module that makes network namespaces (`ip netns`, coordinator.local.netns)
+    skips through require_network_namespaces, never a skipif of its own: test_discovery's
+    `skipif(geteuid() != 0)` skipped silently on CI where namespaces could not be made."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    making = [
+        p
+        for p in here.rglob("test_*.py")
+        if p.name != Path(__file__).name
+        and ('"netns"' in (text := p.read_text()) or "netns.Lan" in text or "Lan(" in text)
+    ]
+    assert any(p.name == "test_discovery.py" for p in making), making
+    silent = [
+        str(p.relative_to(here))
+        for p in making
+        if "require_network_namespaces()" not in p.read_text() or "geteuid" in p.read_text()
+    ]
+    assert silent == []

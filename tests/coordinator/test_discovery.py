@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,11 +23,7 @@ import pytest
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.embedded_redis import redis_server_binary
 from smoltorrent import defaults
-
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None,
-    reason="needs root and iproute2's `ip` to make network namespaces",
-)
+from tests.conftest import require_network_namespaces
 
 SUBNET = "10.77.{}"  # a private /24 per test run, inside the namespaces only
 KEY = "discovery-test-key"  # nodes listen beyond loopback only with a key
@@ -170,6 +165,7 @@ def wait_for(predicate, what: str):
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
+    require_network_namespaces()  # fails instead of skipping where CI requires namespaces
     link = Link(str(os.getpid() % 10000))
     stack = None
     try:
