@@ -294,7 +294,8 @@ def load(
     bwlimit: int | None = None,
     source: str = "auto",
 ) -> Any:
-    """The state of `name` (its current version, or a version id prefix) as it was saved,
+    """The state of `name` (its current version, or a version id prefix; `NAME@LABEL` reads
+    the version tagged LABEL, `NAME@VERSION` the version of that id prefix) as it was saved,
     with `framework` tensors, gathered and verified byte for byte: a flat state dict as a
     dict, a nested state as the same dicts, lists, tuples and plain values.
 
@@ -332,6 +333,7 @@ def load(
     directory = _staging_dir(staging_dir)
     if snapshot.has_orphans(directory):
         _writer(directory).start()  # it adopts the saves a dead trainer left
+    name, version = _at(name, version)
     if is_directory(name):
         if source == "local":
             raise NotFoundError(f"{name} is a directory checkpoint: the local tier keeps saves")
@@ -363,6 +365,18 @@ def load(
         return loaded if tree is None else unflatten(tree, loaded, chosen)
     finally:
         out.unlink(missing_ok=True)
+
+
+def _at(name: str, version: str | None) -> tuple[str, str | None]:
+    """`NAME@LABEL` or `NAME@VERSION` as (NAME, that version's id), as `gather` reads it."""
+    if "@" not in name:
+        return name, version
+    base, named = connected_metadata().versions.split_at(name)
+    if named is None:
+        return name, version
+    if version is not None:
+        raise SmoltorrentError(f"give {name!r} or version=, not both: {name!r} names a version")
+    return base, named
 
 
 def _local_copy(name: str, version: str | None, staging: Path, out: Path, source: str) -> bool:

@@ -29,18 +29,14 @@ def node_addresses(texts: list[str], default_port: int | None = None) -> list[No
 
 
 def at_label(name: str, version: str | None) -> tuple[str, str | None]:
-    """`NAME@LABEL` as (NAME, the id of its version tagged LABEL); any other name as it is
-    (a name holding "@" that is stored is that name)."""
-    if "@" not in name:
+    """`NAME@LABEL` or `NAME@VERSION` as (NAME, the version id it names); any other name as
+    it is (a name holding "@" that is stored is that name)."""
+    base, named = metadata().versions.split_at(name)
+    if named is None:
         return name, version
-    md = metadata()
-    if md.versions.has_name(name):
-        return name, version
-    base, _, label = name.rpartition("@")
     if version is not None:
-        raise UsageError(f"give {name} or --version, not both: {label!r} names a version")
-    vkey = md.versions.with_label(base, label)
-    return base, md.versions.version(vkey)["version_id"]
+        raise UsageError(f"give {name} or --version, not both: {name!r} names a version")
+    return base, named
 
 
 # down: missed its latest probe, not yet dead; dead: silent past SMOLTORRENT_DEAD_AFTER_S

@@ -229,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
 
     g = sub.add_parser("gather", help="rebuild a checkpoint into a file (or a directory)")
-    g.add_argument("name", help="a checkpoint name, or NAME@LABEL (see `smoltorrent tag`)")
+    g.add_argument(
+        "name", help="a checkpoint name, NAME@LABEL (see `smoltorrent tag`) or NAME@VERSION"
+    )
     g.add_argument(
         "-o",
         "--output",
@@ -275,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
         " name, dtype and shape. Read from the manifest in Redis: no node is asked and no"
         " tensor byte moves.",
     )
-    sh.add_argument("name", help="a checkpoint name, or NAME@LABEL (see `smoltorrent tag`)")
+    sh.add_argument(
+        "name", help="a checkpoint name, NAME@LABEL (see `smoltorrent tag`) or NAME@VERSION"
+    )
     sh.add_argument("--version", help="a version id prefix (default: the current version)")
     sh.add_argument("--tensors", action="store_true", help="list every tensor")
     sh.add_argument("--json", action="store_true")

@@ -292,6 +292,21 @@ class Versions:
             " versions and tags"
         )
 
+    def split_at(self, name: str) -> tuple[str, str | None]:
+        """`NAME@LABEL` or `NAME@VERSION` (a version-id prefix) as (NAME, the version id it
+        names); any other name as (name, None). A stored name holding "@" is that name; a
+        label is looked for before a version id."""
+        if "@" not in name or self.has_name(name):
+            return name, None
+        base, _, after = name.rpartition("@")
+        try:
+            vkey = self.with_label(base, after)
+        except NotFoundError:
+            if not after or any(c not in "0123456789abcdef" for c in after):
+                raise
+            vkey = self.resolve(base, after)
+        return base, self.version(vkey)["version_id"]
+
     def resolve(self, name: str, version: str | None = None) -> str:
         """vkey of `name` at `version` (a version-id prefix), or its current version."""
         if version is None:

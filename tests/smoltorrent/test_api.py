@@ -226,3 +226,53 @@ print(json.dumps({
     # Three saves of a training state, each with its own step: three versions.
     rows = [v for v in c.cli_json("ls") if v["name"] == "run1/latest"]
     assert [v["state"] for v in rows] == ["committed"] * 3
+
+
+def test_load_reads_name_at_label_and_name_at_version(make_cluster):
+    """`gather NAME@LABEL` read the tagged version, but `smoltorrent.load("NAME@LABEL")`
+    looked for a checkpoint named "NAME@LABEL" and found none."""
+    from tests.coordinator.cli.test_papercuts import run
+
+    c = make_cluster(2)
+    script = """
+        import json
+        import numpy as np
+        import smoltorrent
+
+        ids = [
+            smoltorrent.save({"w": np.full(64, step, np.float32)}, "api/at.safetensors").version_id
+            for step in (1.0, 2.0)
+        ]
+        print(json.dumps(ids))
+        """
+    first, second = run_api(c, script)
+    tagged = run("tag", "api/at.safetensors", first[:12], "best", env=c.env())
+    assert tagged.returncode == 0, tagged.stderr
+    out = run_api(
+        c,
+        f"""
+        import json
+        import smoltorrent
+
+        def w(name):
+            return float(smoltorrent.load(name, framework="numpy")["w"][0])
+
+        print(json.dumps([
+            w("api/at.safetensors"),
+            w("api/at.safetensors@best"),
+            w("api/at.safetensors@{first[:12]}"),
+            w("api/at.safetensors@{second}"),
+        ]))
+        """,
+    )
+    assert out == [2.0, 1.0, 1.0, 2.0]
+    missing = run_api(
+        c,
+        """
+        import smoltorrent
+        smoltorrent.load("api/at.safetensors@worst", framework="numpy")
+        """,
+        check=False,
+    )
+    assert missing.returncode == 1
+    assert "no version of api/at.safetensors is tagged 'worst'" in missing.stderr
