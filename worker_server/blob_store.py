@@ -49,9 +49,15 @@ def write_file_atomically(path: Path, data: bytes, tmp_dir: Path) -> None:
     try:
         durable.replace_file(path, data, tmp_dir)
     except OSError as exc:
-        if exc.errno in NO_SPACE_ERRNOS:
-            raise DiskFullError(f"no space left to write {path}: free some disk space") from exc
-        raise
+        raise _disk_error(exc, f"write {path.name}") from exc
+
+
+def _disk_error(exc: OSError, what: str) -> DiskFullError | DiskIOError:
+    """A failed write, fsync or rename as the answer it is (disk_full, disk_error): an
+    OSError left as it is drops the connection, which the sender reads as a dead node."""
+    if exc.errno in NO_SPACE_ERRNOS:
+        return DiskFullError(f"no space left to {what}: free some disk space")
+    return DiskIOError(f"this node's disk failed to {what} ({exc}): check the disk (dmesg, SMART)")
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -379,10 +385,8 @@ class BlobStore:
                 f"manifest {key!r} part at {offset} before its first part: start from offset 0"
             ) from None
         except OSError as exc:
-            if exc.errno in NO_SPACE_ERRNOS:
-                _unlink_quietly(partial)
-                raise DiskFullError(f"no space left to write manifest {key!r}") from exc
-            raise
+            _unlink_quietly(partial)
+            raise _disk_error(exc, f"write manifest {key!r}") from exc
 
     def get_manifest_range(self, key: str, offset: int, length: int) -> tuple[int, bytes]:
         """(the manifest's size, at most `length` of its bytes from `offset`)."""
@@ -427,7 +431,9 @@ class IncomingBlob:
         self._hasher.update(chunk)
         try:
             while chunk:
-                written = os.write(self._fd, chunk)
+                # pwrite at the offset, not write: the same bytes, and a disk fault injected
+                # on pwrite (libfiu, tests and chaos runs) cannot hit the node's sockets.
+                written = os.pwrite(self._fd, chunk, self._written)
                 chunk = chunk[written:]
                 self._written += written
             self._writeback.wrote(self._written)

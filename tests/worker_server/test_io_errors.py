@@ -5,6 +5,7 @@ and the node goes on serving what it holds and the puts after it."""
 from __future__ import annotations
 
 import errno
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,11 @@ from tests.conftest import require_libfiu
 from tests.worker_server.conftest import CLUSTER_KEY, SourceBlob
 
 FSYNC = "posix/io/sync/fsync"
+# libfiu's failure points (fiu-utils' function_list). A blob's bytes reach its temp file
+# with pwrite(2): the node's sockets are written with write(2), which an injected write
+# error would break too, and a disk error must not look like a dead link.
+PWRITE = "posix/io/rw/pwrite"
+RENAME = "posix/io/dir/rename"
 
 
 def fiu_ctrl(pid: int, command: str) -> None:
@@ -31,11 +37,14 @@ def fiu_node(tmp_path: Path) -> Iterator[NodeProcess]:
     node.kill()
 
 
-def test_eio_on_fsync_fails_that_put_only(fiu_node: NodeProcess, make_blob) -> None:
+@pytest.mark.parametrize("point", [FSYNC, PWRITE, RENAME])
+def test_eio_on_fsync_write_or_rename_fails_that_put_only(
+    fiu_node: NodeProcess, make_blob, point: str
+) -> None:
     kept: SourceBlob = make_blob(512 * 1024)
     assert kept.put(fiu_node.client()) is True
 
-    fiu_ctrl(fiu_node.pid, f"enable name={FSYNC},failinfo={errno.EIO}")
+    fiu_ctrl(fiu_node.pid, f"enable name={point},failinfo={errno.EIO}")
     bad: SourceBlob = make_blob(512 * 1024)
     with pytest.raises(NodeError) as failed:
         bad.put(fiu_node.client())
@@ -49,6 +58,24 @@ def test_eio_on_fsync_fails_that_put_only(fiu_node: NodeProcess, make_blob) -> N
     # It still serves what it holds, and the same put once the disk answers again.
     client = fiu_node.client()
     assert client.has([kept.digest, bad.digest]) == {kept.digest}
-    fiu_ctrl(fiu_node.pid, f"disable name={FSYNC}")
+    fiu_ctrl(fiu_node.pid, f"disable name={point}")
     assert bad.put(fiu_node.client()) is True
     assert fiu_node.client().has([bad.digest]) == {bad.digest}
+
+
+@pytest.mark.parametrize("point", [FSYNC, RENAME])
+def test_eio_while_publishing_a_manifest_is_answered_as_a_disk_error(
+    fiu_node: NodeProcess, point: str
+) -> None:
+    manifest = json.dumps({"name": "run/latest.safetensors"}).encode()
+    fiu_ctrl(fiu_node.pid, f"enable name={point},failinfo={errno.EIO}")
+    with pytest.raises(NodeError) as failed:
+        fiu_node.client().put_manifest("v1", manifest)
+    # An answer, not a dropped connection: the commit retries or uses the other holders.
+    assert failed.value.code == "disk_error", failed.value
+    assert "check the disk" in str(failed.value)
+    assert list((fiu_node.data_dir / "tmp").iterdir()) == []
+
+    fiu_ctrl(fiu_node.pid, f"disable name={point}")
+    fiu_node.client().put_manifest("v1", manifest)
+    assert fiu_node.client().get_manifest("v1") == manifest
