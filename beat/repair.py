@@ -22,8 +22,12 @@ from coordinator.state import repairs
 from coordinator.state.liveness import node_health, probe_registered
 from coordinator.state.metadata import Metadata
 from coordinator.state.repair_plan import TRIM, Plan, placements, plan, wanted_blobs
+from coordinator.state.versions import digests
 from smoltorrent import defaults
-from tasks.context import metadata
+from smoltorrent.errors import NotFoundError
+from tasks.app import app
+from tasks.commit import record_request_order
+from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import send_repair, send_trim, transfer_time_limit
 
 log = get_task_logger(__name__)
@@ -82,3 +86,29 @@ def run_pass() -> dict[str, int]:
 def repair() -> dict[str, int]:
     """One pass over every blob of every committed version."""
     return run_pass()
+
+
+@app.task(
+    name="smoltorrent.replicas",
+    bind=True,
+    autoretry_for=REDIS_TRANSIENT,
+    retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
+    retry_jitter=False,
+    max_retries=defaults.REPLICAS_RECHECKS,
+)
+def replicas(self, vkey: str) -> dict[str, int]:
+    """Committed version `vkey` asks for another R (`store --replicas` on stored content,
+    Versions.set_replicas): the nodes' copies of its manifest learn it, and its blobs are
+    copied up to, or trimmed down to, the most any version using them asks for now, not at
+    the next sweep. Copies the throttle holds back are sent by this task again, every
+    REPLICAS_RECHECK_S, so a store waiting on them needs no beat."""
+    md = metadata()
+    try:
+        blobs = set(digests(md.versions.manifest(vkey)))
+    except NotFoundError:
+        return {"removed": 1}
+    decided = send_repairs(md, blobs)
+    record_request_order(md, vkey)
+    if decided.throttled or decided.waiting:
+        raise self.retry(countdown=defaults.REPLICAS_RECHECK_S)
+    return decided.counts()

@@ -307,6 +307,18 @@ REPAIR_BACKOFF_S = 60.0
 # seconds the doubling repair backoff stops at: a target that failed for hours is still
 # tried about hourly, which costs one copy attempt
 REPAIR_BACKOFF_MAX_S = 3600.0
+# seconds between a `store --replicas` change's passes over the version's blobs while the
+# repair throttle holds copies back (beat/repair.py replicas): a copy of a small blob ends
+# in about that, so the next pair starts soon after
+REPLICAS_RECHECK_S = 5.0
+# passes of such a change before it leaves the rest to the repair sweep: an hour of them
+REPLICAS_RECHECKS = 720
+# seconds `store --replicas` on stored content waits with no copy made or trimmed before it
+# stops waiting (exit 3: the change is recorded, and the repair sweep carries it on); at
+# least, since it waits as long as one copy of its biggest blob may take (its time limit)
+REPLICAS_STALL_S = 120.0
+# seconds between its looks at the copies: each reads every version's blobs from Redis
+REPLICAS_POLL_S = 0.5
 # seconds a trim (re-hash the copies kept, delete the surplus) may take before the sweep
 # may send it again; a trim is rare (a dead node came back) and each step is idempotent
 TRIM_TIME_LIMIT_S = 3600

@@ -280,6 +280,16 @@ def send_bad_copy(digest: str, node_id: str) -> None:
     )
 
 
+def send_replicas(vkey: str, name: str) -> None:
+    """A committed version's R changed: its blobs copied up or trimmed down to it now."""
+    app.send_task(
+        "smoltorrent.replicas",
+        kwargs={"vkey": vkey},
+        queue=config.CONTROL_QUEUE,
+        **_named(name, vkey),
+    )
+
+
 def send_trim(digest: str, replicas: int) -> None:
     """Delete the copies of a blob above `replicas`, once the ones kept are verified."""
     app.send_task(

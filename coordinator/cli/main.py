@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicas",
         type=_count(1),
         help=f"copies of each shard (default {defaults.DEFAULT_REPLICAS}); more than the nodes"
-        " up is refused",
+        " up is refused; given for bytes already stored, their copies are raised or lowered"
+        " to it",
     )
     st.add_argument("--shards", type=_count(1), help="shard count (default: number of live nodes)")
     _bwlimit_argument(st, "send")

@@ -15,7 +15,7 @@ from coordinator.cli.output import console, emit_json, human_bytes, warn
 from coordinator.state.liveness import probe_registered
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults
-from smoltorrent.errors import SmoltorrentError, UsageError
+from smoltorrent.errors import OutcomeUnknownError, SmoltorrentError, UsageError
 
 
 def _wire_words(raw: int, wire: int) -> str:
@@ -73,7 +73,8 @@ def _progress(as_json: bool = False):
 def cmd_store(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):  # said before the task modules start Redis
         raise SmoltorrentError(f"{os.path.abspath(args.path)}: no such file")
-    if args.replicas is not None:
+    asked = args.replicas is not None  # only an R given changes stored content's copies
+    if asked:
         _check_replicas(args.replicas)
     else:
         args.replicas = defaults.DEFAULT_REPLICAS
@@ -109,9 +110,12 @@ def cmd_store(args: argparse.Namespace) -> int:
                 )
 
             out = wait_store(request, show)
+        replicas = args.replicas if asked else None
+        with ctrl_c_stops_waiting():
+            changed = _change_replicas(name, out, replicas)
     except KeyboardInterrupt:
         return _stopped_waiting("store", request, args.json)
-    return _report_store(name, out, time.monotonic() - started, args.replicas, args.json)
+    return _report_store(name, out, time.monotonic() - started, changed, args.json)
 
 
 def _follow(request) -> str:
@@ -135,22 +139,58 @@ def _stopped_waiting(kind: str, request, as_json: bool) -> int:
     return 3
 
 
-def _report_store(name: str, out: dict, seconds: float, replicas: int, as_json: bool) -> int:
+def _change_replicas(name: str, out: dict, replicas: int | None) -> tuple[int, int] | None:
+    """Content already stored, asked for another number of copies: that version's R is
+    recorded (its manifest, on the nodes too) and its blobs copied up to it or trimmed
+    down to it, trims only where no other version using a blob asks for more; waited for
+    until every blob of it has the copies wanted. (R before, R now), or None if unchanged.
+    OutcomeUnknownError when no copy is made or trimmed for a while: the change stays
+    recorded and the repair sweep carries it on."""
+    if replicas is None or out["new"] or out["state"] != COMMITTED:
+        return None
+    from coordinator.state.repair_plan import copies_against_wanted
+    from tasks.enqueue import send_replicas, transfer_time_limit
+
+    md = metadata()
+    vkey = out["vkey"]
+    if int(md.versions.version(vkey)["replicas"]) == replicas:
+        return None
+    before = md.versions.set_replicas(vkey, replicas)
+    if before is None:
+        raise SmoltorrentError(
+            f"{name}: its version left the committed state while --replicas {replicas} was"
+            " being recorded (removed meanwhile?); see `smoltorrent ls`"
+        )
+    send_replicas(vkey, name)
+    largest = max((s.blob_size for s in md.versions.manifest(vkey).entries), default=0)
+    stall = max(defaults.REPLICAS_STALL_S, transfer_time_limit(largest))
+    seen, since = None, time.monotonic()
+    while (now := copies_against_wanted(md, vkey)) and any(c != w for c, w in now.values()):
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since > stall:
+            short = sum(c < w for c, w in now.values())
+            raise OutcomeUnknownError(
+                f"{name} now asks for {replicas} copies (recorded), but {short or 'no'}"
+                f" blob(s) below and {sum(c > w for c, w in now.values())} above it have"
+                f" not moved for {stall:.0f} s; the repair sweep goes on with them: see"
+                " `smoltorrent status`"
+            )
+        time.sleep(defaults.REPLICAS_POLL_S)
+    return before, replicas
+
+
+def _report_store(
+    name: str, out: dict, seconds: float, changed: tuple[int, int] | None, as_json: bool
+) -> int:
     """A store's summary line (or JSON) once it ended; its exit status."""
     md = metadata()
     vkey = out["vkey"]
     row = next(c for c in reports.checkpoints(md, name) if c["vkey"] == vkey)
-    if not out["new"] and replicas > row["replicas"]:
-        # The same bytes were stored before with fewer copies; this store added none.
-        raise UsageError(
-            f"{name} version {row['version_id'][:12]} is already stored with"
-            f" {row['replicas']} replicas, so --replicas {replicas} was not applied (no"
-            " bytes moved): raising the copies of a stored version is not supported yet;"
-            f" store it under another --name to keep {replicas} copies of it"
-        )
     if as_json:
         figures = {k: out[k] for k in ("hashed_bytes", "raw_bytes", "wire_bytes", "ratio")}
-        emit_json({**row, "new": out["new"], **figures})
+        moved = {} if changed is None else {"replicas_before": changed[0]}
+        emit_json({**row, "new": out["new"], **figures, **moved})
     else:
         verb = "stored" if out["new"] else "already stored (no bytes moved)"
         console.print(
@@ -159,6 +199,12 @@ def _report_store(name: str, out: dict, seconds: float, replicas: int, as_json: 
             f"{row['replicas']} replicas, "
             + (f"sent {_wire_words(out['raw_bytes'], out['wire_bytes'])}, " if out["new"] else "")
             + _time_and_rate(row["size"], seconds)
+            + (
+                ""
+                if changed is None
+                else f"; copies {'raised' if changed[1] > changed[0] else 'lowered'} from"
+                f" {changed[0]} to {changed[1]}"
+            )
         )
         if row["under_replicated"]:
             warn(

@@ -124,6 +124,21 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
     return {d: Blob(d, sizes[d], replicas[d], tuple(sorted(names[d])), d in placing) for d in sizes}
 
 
+def copies_against_wanted(md: Metadata, vkey: str) -> dict[str, tuple[int, int]]:
+    """Digest -> (its copies, the most copies any version using it asks for), for every
+    blob of committed version `vkey`: what `store --replicas` on stored content waits on
+    until the two are equal."""
+    blobs = md.versions.version_blobs([vkey]).get(vkey)
+    if blobs is None:
+        return {}
+    wanted = wanted_blobs(md)
+    held = placements(md, (d for d, _ in blobs.blobs))
+    return {
+        d: (len(held[d]), wanted[d].replicas if d in wanted else blobs.replicas)
+        for d, _ in blobs.blobs
+    }
+
+
 def placements(md: Metadata, digests: Iterable[str]) -> dict[str, set[str]]:
     """Digest -> node ids of its verified copies, in one round trip."""
     digests = list(digests)

@@ -9,6 +9,7 @@ wall clocks); the current one is the committed version of the latest request.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterable
@@ -66,8 +67,8 @@ def listing_row(manifest: Manifest, transfers: int) -> str:
 class Versions:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        # vkey -> (its committed_at, its parsed blobs): see committed_blobs
-        self._parsed: dict[str, tuple[str, VersionBlobs]] = {}
+        # vkey -> ((its committed_at, replicas), its parsed blobs): see committed_blobs
+        self._parsed: dict[str, tuple[tuple, VersionBlobs]] = {}
         self._create = load(r, "versions/create")
         self._commit = load(r, "versions/commit")
         self._abort = load(r, "versions/abort")
@@ -173,8 +174,11 @@ class Versions:
         again (a rollback, the version removed and stored again) reads it afresh. Versions
         not in `vkeys` leave the cache."""
         vkeys = list(vkeys)
-        stamps = self._each(vkeys, lambda p, v: p.hget(K.VERSION.format(vkey=v), "committed_at"))
-        stamped = {v: at for v, at in zip(vkeys, stamps, strict=True) if at is not None}
+        # Its R too: `store --replicas` on stored content changes it in place (set_replicas).
+        stamps = self._each(
+            vkeys, lambda p, v: p.hmget(K.VERSION.format(vkey=v), "committed_at", "replicas")
+        )
+        stamped = {v: tuple(at) for v, at in zip(vkeys, stamps, strict=True) if at[0] is not None}
         stale = [v for v, at in stamped.items() if self._parsed.get(v, (None,))[0] != at]
         fresh = self.version_blobs(stale)
         self._parsed = {
@@ -183,6 +187,33 @@ class Versions:
             if v in fresh or v not in stale
         }
         return {v: self._parsed[v][1] for v in vkeys if v in self._parsed}
+
+    def set_replicas(self, vkey: str, replicas: int) -> int | None:
+        """Record that committed version `vkey` asks for `replicas` copies of each blob (a
+        store of its bytes again with another --replicas): its record, its manifest and
+        its listing row, in one transaction. The repair sweep copies each blob up to, or
+        trims it down to, the most any version using it asks for; the nodes' copies of the
+        manifest are the caller's to write. The R it asked for before, or None when it is
+        not committed (nothing changed)."""
+        version, manifest_key = K.VERSION.format(vkey=vkey), K.MANIFEST.format(vkey=vkey)
+
+        def change(p: redis.client.Pipeline) -> int | None:
+            state, before = p.hmget(version, "state", "replicas")
+            raw, row = p.get(manifest_key), p.hget(K.VERSION_ROWS, vkey)
+            if state != COMMITTED or raw is None:
+                return None
+            manifest = dataclasses.replace(Manifest.from_json(raw), replicas=replicas)
+            p.multi()
+            p.hset(version, "replicas", replicas)
+            p.set(manifest_key, manifest.to_json())
+            if row is not None:
+                p.hset(K.VERSION_ROWS, vkey, json.dumps({**json.loads(row), "replicas": replicas},
+                                                        separators=(",", ":")))  # fmt: skip
+            return int(before or manifest.replicas)
+
+        return self.r.transaction(
+            change, version, manifest_key, K.VERSION_ROWS, value_from_callable=True
+        )
 
     def state(self, vkey: str) -> str | None:
         return self.r.hget(K.VERSION.format(vkey=vkey), "state")

@@ -109,15 +109,48 @@ def test_replicas_above_the_nodes_up_is_refused_before_anything_is_recorded(
     assert json.loads(run("ls", "--json", env=cluster.env()).stdout) == []
 
 
-def test_store_with_more_replicas_than_the_stored_content_has_is_refused(
+def copies(cluster: LocalCluster, name: str) -> tuple[int, list[int]]:
+    """(the R recorded for `name`'s current version, its blobs' copy counts)."""
+    from coordinator.state.metadata import Metadata
+
+    md = Metadata(cluster.redis_url)
+    vkey = md.versions.current(name)
+    manifest = md.versions.manifest(vkey)
+    counts = [len(md.blobs.placement(e.blob_sha256)) for e in manifest.entries]
+    return int(md.versions.version(vkey)["replicas"]), counts
+
+
+def test_replicas_given_again_for_stored_content_raise_or_lower_its_copies(
     cluster: LocalCluster, tmp_path: Path
 ):
-    """`store --replicas 3` of content already stored at 2 printed `already stored ... x 2
-    replicas` and exited 0, as if it now held the copies asked for."""
+    """`store --replicas 2` of content already stored at 1 printed `already stored ... x 1
+    replicas` and exited 0, as if it now held the copies asked for. Now it records R=2 for
+    that version and waits for the second copies; `--replicas 1` lowers it, and a copy
+    is trimmed only where no other version using the blob asks for more. A store of the
+    same bytes without --replicas leaves R as it is."""
     assert store(cluster, tmp_path, "same.safetensors", "--replicas", "1").returncode == 0
-    again = store(cluster, tmp_path, "same.safetensors", "--replicas", "2")
-    assert again.returncode == 2, again.stdout + again.stderr
-    assert "already stored" not in again.stdout
-    assert "already stored with 1 replicas" in again.stderr and "--replicas 2" in again.stderr
-    fewer = store(cluster, tmp_path, "same.safetensors", "--replicas", "1")
-    assert fewer.returncode == 0 and "already stored" in fewer.stdout, fewer.stderr
+    assert copies(cluster, "same.safetensors")[0] == 1
+    raised = store(cluster, tmp_path, "same.safetensors", "--replicas", "2")
+    assert raised.returncode == 0, raised.stdout + raised.stderr
+    assert "copies raised from 1 to 2" in raised.stdout, raised.stdout
+    r, counts = copies(cluster, "same.safetensors")
+    assert r == 2 and set(counts) == {2}, counts  # waited for: every blob at 2 already
+    again = store(cluster, tmp_path, "same.safetensors")
+    assert again.returncode == 0 and "already stored" in again.stdout, again.stderr
+    assert copies(cluster, "same.safetensors")[0] == 2
+    # The same bytes under another name share every blob, at R=2.
+    same = (tmp_path / "same.safetensors.safetensors").read_bytes()  # the file store() wrote
+    (tmp_path / "twin.safetensors.safetensors").write_bytes(same)
+    assert store(cluster, tmp_path, "twin.safetensors", "--replicas", "2").returncode == 0
+    lowered = store(cluster, tmp_path, "same.safetensors", "--replicas", "1")
+    assert lowered.returncode == 0, lowered.stdout + lowered.stderr
+    assert "copies lowered from 2 to 1" in lowered.stdout, lowered.stdout
+    r, counts = copies(cluster, "same.safetensors")
+    assert r == 1 and set(counts) == {2}, counts  # twin still asks for 2
+    assert run("ls", "same.safetensors", env=cluster.env()).returncode == 0
+    lowered = store(cluster, tmp_path, "twin.safetensors", "--replicas", "1")
+    assert lowered.returncode == 0, lowered.stdout + lowered.stderr
+    assert set(copies(cluster, "twin.safetensors")[1]) == {1}  # waited for: trimmed
+    gathered = run("gather", "same.safetensors", "-o", str(tmp_path / "out"), env=cluster.env())
+    assert gathered.returncode == 0, gathered.stderr
+    assert (tmp_path / "out").read_bytes() == same
