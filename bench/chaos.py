@@ -1,6 +1,10 @@
-"""Jepsen-style fault runs: a seeded schedule of SIGKILLs and SIGSTOPs of the nodes, the
-worker, beat and Redis under a workload of concurrent stores, gathers, rollbacks and
-removes, every operation a real `smoltorrent` command; then the checker's verdict.
+"""Jepsen-style fault runs: a seeded schedule of faults (SIGKILLs and SIGSTOPs of the
+nodes, the worker, beat and Redis; EIO on a node's fsync, write or rename; a full node
+disk; a worker's or a node's clock off by minutes; a node cut from the coordinator, from
+the other nodes, or its link flapping) under a workload of concurrent stores, gathers,
+rollbacks and removes, every operation a real `smoltorrent` command; then the checker's
+verdict. A seed replays the same schedule for the same --faults (by default every kind
+whose tool is installed here).
 
     .venv/bin/python -m bench.chaos --minutes 30 --seed 1     # one long run
     .venv/bin/python -m bench.chaos --minutes 2 --seeds 1 2 3  # several short ones
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, help="where runs keep their files (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="one JSON line of figures per seed")
     args = p.parse_args(argv)
+    # A SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so the run's finally stops its
+    # processes and removes its namespaces and mounts; a SIGKILL leaves the namespaces to
+    # the next run's netns.remove_stale.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seeds = (args.seeds or []) + (args.seed_list or []) or [1]
     root = args.dir or Path(tempfile.mkdtemp(prefix="smoltorrent-chaos-"))
     failed = 0

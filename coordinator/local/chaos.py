@@ -10,8 +10,11 @@ schedule (printed by `Schedule.describe`) and each client's sequence of operatio
 the same on every run of a seed; only the processes' own timing differs. The parts are
 the ones a user runs (redis-server, `python -m worker_server`, `smoltorrent worker`,
 `smoltorrent beat`, the `smoltorrent` CLI), each a real process; faults are real
-signals. Nothing here imports Celery: the history is what the CLI printed and exited
-with, and the final state is what Redis and `smoltorrent ls/status` say.
+signals, system calls failed with libfiu, clocks set off with libfaketime, and links cut
+in network namespaces (coordinator/local/netns.py: each node in a namespace of its own on
+one switch, the coordinator's processes here in the machine's own). Nothing here imports
+Celery: the history is what the CLI printed and exited with, and the final state is what
+Redis and `smoltorrent ls/status` say.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import redis
 
+from coordinator.local import netns
 from coordinator.local.cluster import LocalCluster, _alive
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state import redis_keys as K
@@ -43,30 +48,58 @@ from coordinator.state import redis_keys as K
 PROCESS_KINDS = ("node", "worker", "beat", "redis")
 ACTIONS = ("kill", "stop")  # SIGKILL then a restart, or SIGSTOP then SIGCONT
 # eio-node: the node's every fsync fails with EIO (libfiu's fiu-run/fiu-ctrl in that node
-# process), then works again. full-node: the node's file system (a tmpfs of its own) is
-# filled to the last byte, then emptied again. skew-worker: the worker restarted with its
-# clock SKEW_S off (libfaketime), every other process on the real one, then restarted true.
+# process), then works again; eiowrite-node and eiorename-node: its every pwrite (a blob's
+# bytes) or rename (a blob or manifest published). full-node: the node's file system (a
+# tmpfs of its own) is filled to the last byte, then emptied again. skew-worker and
+# skew-node: the worker, or one node, restarted with its clock SKEW_S off (libfaketime),
+# every other process on the real one, then restarted true. Links (each node in a network
+# namespace of its own): cutcoord-node, the node and the coordinator's processes (CLI,
+# worker, beat) cannot reach each other, the node and the other nodes still can;
+# cutpeers-node, the reverse, so chains through it break; flap-node, the node's cable out
+# and in every FLAP_HALF_PERIOD_S. Appended, never inserted: a seed's schedule over the
+# older kinds draws the same as before only if their order stays.
 FAULT_KINDS = (
     *(f"{a}-{p}" for p in PROCESS_KINDS for a in ACTIONS),
     "eio-node",
     "full-node",
     "skew-worker",
+    "eiowrite-node",
+    "eiorename-node",
+    "skew-node",
+    "cutcoord-node",
+    "cutpeers-node",
+    "flap-node",
 )
+EIO_POINTS = {  # libfiu's failure point (fiu-utils' function_list) per disk-error kind
+    "eio": "posix/io/sync/fsync",
+    # pwrite, not write: the node writes its sockets with write(2) (and a blob's bytes with
+    # pwrite), so this fails the disk alone, as a bad disk does.
+    "eiowrite": "posix/io/rw/pwrite",
+    "eiorename": "posix/io/dir/rename",
+}
+LINK_KINDS = ("cutcoord-node", "cutpeers-node", "flap-node")
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 SKEW_S = 300  # seconds the skewed worker's clock is off, either way: minutes, as without NTP
 NODE_FS_BYTES = 256 * 1024 * 1024  # each node's tmpfs for full-node: a run stores some MB
+FLAP_HALF_PERIOD_S = 0.2  # a flapping link is out this long, then in as long: 2.5 flaps a second
+# Namespaces of a run are named NETNS_TAG<pid>-...: the next run removes those of a run that
+# was killed before it could (netns.remove_stale).
+NETNS_TAG = "stc"
+COORDINATOR_HOST = "co"  # the LAN host that is this namespace: Redis, worker, beat, CLI
 
 
 def available_kinds() -> tuple[str, ...]:
-    """FAULT_KINDS less those whose tool is not installed here (Debian: fiu-utils for
-    eio-node, faketime for skew-worker)."""
+    """FAULT_KINDS less those whose tool is not installed here (Debian: fiu-utils for the
+    eio kinds, faketime for the skew kinds; root and iproute2 for the links)."""
     missing = set()
     if shutil.which("fiu-run") is None or shutil.which("fiu-ctrl") is None:
-        missing.add("eio-node")
+        missing.update(("eio-node", "eiowrite-node", "eiorename-node"))
     if not os.path.exists(FAKETIME_LIB):
-        missing.add("skew-worker")
+        missing.update(("skew-worker", "skew-node"))
     if os.geteuid() != 0 or shutil.which("mount") is None:
         missing.add("full-node")  # mounting each node's tmpfs needs root
+    if netns.unavailable() is not None:
+        missing.update(LINK_KINDS)
     return tuple(k for k in FAULT_KINDS if k not in missing)
 
 
@@ -79,6 +112,10 @@ FAST_ENV = {
     "SMOLTORRENT_REPAIR_INTERVAL_S": "1",
     "SMOLTORRENT_REPAIR_BACKOFF_S": "1",
     "SMOLTORRENT_CROSSCHECK_INTERVAL_S": "2",
+    # Scrub passes run under the faults too: a node's one wall-clock reading is when its
+    # last pass finished (reported in status, compared with nothing), so skew-node shows
+    # whether a clock off by minutes changes what the sweep does.
+    "SMOLTORRENT_SCRUB_INTERVAL_S": "3",
     "SMOLTORRENT_RECONCILE_INTERVAL_S": "2",
     "SMOLTORRENT_RECONCILE_GRACE_S": "10",
     # Every acknowledged version must stay gatherable to the end of the run.
@@ -95,8 +132,9 @@ NAMES = ("run/latest.safetensors", "run/best.safetensors", "eval/model.safetenso
 class Fault:
     at_s: float  # seconds after the workload starts
     kind: str  # one of FAULT_KINDS
-    target: int  # node index (0 for the single worker, beat and Redis; skew: seconds)
+    target: int  # node index (0 for the single worker, beat and Redis; skew-worker: seconds)
     hold_s: float  # seconds the process stays killed or stopped
+    skew_s: int = 0  # skew-node: seconds its clock is off
 
 
 @dataclass(frozen=True)
@@ -110,7 +148,11 @@ class Schedule:
             who = f"node{f.target}" if f.kind.endswith("node") else f.kind.split("-")[1]
             if f.kind == "skew-worker":
                 who = f"worker {f.target:+d}s"
-            lines.append(f"  t={f.at_s:6.2f}s {f.kind.split('-')[0]:4} {who:7} for {f.hold_s:.2f}s")
+            elif f.kind == "skew-node":
+                who = f"node{f.target} {f.skew_s:+d}s"
+            lines.append(
+                f"  t={f.at_s:6.2f}s {f.kind.split('-')[0]:9} {who:12} for {f.hold_s:.2f}s"
+            )
         return "\n".join(lines)
 
 
@@ -132,9 +174,12 @@ def draw_schedule(
         kind = rng.choice(kinds)
         hold = rng.uniform(0.5, 4.0)
         target = rng.randrange(nodes) if kind.endswith("node") else 0
+        skew = 0
         if kind == "skew-worker":  # long enough to work skewed after its ~2 s start
             hold, target = rng.uniform(6.0, 12.0), rng.choice((-SKEW_S, SKEW_S))
-        fault = Fault(round(t, 2), kind, target, round(hold, 2))
+        elif kind == "skew-node":
+            hold, skew = rng.uniform(6.0, 12.0), rng.choice((-SKEW_S, SKEW_S))
+        fault = Fault(round(t, 2), kind, target, round(hold, 2), skew)
         held = [f for f in faults if f.at_s + f.hold_s > fault.at_s]
         if not any(_process(f) == _process(fault) for f in held):
             faults.append(fault)
@@ -350,6 +395,9 @@ class ChaosRun:
     faults_applied: list[dict] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _skewed: bool = False  # the worker runs with a skewed clock
+    lan: netns.Lan | None = None  # the nodes' namespaces, when a link kind is drawn
+    _severed: dict[frozenset[str], int] = field(default_factory=dict)  # pair -> faults on it
+    _node_launch: dict[int, tuple[tuple[str, ...], dict[str, str]]] = field(default_factory=dict)
 
     def run(self) -> Report:
         started = time.monotonic()
@@ -360,17 +408,24 @@ class ChaosRun:
         self.digests = {str(p): sha256_file(p) for p in contents}
         self.contents = contents
         self.by_inode = {p.stat().st_ino: self.digests[str(p)] for p in contents}
+        fiu = any(k.split("-")[0] in EIO_POINTS for k in self.kinds)
+        places, key = self._open_lan() if set(LINK_KINDS) & set(self.kinds) else ((), None)
         self.cluster = LocalCluster(
             self.root / "cluster",
             nodes=self.nodes,
             host_id=f"chaos{self.seed}",
+            # Nodes beyond loopback (their own namespaces) serve only with a cluster key.
+            cluster_key=key,
             worker_concurrency=4,
             # Gathers write under the run's directory (the worker's list and the CLI's).
             extra_env={**FAST_ENV, GATHER_DIRS_ENV: str(self.root)},
-            node_launcher=("fiu-run", "-x") if "eio-node" in self.kinds else (),
+            node_launcher=("fiu-run", "-x") if fiu else (),
+            node_places=places,
         )
-        mounts = self._mount_node_disks() if "full-node" in self.kinds else []
+        mounts = []
         try:
+            if "full-node" in self.kinds:
+                mounts = self._mount_node_disks()
             self.cluster.start()
             self._cli("nodes", "add", *(str(n.address) for n in self.cluster.node_procs))
             self.cluster.start_beat()
@@ -398,6 +453,8 @@ class ChaosRun:
             self.cluster.stop()
             for mount in mounts:
                 subprocess.run(["umount", "-l", str(mount)], check=False)
+            if self.lan is not None:
+                self.lan.close()
         report = Report(
             self.seed,
             schedule,
@@ -515,7 +572,7 @@ class ChaosRun:
             # another fault holds Redis down, say) is recorded so; heal() sets it right.
             try:
                 self._apply(fault)
-                time.sleep(fault.hold_s)
+                self._hold(fault)
             except Exception as exc:
                 record["apply_error"] = repr(exc)
             try:
@@ -548,12 +605,18 @@ class ChaosRun:
 
     def _apply(self, fault: Fault) -> None:
         action, what = fault.kind.split("-")
+        if action in ("cutcoord", "cutpeers"):
+            for pair in self._pairs(fault):
+                self._sever(*pair)
+            return
         pid = self._pid(fault)
-        if pid is None:
+        if pid is None or action == "flap":
             return
         c = self.cluster
-        if action == "eio":
-            _fiu_ctrl(pid, f"enable name={FSYNC_POINT},failinfo={errno.EIO}")
+        if action in EIO_POINTS:
+            _fiu_ctrl(pid, f"enable name={EIO_POINTS[action]},failinfo={errno.EIO}")
+        elif action == "skew" and what == "node":
+            self._restart_node_skewed(fault.target, fault.skew_s)
         elif action == "full":
             _fill(c.node_procs[fault.target].data_dir / FILLER)
         elif action == "skew":
@@ -576,11 +639,36 @@ class ChaosRun:
             os.killpg(pid, signal.SIGKILL)
             c.beat.wait()
 
+    def _hold(self, fault: Fault) -> None:
+        """Wait out the fault's hold; a flapping link goes out and in meanwhile."""
+        if fault.kind != "flap-node":
+            time.sleep(fault.hold_s)
+            return
+        assert self.lan is not None
+        host = _node_host(fault.target)
+        end = time.monotonic() + fault.hold_s
+        while time.monotonic() < end:
+            self.lan.cut(host)
+            time.sleep(FLAP_HALF_PERIOD_S)
+            self.lan.reconnect(host)
+            time.sleep(min(FLAP_HALF_PERIOD_S, max(end - time.monotonic(), 0)))
+
     def _undo(self, fault: Fault) -> None:
         action, what = fault.kind.split("-")
-        if action == "eio":
+        if action in ("cutcoord", "cutpeers"):
+            for pair in self._pairs(fault):
+                self._mend(*pair)
+            return
+        if action == "flap":
+            assert self.lan is not None
+            self.lan.reconnect(_node_host(fault.target))
+            return
+        if action in EIO_POINTS:
             if (pid := self._pid(fault)) is not None:
-                _fiu_ctrl(pid, f"disable name={FSYNC_POINT}")
+                _fiu_ctrl(pid, f"disable name={EIO_POINTS[action]}")
+            return
+        if action == "skew" and what == "node":
+            self._restart_node_skewed(fault.target, 0)
             return
         if action == "full":
             (self.cluster.node_procs[fault.target].data_dir / FILLER).unlink(missing_ok=True)
@@ -612,6 +700,68 @@ class ChaosRun:
         elif what == "beat" and (c.beat is None or c.beat.poll() is not None):
             c.start_beat()
 
+    # --- links and clocks of the nodes ---------------------------------------------
+
+    def _open_lan(self) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], str]:
+        """Each node in a namespace of its own on one switch, this namespace (Redis, the
+        worker, beat, the CLI) on a port of it too; where each node runs, and the cluster
+        key nodes beyond loopback need."""
+        netns.remove_stale(NETNS_TAG)
+        hosts = [COORDINATOR_HOST, *(_node_host(i) for i in range(self.nodes))]
+        self.lan = netns.Lan(
+            hosts,
+            prefix=f"{NETNS_TAG}{os.getpid()}",
+            subnet=netns.free_subnet(),
+            local_host=COORDINATOR_HOST,
+        ).open()
+        places = tuple(
+            (self.lan.address(_node_host(i)), tuple(self.lan.exec_prefix(_node_host(i))))
+            for i in range(self.nodes)
+        )
+        return places, secrets.token_hex(32)
+
+    def _pairs(self, fault: Fault) -> list[tuple[str, str]]:
+        """The host pairs a cut fault severs: the node and the coordinator, or the node and
+        each other node."""
+        node = _node_host(fault.target)
+        if fault.kind == "cutcoord-node":
+            return [(node, COORDINATOR_HOST)]
+        return [(node, _node_host(i)) for i in range(self.nodes) if i != fault.target]
+
+    def _sever(self, a: str, b: str) -> None:
+        # Counted: two held faults may cut one pair (node1's and node2's peers), and the
+        # first to heal must not mend it under the other.
+        assert self.lan is not None
+        pair = frozenset((a, b))
+        with self._lock:
+            self._severed[pair] = self._severed.get(pair, 0) + 1
+            if self._severed[pair] == 1:
+                self.lan.sever(a, b)
+
+    def _mend(self, a: str, b: str) -> None:
+        assert self.lan is not None
+        pair = frozenset((a, b))
+        with self._lock:
+            self._severed[pair] = max(self._severed.get(pair, 0) - 1, 0)
+            if self._severed[pair] == 0:
+                self.lan.mend(a, b)
+
+    def _restart_node_skewed(self, index: int, seconds: int) -> None:
+        """Stop node `index` and start it again with its clock `seconds` off (0: true).
+        libfaketime is added to the LD_PRELOAD the launcher set (fiu-run sets its own), by
+        a shell that then execs the node: the pid stays the node's."""
+        node = self.cluster.node_procs[index]
+        base_launcher, base_env = self._node_launch.setdefault(
+            index, (node.launcher, dict(node.env))
+        )
+        node.stop()
+        node.launcher, node.env = base_launcher, dict(base_env)
+        if seconds:
+            preload = f'export LD_PRELOAD="${{LD_PRELOAD:+$LD_PRELOAD }}{FAKETIME_LIB}"; exec "$@"'
+            node.launcher = (*base_launcher, "sh", "-c", preload, "sh")
+            node.env.update({k: v for k, v in _skewed(seconds).items() if k != "LD_PRELOAD"})
+        node.start()
+
     def _mount_node_disks(self) -> list[Path]:
         """A tmpfs of NODE_FS_BYTES for each node's data directory, so full-node fills a
         disk of the node's own and nothing else."""
@@ -635,11 +785,20 @@ class ChaosRun:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGCONT)
         self._restart("redis")
+        if self.lan is not None:
+            for pair in [p for p, n in self._severed.items() if n]:
+                self._severed[pair] = 0
+                self.lan.mend(*pair)
+            for i in range(self.nodes):
+                self.lan.reconnect(_node_host(i))
         for i, node in enumerate(c.node_procs):
+            if i in self._node_launch and node.launcher != self._node_launch[i][0]:
+                self._restart_node_skewed(i, 0)
             self._restart("node", i)
             (node.data_dir / FILLER).unlink(missing_ok=True)
-            if "eio-node" in self.kinds:
-                _fiu_ctrl(node.pid, f"disable name={FSYNC_POINT}")
+            for kind, point in EIO_POINTS.items():
+                if f"{kind}-node" in self.kinds:
+                    _fiu_ctrl(node.pid, f"disable name={point}")
         if self._skewed:
             c.kill_worker()
         self._restart("worker")
@@ -704,8 +863,12 @@ class ChaosRun:
         return digest
 
 
-FSYNC_POINT = "posix/io/sync/fsync"  # libfiu's name for fsync(2)
 FILLER = "chaos-filler"  # the file full-node grows in a node's data directory
+
+
+def _node_host(index: int) -> str:
+    """Node `index`'s host name on the LAN (its namespace's suffix)."""
+    return f"n{index}"
 
 
 def _fill(path: Path) -> None:

@@ -46,8 +46,12 @@ class NodeProcess:
         socket_timeout: float | None = None,
         env: dict[str, str] | None = None,
         launcher: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
     ) -> None:
         self.data_dir = Path(data_dir)
+        # The address it binds: loopback, or its own in a network namespace (`ip netns
+        # exec NS` in the launcher; beyond loopback a node needs the cluster key).
+        self.host = host
         # A program the node runs under, which execs it (same pid): libfiu's `fiu-run -x`
         # in the fault tests, to fail its system calls on demand.
         self.launcher = launcher
@@ -81,7 +85,7 @@ class NodeProcess:
             env["SMOLTORRENT_CLUSTER_KEY"] = self.cluster_key.decode("utf-8")
         command = [*self.launcher, sys.executable, "-m", "worker_server"]
         command += ["--data-dir", str(self.data_dir)]
-        command += ["--host", "127.0.0.1", "--port", str(port)]
+        command += ["--host", self.host, "--port", str(port)]
         if self.socket_timeout is not None:
             command += ["--socket-timeout", str(self.socket_timeout)]
         with open(self.log_path, "ab") as log:
@@ -101,7 +105,7 @@ class NodeProcess:
             raise SmoltorrentError(
                 f"node exited with {self._process.returncode} at start:\n{self.log()}"
             )
-        self.address = NodeAddress("127.0.0.1", int(port_file.read_text()))
+        self.address = NodeAddress(self.host, int(port_file.read_text()))
         return self
 
     def log(self) -> str:
@@ -177,6 +181,9 @@ class LocalCluster:
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_concurrency: int = defaults.WORKER_CONCURRENCY
     node_launcher: tuple[str, ...] = ()  # what each node runs under (NodeProcess.launcher)
+    # Where node i runs, if not on loopback here: (the address it binds, the command that
+    # puts it there: `ip netns exec NS`), node_launcher after it. The fault runs' LAN.
+    node_places: tuple[tuple[str, tuple[str, ...]], ...] = ()
     node_procs: list[NodeProcess] = field(default_factory=list)
     worker: subprocess.Popen | None = None
     beat: subprocess.Popen | None = None
@@ -223,8 +230,13 @@ class LocalCluster:
             self.spawn_worker()
         key = self.cluster_key.encode() if self.cluster_key else None
         for i in range(self.nodes):
+            host, place = self.node_places[i] if self.node_places else ("127.0.0.1", ())
             node = NodeProcess(
-                self.root / f"node{i}", key, env=self.env(), launcher=self.node_launcher
+                self.root / f"node{i}",
+                key,
+                env=self.env(),
+                launcher=(*place, *self.node_launcher),
+                host=host,
             )
             self.node_procs.append(node.spawn())
         for node in self.node_procs:

@@ -1,17 +1,24 @@
 """Seeded fault runs in CI (coordinator/local/chaos.py): SIGKILL and SIGSTOP of the nodes,
-the worker, beat and Redis under concurrent stores, gathers, rollbacks and removes, each a
-real `smoltorrent` command; the checker's verdict must be empty. A failing seed prints its
-schedule; `python -m bench.chaos --seed N` replays it."""
+the worker, beat and Redis, disk errors and a full disk on a node, clocks off by minutes,
+and links cut in network namespaces, under concurrent stores, gathers, rollbacks and
+removes, each a real `smoltorrent` command; the checker's verdict must be empty. A failing
+seed prints its schedule; `python -m bench.chaos --seed N` replays it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from coordinator.local.chaos import ChaosRun
+from coordinator.local.chaos import EIO_POINTS, LINK_KINDS, ChaosRun, available_kinds
+from tests.conftest import REQUIRE_FIU_ENV, REQUIRE_NETNS_ENV, REQUIRE_TMPFS_ENV
 
 # Three seeds of 20 s of faults each: about 45 s a seed with start, healing and the final
-# gathers. Longer runs: bench/chaos.py.
-SEEDS = (1, 2, 3)
+# gathers. Chosen so that, with every kind available (CI), they draw between them every
+# kind but stop-redis, kill-beat and eio-node (fsync): 36 eiowrite, cutcoord, cutpeers,
+# kill-redis, flap; 27 skew-node, cutcoord, eiorename; 181 kill-worker, full-node,
+# stop-worker, skew-worker. Longer runs and the other kinds: bench/chaos.py.
+SEEDS = (36, 27, 181)
 SECONDS = 20.0
 
 
@@ -22,6 +29,21 @@ def test_a_seeded_fault_schedule_breaks_no_promise(seed, tmp_path):
     assert report.violations == [], why
     # The run proves something only if faults landed and operations were acknowledged.
     assert len(report.faults_applied) >= 3, why
+    assert not [f for f in report.faults_applied if "apply_error" in f or "undo_error" in f], why
     acked = [op for op in report.ops if op.kind == "store" and op.exit == 0]
     gathered = [op for op in report.ops if op.kind == "gather" and op.exit == 0]
     assert len(acked) >= 5 and gathered, why
+
+
+def test_a_machine_that_must_run_a_fault_kind_draws_it():
+    """Where CI says a tool is there (the REQUIRE variables .ci/run sets), its fault kinds
+    are drawn: a kind that silently dropped out would leave the seeds above proving less."""
+    kinds = set(available_kinds())
+    required = {
+        REQUIRE_NETNS_ENV: set(LINK_KINDS),
+        REQUIRE_FIU_ENV: {f"{action}-node" for action in EIO_POINTS},
+        REQUIRE_TMPFS_ENV: {"full-node"},
+    }
+    for env, wanted in required.items():
+        if os.environ.get(env) == "1":
+            assert wanted <= kinds, (env, wanted - kinds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from coordinator.local.chaos import FAULT_KINDS, Final, Op, check, draw_schedule
+from coordinator.local.chaos import FAULT_KINDS, SKEW_S, Final, Op, check, draw_schedule
 
 A, B = "a" * 64, "b" * 64
 NAME = "run/latest.safetensors"
@@ -104,3 +104,15 @@ def test_an_overlapping_schedule_holds_faults_at_once_never_two_on_one_process()
     assert at_once, faults
     for a, b in at_once:
         assert a.target != b.target or a.kind.split("-")[1] != b.kind.split("-")[1], (a, b)
+
+
+def test_a_node_clock_or_link_fault_names_its_node_and_replays():
+    kinds = ("skew-node", "cutcoord-node", "cutpeers-node", "flap-node")
+    schedule = draw_schedule(9, 120, 4, kinds)
+    assert schedule == draw_schedule(9, 120, 4, kinds)
+    assert {f.kind for f in schedule.faults} == set(kinds)
+    for f in schedule.faults:
+        assert 0 <= f.target < 4
+        assert abs(f.skew_s) == (SKEW_S if f.kind == "skew-node" else 0)
+    described = schedule.describe()
+    assert "cutpeers  node" in described and "300s" in described
