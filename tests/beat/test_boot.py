@@ -31,10 +31,10 @@ def left_mid_store(c, src, lost_shard: int):
     md = c.md
     result = store_checkpoint(src, [n.address for n in c.node_procs], shards=3)
     manifest = result.manifest
-    targets = [tuple(result.holders[i]) for i in range(len(manifest.shards))]
+    targets = [tuple(result.holders[i]) for i in range(len(manifest.entries))]
     by_id = {NodeClient(n.address).ping(): n for n in c.node_procs}
     for node_id in targets[lost_shard]:
-        NodeClient(by_id[node_id].address).delete(manifest.shards[lost_shard].blob_sha256)
+        NodeClient(by_id[node_id].address).delete(manifest.entries[lost_shard].blob_sha256)
     identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}).identity
     vkey = manifest.storage_key()
     fields = {"path": str(src), "host": c.host_id, "identity": json.dumps(identity.to_dict())}

@@ -47,7 +47,7 @@ def test_an_orphan_is_collected_after_the_grace_and_a_pending_blob_never(make_cl
     # A pending version (its store died after sending every blob) whose copies Redis has
     # partly lost track of: its blobs have no placement on one node, but a version uses them.
     vkey = pending_as_left_by_a_crash(c, make_ckpt(tmp_path / "p.safetensors"), send_blobs=True)
-    pending_blobs = {s.blob_sha256 for s in c.md.versions.manifest(vkey).shards}
+    pending_blobs = {s.blob_sha256 for s in c.md.versions.manifest(vkey).entries}
     forgotten = next(iter(pending_blobs))
     lost_on = sorted(c.md.blobs.placement(forgotten))[0]
     c.md.blobs.remove_placement(forgotten, lost_on)
@@ -87,7 +87,7 @@ def test_placement_follows_the_nodes_and_removed_manifests_go(make_cluster, tmp_
     # A node that missed the remove (restored from a backup) still has its manifest.
     NodeClient(holder.address).put_manifest(gone_vkey, manifest_bytes)
     # A copy deleted behind Redis's back: placement still lists it.
-    lost = c.md.versions.manifest(kept_vkey).shards[0].blob_sha256
+    lost = c.md.versions.manifest(kept_vkey).entries[0].blob_sha256
     lost_node = next(n for n in c.node_procs if node_id(n) in c.md.blobs.placement(lost))
     NodeClient(lost_node.address).delete(lost)
 
@@ -108,7 +108,7 @@ def test_blobs_of_a_manifest_redis_does_not_know_are_never_collected(make_cluste
     src = make_ckpt(tmp_path / "lost.safetensors")
     c.cli("store", str(src), "--shards", "2")
     vkey = c.md.versions.current("lost.safetensors")
-    digests = {s.blob_sha256 for s in c.md.versions.manifest(vkey).shards}
+    digests = {s.blob_sha256 for s in c.md.versions.manifest(vkey).entries}
     md = c.md
     for key in md.r.scan_iter(f"smoltorrent:*{vkey}*"):
         md.r.delete(key)

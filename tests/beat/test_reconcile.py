@@ -26,7 +26,7 @@ def pending_as_left_by_a_crash(c, src, *, send_blobs: bool):
     if send_blobs:
         result = store_checkpoint(src, [n.address for n in c.node_procs], shards=2)
         manifest = result.manifest
-        targets = [tuple(result.holders[i]) for i in range(len(manifest.shards))]
+        targets = [tuple(result.holders[i]) for i in range(len(manifest.entries))]
         identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}).identity
     else:
         prepared = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}, shards=2)
@@ -36,7 +36,7 @@ def pending_as_left_by_a_crash(c, src, *, send_blobs: bool):
     assert md.versions.create_pending(manifest, vkey, fields, targets) == "created"
     if send_blobs:
         fired = [
-            md.transfers.settle(vkey, i, r, node, manifest.shards[i].blob_sha256)
+            md.transfers.settle(vkey, i, r, node, manifest.entries[i].blob_sha256)
             for i, nodes in enumerate(targets)
             for r, node in enumerate(nodes)
         ]
@@ -67,7 +67,7 @@ def test_commit_asks_the_holders_and_resends_a_shard_no_node_has(make_cluster, b
     c = make_cluster(3, **FAST)
     src = make_ckpt(tmp_path / "h.safetensors")
     vkey = pending_as_left_by_a_crash(c, src, send_blobs=True)
-    lost = c.md.versions.manifest(vkey).shards[1].blob_sha256
+    lost = c.md.versions.manifest(vkey).entries[1].blob_sha256
     for n in c.node_procs:
         NodeClient(n.address).delete(lost)
     assert c.md.blobs.placement(lost)  # the metadata still believes in the copies

@@ -33,7 +33,13 @@ def stored(c, src, name: str) -> list[str]:
     md = c.md
     vkey = md.versions.current(name)
     assert md.versions.version(vkey)["state"] == COMMITTED
-    return [s.blob_sha256 for s in md.versions.manifest(vkey).shards]
+    return [s.blob_sha256 for s in md.versions.manifest(vkey).entries]
+
+
+def holder_of(c, digest: str):
+    """The node process holding a copy of `digest` that is first in the cluster's order."""
+    holders = c.md.blobs.placement(digest)
+    return next(n for n in c.node_procs if n.client().ping() in holders)
 
 
 def copies_on_disk(nodes) -> Counter:
@@ -58,13 +64,11 @@ def test_a_dead_node_is_re_replicated_and_a_second_death_loses_nothing(
     c = make_cluster(4, **FAST)
     src = make_ckpt(tmp_path / "big.safetensors", size=8_000_000)
     digests = stored(c, src, "big.safetensors")
-    first = c.node_procs[0]
-    first_id = first.client().ping()
-    holders_before = {d: c.md.blobs.placement(d) for d in digests}
-    assert any(first_id in h for h in holders_before.values())
+    # The node that dies holds a blob (a small checkpoint is one chunk on R of the nodes).
+    first = holder_of(c, digests[0])
     beat(c)
     first.kill()
-    survivors = c.node_procs[1:]
+    survivors = [n for n in c.node_procs if n is not first]
     wait_until(
         lambda: at_r_on(c, digests, survivors), timeout=120, what="R copies on the survivors"
     )
@@ -86,13 +90,13 @@ def test_a_node_that_comes_back_is_readmitted_and_the_surplus_trimmed(make_clust
     c = make_cluster(3, **FAST)
     src = make_ckpt(tmp_path / "back.safetensors", size=6_000_000)
     digests = stored(c, src, "back.safetensors")
-    returning = c.node_procs[0]
+    returning = holder_of(c, digests[0])
     returning_id = returning.client().ping()
     held_before = set(returning.client().list_blobs())
     assert held_before
     beat(c)
     returning.kill()
-    others = c.node_procs[1:]
+    others = [n for n in c.node_procs if n is not returning]
     wait_until(lambda: at_r_on(c, digests, others), timeout=120, what="R copies on the others")
 
     returning.start()
@@ -144,13 +148,13 @@ def pending_with_shard_0_placed(c, src):
     md = c.md
     result = store_checkpoint(src, [n.address for n in c.node_procs], shards=2)
     manifest = result.manifest
-    targets = [tuple(result.holders[i]) for i in range(len(manifest.shards))]
+    targets = [tuple(result.holders[i]) for i in range(len(manifest.entries))]
     identity = prepare_store(src, src.name, {n: 10**12 for n in md.nodes.nodes()}).identity
     vkey = manifest.storage_key()
     fields = {"path": str(src), "host": c.host_id, "identity": json.dumps(identity.to_dict())}
     assert md.versions.create_pending(manifest, vkey, fields, targets) == "created"
     for r, node in enumerate(targets[0]):
-        assert md.transfers.settle(vkey, 0, r, node, manifest.shards[0].blob_sha256) is False
+        assert md.transfers.settle(vkey, 0, r, node, manifest.entries[0].blob_sha256) is False
     return vkey, manifest, targets
 
 
@@ -165,7 +169,7 @@ def test_a_pending_versions_settled_shard_is_repaired_when_its_node_dies(
     c = make_cluster(4, **FAST, SMOLTORRENT_RECONCILE_INTERVAL_S="3600")
     src = make_ckpt(tmp_path / "long.safetensors", size=6_000_000)
     vkey, manifest, targets = pending_with_shard_0_placed(c, src)
-    placed = manifest.shards[0].blob_sha256
+    placed = manifest.entries[0].blob_sha256
     by_id = {n.client().ping(): n for n in c.node_procs}
     lost = by_id[targets[0][0]]
     beat(c)
@@ -177,7 +181,7 @@ def test_a_pending_versions_settled_shard_is_repaired_when_its_node_dies(
     assert c.md.versions.state(vkey) == "pending"
     assert copies_on_disk(survivors)[placed] == 2
     # Shard 1 is the store's: no repair touched it (it has no placement yet at all).
-    assert c.md.blobs.placement(manifest.shards[1].blob_sha256) == set()
+    assert c.md.blobs.placement(manifest.entries[1].blob_sha256) == set()
 
 
 @pytest.fixture
@@ -256,7 +260,7 @@ def stored_with_a_surplus_copy(c, src) -> tuple[str, dict]:
     third node and counted there, as when a dead node comes back: a surplus the repair
     sweep trims. Returns the blob and the nodes by id."""
     c.cli("store", str(src), "--name", "old", "--shards", "1")
-    (blob,) = [s.blob_sha256 for s in c.md.versions.manifest(c.md.versions.current("old")).shards]
+    (blob,) = [s.blob_sha256 for s in c.md.versions.manifest(c.md.versions.current("old")).entries]
     ids = {n.client().ping(): n for n in c.node_procs}
     holder = ids[min(c.md.blobs.placement(blob))]
     (back_id,) = set(ids) - c.md.blobs.placement(blob)
@@ -292,7 +296,7 @@ def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluste
         )
         vkey = wait_until(lambda: next(iter(c.md.versions.versions("new")), None), 60, what="new")
         wait_until(lambda: c.md.transfers.barrier_complete(vkey), 60, what="the new store settled")
-        assert [s.blob_sha256 for s in c.md.versions.manifest(vkey).shards] == [blob]
+        assert [s.blob_sha256 for s in c.md.versions.manifest(vkey).entries] == [blob]
     finally:
         for p in proxies:
             os.kill(p.process.pid, signal.SIGCONT)

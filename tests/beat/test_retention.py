@@ -53,7 +53,7 @@ def save_version(c, tmp_path: Path, step: int) -> tuple[str, Path]:
 
 
 def blobs(c, vkey: str) -> list[str]:
-    return [s.blob_sha256 for s in c.md.versions.manifest(vkey).shards]
+    return [s.blob_sha256 for s in c.md.versions.manifest(vkey).entries]
 
 
 def on_nodes(c) -> tuple[set[str], set[str]]:

@@ -11,7 +11,7 @@ import time
 from coordinator.plan.read_order import read_order
 from tests.beat.test_repair import stored
 from tests.tasks.conftest import wait_until
-from tests.tasks.test_control_plane import make_ckpt, sha
+from tests.tasks.test_control_plane import make_blobs_ckpt, make_ckpt, sha
 
 FAST = {
     "SMOLTORRENT_HEALTH_INTERVAL_S": "1",
@@ -37,8 +37,8 @@ def first_read(c, name: str, index: int = 0):
     """The node a gather of `name` reads shard `index` from first (plan/read_order, as
     the gather task asks it)."""
     manifest = c.md.versions.manifest(c.md.versions.current(name))
-    holders = [c.md.blobs.placement(s.blob_sha256) for s in manifest.shards]
-    sizes = [s.blob_size for s in manifest.shards]
+    holders = [c.md.blobs.placement(s.blob_sha256) for s in manifest.entries]
+    sizes = [s.blob_size for s in manifest.entries]
     node_id = read_order(holders, sizes, c.md.nodes.alive(c.md.nodes.nodes()))[index][0]
     return node_id, next(n for n in c.node_procs if n.client().ping() == node_id)
 
@@ -155,7 +155,7 @@ def test_a_flipped_byte_and_a_deleted_blob_are_healed_by_beat_alone(make_cluster
     `smoltorrent beat` running and nothing else done, every blob is back to 2 verified
     copies (the scrub finds the first, the crosscheck the second, the repairs copy both)."""
     c = make_cluster(3, **FAST, SMOLTORRENT_CROSSCHECK_INTERVAL_S="1")
-    src = make_ckpt(tmp_path / "both.safetensors", size=6_000_000)
+    src = make_blobs_ckpt(tmp_path / "both.safetensors", 3)
     digests = stored(c, src, "both.safetensors")
     flipped, deleted = digests[0], next(d for d in digests if d != digests[0])
     by_id = {n.client().ping(): n for n in c.node_procs}

@@ -1,5 +1,8 @@
 """smoltorrent.load(name, tensors=[...]) on a real cluster: only the selected tensors'
-bytes leave the nodes, verified per tensor, a bad copy falls back to its replica."""
+bytes leave the nodes, verified per tensor, a bad copy falls back to its replica.
+
+These store whole shards (schema 2, chunks=False), where a partial load reads tensor by
+tensor; a chunked version's partial load reads whole chunks (tests/tasks/test_chunked_store.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ print(json.dumps({{
 
 
 def test_a_partial_load_moves_only_the_selected_bytes(make_cluster):
-    c = make_cluster(4, SMOLTORRENT_METRICS_PORT="0")
+    c = make_cluster(4, chunks=False, SMOLTORRENT_METRICS_PORT="0")
     run_api(c, SAVE)
     before = bytes_sent(c.node_procs)
     patterns = ["model.layers.3.*", "lm_head.*"]
@@ -62,7 +65,7 @@ def test_a_partial_load_moves_only_the_selected_bytes(make_cluster):
 
 
 def test_bad_bytes_under_a_selected_tensor_fall_back_to_the_replica(make_cluster):
-    c = make_cluster(3, SMOLTORRENT_METRICS_PORT="0")
+    c = make_cluster(3, chunks=False, SMOLTORRENT_METRICS_PORT="0")
     run_api(c, SAVE)
     md = c.md
     name = "model.layers.4.mlp.up_proj.weight"

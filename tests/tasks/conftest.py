@@ -81,11 +81,12 @@ def make_cluster(tmp_path: Path):
         retries: int = 2,
         concurrency: int = 4,
         cluster_key: str | None = None,
-        chunks: bool = False,
+        chunks: bool | None = None,
         **env,
     ) -> Cluster:
-        """A cluster of `nodes` node processes. Its stores keep whole shards (schema 2),
-        which most tests count, unless `chunks` (smoltorrent's default: schema 3)."""
+        """A cluster of `nodes` node processes. Its stores are in smoltorrent's default
+        format unless `chunks` says: True chunks (schema 3), False whole shards (schema 2),
+        for the tests of a version stored in the old format."""
         cluster = Cluster(
             tmp_path / f"cluster{len(clusters)}",
             nodes=nodes,
@@ -94,7 +95,7 @@ def make_cluster(tmp_path: Path):
             cluster_key=cluster_key,
             extra_env={
                 "SMOLTORRENT_TRANSFER_RETRIES": str(retries),
-                "SMOLTORRENT_CHUNKS": "1" if chunks else "0",
+                **({} if chunks is None else {"SMOLTORRENT_CHUNKS": "1" if chunks else "0"}),
                 **env,
             },
         )

@@ -39,7 +39,7 @@ def test_four_unequal_shards_on_four_equal_nodes_two_blobs_each(make_cluster, tm
     write_unequal(src)
     row = c.cli_json("store", str(src), "--shards", "4")
     assert row["state"] == COMMITTED and row["min_copies"] == 2
-    shards = c.md.versions.manifest(row["vkey"]).shards
+    shards = c.md.versions.manifest(row["vkey"]).entries
     assert len({s.blob_size for s in shards}) > 1  # the shards really differ
     ids = {n.client().ping(): n for n in c.node_procs}
     held = {node_id: len(node.client().list_blobs()) for node_id, node in ids.items()}

@@ -70,7 +70,7 @@ def test_rebuild_restores_only_versions_whose_every_shard_is_on_a_node(make_clus
     holed = make_ckpt(tmp_path / "holed.safetensors", 3_000_000)
     c.cli("store", str(whole), "--shards", "3")
     c.cli("store", str(holed), "--shards", "3")
-    lost = c.md.versions.manifest(c.md.versions.current("holed.safetensors")).shards[2].blob_sha256
+    lost = c.md.versions.manifest(c.md.versions.current("holed.safetensors")).entries[2].blob_sha256
     for n in c.node_procs:  # every copy of one shard goes (disks lost, a foreign tool)
         NodeClient(n.address).delete(lost)
     c.md.r.flushall()
@@ -93,7 +93,7 @@ def test_a_stalled_remove_sent_again_never_deletes_a_newer_versions_blobs(make_c
     src = make_ckpt(tmp_path / "a.safetensors")
     c.cli("store", str(src), "--name", "a", "--shards", "1")
     a = c.md.versions.current("a")
-    [digest] = [s.blob_sha256 for s in c.md.versions.manifest(a).shards]
+    [digest] = [s.blob_sha256 for s in c.md.versions.manifest(a).entries]
     holders = sorted(c.md.blobs.placement(digest))
     dead = next(n for n in c.node_procs if n.client().ping() == holders[0])
     dead.kill()

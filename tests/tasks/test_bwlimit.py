@@ -62,7 +62,7 @@ def test_bwlimit_holds_the_rate_counted_at_the_nodes(make_cluster, tmp_path):
     with Counted(c.node_procs, "smoltorrent_node_bytes_received_total") as received:
         row = c.cli_json("store", str(src), "--shards", str(SHARDS), "--bwlimit", "2M")
     assert row["state"] == COMMITTED and row["min_copies"] == 2
-    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(row["vkey"]).shards)
+    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(row["vkey"]).entries)
     # By chain, the source sent every blob once; the nodes passed the second copy on.
     assert (row["wire_bytes"], row["raw_bytes"], row["ratio"]) == (blob_bytes, blob_bytes, 1.0)
     landed, rate = received.rate()

@@ -22,7 +22,7 @@ def test_chain_store_sends_every_byte_once_from_the_coordinator(make_cluster, tm
     src = make_ckpt(tmp_path / "a.safetensors")
     row = c.cli_json("store", str(src), "--shards", "4")
     assert row["state"] == COMMITTED and row["min_copies"] == 2
-    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(row["vkey"]).shards)
+    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(row["vkey"]).entries)
     received = [node_counter(n, "smoltorrent_node_bytes_received_total") for n in c.node_procs]
     sent = [node_counter(n, "smoltorrent_node_bytes_sent_total") for n in c.node_procs]
     assert sum(received) == 2 * blob_bytes  # two verified copies of every blob
@@ -41,7 +41,7 @@ def test_three_copies_by_chain(make_cluster, tmp_path):
     src = make_ckpt(tmp_path / "r3.safetensors")
     row = c.cli_json("store", str(src), "--replicas", "3", "--shards", "2")
     assert row["state"] == COMMITTED and row["min_copies"] == 3
-    for shard in c.md.versions.manifest(row["vkey"]).shards:
+    for shard in c.md.versions.manifest(row["vkey"]).entries:
         assert len(c.md.blobs.placement(shard.blob_sha256)) == 3
     c.node_procs[0].kill()
     out = tmp_path / "out.safetensors"
@@ -68,7 +68,7 @@ def test_a_silent_node_is_replaced_not_waited_for(make_cluster, tmp_path):
             i for i, t in enumerate(c.md.transfers.plan(row["vkey"])) if frozen_id in t
         ]
         assert planned_on_frozen == []  # the plan names the replacements
-        for shard in manifest.shards:
+        for shard in manifest.entries:
             holders = c.md.blobs.placement(shard.blob_sha256)
             assert len(holders) == 2 and frozen_id not in holders
         moved = [a for a in c.md.transfers.attempts(row["vkey"]) if a.get("node") == frozen_id]

@@ -15,14 +15,31 @@ from coordinator.dataplane.node_client import NodeClient
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.versions import COMMITTED
 from smoltorrent.errors import AuthenticationError
+from tests.checkpoints import write_raw
 from tests.tasks.conftest import wait_until
 
 
 def make_ckpt(path: Path, size: int = 4_000_000, *, settled: bool = True) -> Path:
+    """An LLM-like checkpoint of about `size` bytes. Its tensors are small, so a chunked
+    store packs it into one chunk (make_blobs_ckpt makes several)."""
     write_checkpoint(path, size, hidden=128)
     if settled:  # old enough that the store does not wait for the file to settle
         past = time.time() - 60
         os.utime(path, (past, past))
+    return path
+
+
+def make_blobs_ckpt(path: Path, count: int, each: int = 1 << 20) -> Path:
+    """A settled checkpoint of `count` random tensors of `each` bytes (1 MiB or more): as
+    many blobs stored in chunks (such a tensor is a chunk of its own) as in `--shards
+    count` shards, all different."""
+    header, offset = {}, 0
+    for i in range(count):
+        header[f"w{i}"] = {"dtype": "U8", "shape": [each], "data_offsets": [offset, offset + each]}
+        offset += each
+    write_raw(path, header, os.urandom(offset), pad_to=8)
+    past = time.time() - 60
+    os.utime(path, (past, past))
     return path
 
 
@@ -51,12 +68,12 @@ RECEIVED_METRIC = "smoltorrent_node_bytes_received_total"
 
 def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path):
     c = make_cluster(4, SMOLTORRENT_METRICS_PORT="0")
-    src = make_ckpt(tmp_path / "a.safetensors")
+    src = make_blobs_ckpt(tmp_path / "a.safetensors", 4)
     first = c.cli_json("store", str(src))
     assert first["state"] == COMMITTED and first["new"] is True
     assert first["shards"] == 4 and first["min_copies"] == 2
     received_before = node_bytes_received(c)
-    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(first["vkey"]).shards)
+    blob_bytes = sum(s.blob_size for s in c.md.versions.manifest(first["vkey"]).entries)
     assert sum(received_before) == 2 * blob_bytes  # every replica counted, once
     again = c.cli_json("store", str(src))
     assert again["new"] is False and again["version_id"] == first["version_id"]
@@ -71,7 +88,7 @@ def test_store_gather_round_trip_and_no_bytes_moved_twice(make_cluster, tmp_path
     key = c.md.versions.current("a.safetensors")
     nodes = c.md.nodes.nodes()
     holders = {
-        n for s in c.md.versions.manifest(key).shards for n in c.md.blobs.placement(s.blob_sha256)
+        n for s in c.md.versions.manifest(key).entries for n in c.md.blobs.placement(s.blob_sha256)
     }
     assert len(holders) == 4
     for node_id in holders:
@@ -185,7 +202,7 @@ def test_store_with_a_dead_node_commits_under_replicated_and_a_later_replay_keep
     c.cli("dlq", "replay", "--all")
     manifest = c.md.versions.manifest(vkey)
     wait_until(
-        lambda: all(len(c.md.blobs.placement(s.blob_sha256)) >= 2 for s in manifest.shards),
+        lambda: all(len(c.md.blobs.placement(s.blob_sha256)) >= 2 for s in manifest.entries),
         timeout=60,
         what="the replayed transfers bring every shard to two copies",
     )
@@ -219,7 +236,7 @@ def test_worker_killed_mid_store_resumes_to_one_clean_version(make_cluster, tmp_
     wait_until(lambda: committed(c, "k.safetensors"), timeout=90, what="commit after restart")
     assert len([v for v in c.cli_json("ls") if v["name"] == "k.safetensors"]) == 1
     manifest = md.versions.manifest(vkey)
-    digests = {s.blob_sha256 for s in manifest.shards}
+    digests = {s.blob_sha256 for s in manifest.entries}
     for node in c.node_procs:
         client = NodeClient(node.address)
         assert client.verify() == []
@@ -281,7 +298,7 @@ def test_redis_restart_and_rebuild_after_flush(make_cluster, tmp_path):
 
 def test_rm_keeps_shared_blobs_until_their_last_version_goes(make_cluster, tmp_path):
     c = make_cluster(4)
-    src = make_ckpt(tmp_path / "a.safetensors")
+    src = make_blobs_ckpt(tmp_path / "a.safetensors", 4)
     c.cli("store", str(src))
     c.cli("store", str(src), "--name", "copy.safetensors")  # same blobs, second manifest
 
@@ -292,7 +309,7 @@ def test_rm_keeps_shared_blobs_until_their_last_version_goes(make_cluster, tmp_p
         ]
 
     c.cli("rm", "copy.safetensors", "--yes")
-    assert sum(len(blobs) for blobs, _ in inventory()) == 8  # 4 shards x 2, still used by a
+    assert sum(len(blobs) for blobs, _ in inventory()) == 8  # 4 blobs x 2, still used by a
     out = tmp_path / "out.safetensors"
     c.cli("gather", "a.safetensors", "-o", str(out))
     assert sha(out) == sha(src)

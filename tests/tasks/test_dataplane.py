@@ -37,9 +37,9 @@ def first_tried(c, index: int, digest: str):
     """The node the gather task tries first for shard `index` (plan/read_order, as the
     gather task asks it; `digest` is that shard's blob)."""
     manifest = c.md.versions.manifest(c.md.versions.current(c.md.versions.names()[0]))
-    assert manifest.shards[index].blob_sha256 == digest
-    holders = [c.md.blobs.placement(s.blob_sha256) for s in manifest.shards]
-    sizes = [s.blob_size for s in manifest.shards]
+    assert manifest.entries[index].blob_sha256 == digest
+    holders = [c.md.blobs.placement(s.blob_sha256) for s in manifest.entries]
+    sizes = [s.blob_size for s in manifest.entries]
     node_id = read_order(holders, sizes, c.md.nodes.alive(c.md.nodes.nodes()))[index][0]
     address = str(c.md.nodes.nodes()[node_id].address)
     return node_id, next(n for n in c.node_procs if str(n.address) == address)
@@ -51,7 +51,7 @@ def test_oversized_copies_gather_identical_and_are_recorded(make_cluster, tmp_pa
     c.cli_json("store", str(src), "--shards", "4")
     manifest = c.md.versions.manifest(c.md.versions.current("o.safetensors"))
     spoiled = set()
-    for index, shard in enumerate(manifest.shards):
+    for index, shard in enumerate(manifest.entries):
         node_id, node = first_tried(c, index, shard.blob_sha256)
         blob = node.data_dir / "blobs" / shard.blob_sha256[:2] / shard.blob_sha256
         with open(blob, "ab") as f:
@@ -66,7 +66,7 @@ def test_oversized_copies_gather_identical_and_are_recorded(make_cluster, tmp_pa
         assert not out.exists()
     assert proc.returncode == 0, proc.stderr  # every shard has a good second copy
     report = json.loads(proc.stdout)
-    assert len(report["bad_copies"]) == len(manifest.shards)
+    assert len(report["bad_copies"]) == len(manifest.entries)
     recorded = redis.Redis.from_url(c.redis_url, decode_responses=True).hgetall(K.BAD_COPIES)
     # Each on record, or already taken by its at-once check (the record goes once checked).
     log = c.worker_log()
@@ -123,7 +123,7 @@ def test_a_node_that_corrupts_every_put_loses_its_replicas_to_good_nodes(
         assert c.cli_json("dlq", "ls") == []
         tries = [a for a in c.md.transfers.attempts(vkey) if a["node"] == bad_id]
         assert tries and all("error" in a for a in tries)  # it was planned, and it failed
-        digests = [s.blob_sha256 for s in c.md.versions.manifest(vkey).shards]
+        digests = [s.blob_sha256 for s in c.md.versions.manifest(vkey).entries]
         good_ids = {n.client().ping() for n in good}
         assert [c.md.blobs.placement(d) for d in digests] == [good_ids] * len(digests)
         assert all(n.client().verify(digests) == [] for n in good)

@@ -186,7 +186,7 @@ def test_a_retry_the_worker_holds_when_redis_dies_is_sent_again(make_cluster, tm
     # not be recorded (Redis gone) was dead-lettered once Redis was back: if it comes
     # back, say why.
     vkey = rows[0]["vkey"]
-    digest = c.md.versions.manifest(vkey).shards[0].blob_sha256
+    digest = c.md.versions.manifest(vkey).entries[0].blob_sha256
     why = {
         "placement": sorted(c.md.blobs.placement(digest)),
         "listed": c.md.r.hget(K.PLACEMENTS_LISTED, digest),

@@ -168,7 +168,7 @@ def test_cluster_gauges_come_from_the_listing_not_from_every_manifest(tmp_path, 
                 continue
             for s, shard_nodes in enumerate(holders):
                 for r, node_id in enumerate(shard_nodes):
-                    md.transfers.settle(vkey, s, r, node_id, m.shards[s].blob_sha256)
+                    md.transfers.settle(vkey, s, r, node_id, m.entries[s].blob_sha256)
             md.versions.commit(vkey, m.name)
             under += i % 3 == 0
         monkeypatch.setenv("SMOLTORRENT_REDIS_URL", url)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from coordinator.local.synthetic import write_checkpoint
+from tests.tasks.test_control_plane import make_blobs_ckpt
 from tests.tcpproxy import start_proxy
 
 # bytes/s each node's link forwards: a 20 MB shard takes ~5 s, well past what the kernel's
@@ -109,9 +110,9 @@ def test_chain_store_bar_moves_inside_a_shard(make_cluster, tmp_path: Path) -> N
     cluster = make_cluster(nodes=3)
     proxies = slow_links(cluster, tmp_path)
     try:
-        source = tmp_path / "chained.safetensors"
-        write_checkpoint(source, 40_000_000, hidden=512)
-        os.utime(source, (time.time() - 60, time.time() - 60))
+        # Three 12 MiB blobs: sums of whole blobs are far apart, in chunks as in shards
+        # (many small chunks would leave no reading between two of their sums).
+        source = make_blobs_ckpt(tmp_path / "chained.safetensors", 3, 12 << 20)
         screen = run_on_a_terminal(
             [sys.executable, "-m", "coordinator.cli", "store", str(source)], cluster.env()
         )
@@ -121,7 +122,7 @@ def test_chain_store_bar_moves_inside_a_shard(make_cluster, tmp_path: Path) -> N
 
         # Where a bar counting whole shards could stand: any sum of settled copies.
         manifest = cluster.md.versions.manifest(only_vkey(cluster))
-        sizes = [s.blob_size / 1e6 for s in manifest.shards for _ in range(2)]
+        sizes = [s.blob_size / 1e6 for s in manifest.entries for _ in range(2)]
         whole = {0.0}
         for size in sizes:
             whole |= {w + size for w in whole}

@@ -44,7 +44,7 @@ def _store(md: Metadata, nodes, tmp_path, name: str) -> str:
     for i, targets in enumerate(p.targets):
         for r, node_id in enumerate(targets):
             send_shard(p.path, p.identity, p.spans()[i], clients[node_id])
-            md.transfers.settle(p.vkey, i, r, node_id, p.manifest.shards[i].blob_sha256)
+            md.transfers.settle(p.vkey, i, r, node_id, p.manifest.entries[i].blob_sha256)
     write_manifest(p.manifest, list(clients.values()))
     md.versions.commit(p.vkey, name)
     return p.vkey
@@ -57,7 +57,7 @@ def _unrelated(md: Metadata, start: int, count: int) -> None:
         m = synthetic_manifest(name, i)
         vkey = storage_key(name, m.version_id)
         md.versions.create_pending(
-            m, vkey, {"host": "test"}, [("a" * 32, "b" * 32)] * len(m.shards)
+            m, vkey, {"host": "test"}, [("a" * 32, "b" * 32)] * len(m.entries)
         )
         md.versions.commit(vkey, name)
         md.dead_letters.add_dead_letter(f"transfer-{vkey}-0-1", {"task": "smoltorrent.transfer"})

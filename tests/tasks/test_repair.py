@@ -29,7 +29,7 @@ def test_a_repair_sent_twice_makes_one_copy_and_a_trim_sent_twice_keeps_r(make_c
     src = make_ckpt(tmp_path / "twice.safetensors")
     c.cli("store", str(src), "--name", "twice.safetensors")
     md = c.md
-    digest = md.versions.manifest(md.versions.current("twice.safetensors")).shards[0].blob_sha256
+    digest = md.versions.manifest(md.versions.current("twice.safetensors")).entries[0].blob_sha256
     by_id = {n.client().ping(): n for n in c.node_procs}
     holders = sorted(md.blobs.placement(digest))
     (target,) = set(by_id) - set(holders)

@@ -4,7 +4,7 @@ of them, and the gather is byte-identical."""
 from __future__ import annotations
 
 from coordinator.dataplane.node_client import NodeClient
-from tests.tasks.test_control_plane import make_ckpt, sha
+from tests.tasks.test_control_plane import make_blobs_ckpt, sha
 
 NODES = 16
 
@@ -12,7 +12,7 @@ NODES = 16
 def test_store_and_gather_over_16_nodes(make_cluster, tmp_path):
     c = make_cluster(NODES)
     assert len(c.cli_json("nodes", "ls")) == NODES
-    src = make_ckpt(tmp_path / "wide.safetensors", 8_000_000)
+    src = make_blobs_ckpt(tmp_path / "wide.safetensors", NODES)
     stored = c.cli_json("store", str(src), "--name", "wide")
     assert stored["state"] == "committed"
     assert stored["shards"] == NODES and stored["min_copies"] == 2  # a shard per live node

@@ -90,7 +90,7 @@ def test_300_slow_connections_do_not_stop_a_store_and_gather(
     with SlowPeers(patient_node.address, 300, "127.0.0.2") as slow:
         _wait(lambda: slow.refused >= 300 - defaults.MAX_CONNECTIONS_PER_ADDRESS)
         result = store_checkpoint(src, [patient_node.address], replicas=1, cluster_key=CLUSTER_KEY)
-        clients = [[patient_node.client()] for _ in result.manifest.shards]
+        clients = [[patient_node.client()] for _ in result.manifest.entries]
         gather_checkpoint(result.manifest, clients, out)
         assert len(slow.open) > 0  # the attack was still on while we stored and gathered
     assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()

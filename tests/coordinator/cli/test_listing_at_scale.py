@@ -83,14 +83,14 @@ def cluster(tmp_path_factory):
         for i in range(VERSIONS_PER_NAME):
             m = synthetic_manifest(name, i, SHARDS)
             vkey = storage_key(name, m.version_id)
-            plan = [tuple(ids) for _ in m.shards]
+            plan = [tuple(ids) for _ in m.entries]
             md.versions.create_pending(m, vkey, {"path": "/x"}, plan)
             # Most versions commit; every 10th is aborted, every 25th stays pending.
             # Shard 1 of every 7th version has one copy only.
             copies = {0: ids, 1: ids[:1] if i % 7 == 0 else ids}
             state, reason = "committed", ""
             if i % 10 == 3:
-                md.transfers.settle(vkey, 0, 0, ids[0], m.shards[0].blob_sha256)
+                md.transfers.settle(vkey, 0, 0, ids[0], m.entries[0].blob_sha256)
                 md.versions.abort(vkey, f"lost {i}")
                 state, reason, copies = "aborted", f"lost {i}", {0: ids[:1], 1: []}
             elif i % 25 == 4:
@@ -98,7 +98,7 @@ def cluster(tmp_path_factory):
             else:
                 settles = []
                 for s, holders in copies.items():
-                    digest = m.shards[s].blob_sha256
+                    digest = m.entries[s].blob_sha256
                     settles += [(s, r, node_id, digest) for r, node_id in enumerate(holders)]
                     if not holders[1:]:
                         settles.append((s, 1, None, digest))

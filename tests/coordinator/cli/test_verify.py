@@ -12,7 +12,7 @@ from tests.tasks.test_control_plane import make_ckpt, sha
 def store(c, src, name: str) -> list[str]:
     c.cli("store", str(src), "--name", name)
     md = c.md
-    return [s.blob_sha256 for s in md.versions.manifest(md.versions.current(name)).shards]
+    return [s.blob_sha256 for s in md.versions.manifest(md.versions.current(name)).entries]
 
 
 def test_verify_finds_a_flipped_byte_and_a_deleted_copy_and_repairs_both(make_cluster, tmp_path):

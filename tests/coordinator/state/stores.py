@@ -25,7 +25,7 @@ def pending(md: Metadata, p: PreparedStore, task_id: str = "t1") -> bool:
 def settle_all(md: Metadata, p: PreparedStore) -> None:
     for shard, nodes in enumerate(p.targets):
         for replica, node in enumerate(nodes):
-            md.transfers.settle(p.vkey, shard, replica, node, p.manifest.shards[shard].blob_sha256)
+            md.transfers.settle(p.vkey, shard, replica, node, p.manifest.entries[shard].blob_sha256)
 
 
 def committed_version(md: Metadata, tmp_path, name: str, seed: int) -> PreparedStore:

@@ -14,7 +14,7 @@ def test_listed_copies_follow_every_placement_change(md, tmp_path):
     pending(md, p)
     settle_all(md, p)
     md.versions.commit(p.vkey, "listed")
-    digest = p.manifest.shards[0].blob_sha256
+    digest = p.manifest.entries[0].blob_sha256
     nodes = ["node-a", "node-b", "node-c", "node-d"]
 
     def copies() -> int:
@@ -46,7 +46,7 @@ def test_status_reads_only_the_versions_it_reports(md, tmp_path):
     healthy = committed_version(md, tmp_path, "h", 50)
     for s, nodes in enumerate(healthy.targets):
         for node in nodes:
-            md.blobs.add_placement(healthy.manifest.shards[s].blob_sha256, node)
+            md.blobs.add_placement(healthy.manifest.entries[s].blob_sha256, node)
     thin = committed_version(md, tmp_path, "t", 51)  # no copies recorded: under R
     waiting = prepared(tmp_path, "w", 52)
     pending(md, waiting)
@@ -55,13 +55,13 @@ def test_status_reads_only_the_versions_it_reports(md, tmp_path):
     assert {r["vkey"] for r in listed} == {thin.vkey, waiting.vkey}
     assert all("digests" not in r for r in listed)
     # A version using a blob a repair names is reported too, with its blobs.
-    blob = healthy.manifest.shards[1].blob_sha256
+    blob = healthy.manifest.entries[1].blob_sha256
     (row,) = [
         r
         for r in md.listing.version_summaries(None, among, digests=True, notable={blob})
         if r["vkey"] == healthy.vkey
     ]
-    assert row["digests"] == [s.blob_sha256 for s in healthy.manifest.shards]
+    assert row["digests"] == [s.blob_sha256 for s in healthy.manifest.entries]
     assert len(md.listing.version_summaries(None, among)) == 3
 
 

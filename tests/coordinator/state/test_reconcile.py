@@ -37,7 +37,7 @@ def _pending(md, tmp_path, seed: int, host: str, request_id: str):
 def test_only_what_no_live_task_holds_is_sent_again(md, tmp_path):
     mine = _pending(md, tmp_path, 1, "h1", "r1")
     other_host = _pending(md, tmp_path, 2, "h2", "r2")
-    digest = mine.manifest.shards[0].blob_sha256
+    digest = mine.manifest.entries[0].blob_sha256
     md.transfers.settle(mine.vkey, 0, 0, mine.targets[0][0], digest)
 
     nothing_held = plan_reconnected(md, "h1", Held())
@@ -58,7 +58,7 @@ def test_a_complete_barrier_gets_its_commit_unless_one_is_held(md, tmp_path):
     p = _pending(md, tmp_path, 3, "h1", "r3")
     for shard, nodes in enumerate(p.targets):
         for replica, node in enumerate(nodes):
-            md.transfers.settle(p.vkey, shard, replica, node, p.manifest.shards[shard].blob_sha256)
+            md.transfers.settle(p.vkey, shard, replica, node, p.manifest.entries[shard].blob_sha256)
     assert plan_reconnected(md, "h1", Held()).commits == [p.vkey]
     assert plan_reconnected(md, "h1", Held(commits=frozenset({p.vkey}))).commits == []
 

@@ -26,8 +26,8 @@ def test_bookkeeping_is_bounded_once_settled(md, tmp_path):
     md.dead_letters.add_dead_letter(f"transfer-{p.vkey}-0-1", {"task": "smoltorrent.transfer"})
     md.dead_letters.add_dead_letter("transfer-other-0-1", {"task": "smoltorrent.transfer"})
     assert md.removals.begin_remove(p.vkey) == COMMITTED
-    assert md.blobs.blobs_to_delete(p.vkey) == {s.blob_sha256 for s in p.manifest.shards}
-    for s in p.manifest.shards:
+    assert md.blobs.blobs_to_delete(p.vkey) == {s.blob_sha256 for s in p.manifest.entries}
+    for s in p.manifest.entries:
         md.blobs.blob_deleted(p.vkey, s.blob_sha256, ["node-a", "node-b"])
         assert not md.r.exists(f"smoltorrent:blob:{s.blob_sha256}:nodes")  # placement gone
     assert md.dead_letters.drop_dead_letters_of(p.vkey) == 1
@@ -42,7 +42,7 @@ def test_a_blob_shared_by_two_versions_is_deleted_only_with_the_last(md, tmp_pat
     twin = prepare_store(p.path, "two", FREE, replicas=2, shards=2)  # same bytes, other name
     pending(md, p)
     pending(md, twin)
-    digests = {s.blob_sha256 for s in p.manifest.shards}
+    digests = {s.blob_sha256 for s in p.manifest.entries}
     assert md.blobs.blob_refs(next(iter(digests))) == {p.vkey, twin.vkey}
     md.removals.begin_remove(p.vkey)
     assert md.blobs.blobs_to_delete(p.vkey) == set()
@@ -89,7 +89,7 @@ def test_retire_takes_an_aborted_version_only_under_a_newer_committed_one(md, tm
     assert md.removals.retire(old.vkey, 3) == "kept"  # its reason stays visible until a store lands
     committed_version(md, tmp_path, "s", 31)
     assert md.removals.retire(old.vkey, 3) == "retired"
-    assert md.blobs.blobs_to_delete(old.vkey) == {s.blob_sha256 for s in old.manifest.shards}
+    assert md.blobs.blobs_to_delete(old.vkey) == {s.blob_sha256 for s in old.manifest.entries}
 
 
 def test_a_remove_not_passed_a_version_it_must_read_changes_nothing_and_is_run_again(md, tmp_path):

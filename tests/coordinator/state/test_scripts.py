@@ -108,8 +108,8 @@ def calls(monkeypatch):
 def committed(md, name: str, index: int, nodes=("node-a", "node-b")) -> tuple[str, object]:
     m = synthetic_manifest(name, index)
     vkey = storage_key(name, m.version_id)
-    md.versions.create_pending(m, vkey, {"request_id": f"t{index}"}, [nodes] * len(m.shards))
-    for s, shard in enumerate(m.shards):
+    md.versions.create_pending(m, vkey, {"request_id": f"t{index}"}, [nodes] * len(m.entries))
+    for s, shard in enumerate(m.entries):
         for r, node in enumerate(nodes):
             md.transfers.settle(vkey, s, r, node, shard.blob_sha256)
     md.versions.commit(vkey, name)
@@ -125,18 +125,18 @@ def test_every_caller_passes_the_keys_its_script_names(md, calls):
     c, mc = committed(md, "ckpt", 3)
     pend = synthetic_manifest("ckpt", 4)
     pv = storage_key("ckpt", pend.version_id)
-    md.versions.create_pending(pend, pv, {}, [("node-a", "node-b")] * len(pend.shards))
+    md.versions.create_pending(pend, pv, {}, [("node-a", "node-b")] * len(pend.entries))
     md.transfers.replace_target(pv, 0, 0, "node-a", "node-c")
     md.transfers.reopen_shards(pv, [0])
     gone = synthetic_manifest("other", 5)
     gv = storage_key("other", gone.version_id)
-    md.versions.create_pending(gone, gv, {}, [("node-a",)] * len(gone.shards))
+    md.versions.create_pending(gone, gv, {}, [("node-a",)] * len(gone.entries))
     md.versions.abort(gv, "source changed")
     # A listing meets pending and aborted versions and unplaced blobs: it asks for them.
     rows = md.listing.version_summaries(None, ["node-a", "node-b"], live=["node-a"], digests=True)
     assert {r["vkey"]: r["state"] for r in rows}[gv] == "aborted"
     assert len([n for n, *_ in calls if n == "listing/slice"]) == 2
-    md.listing.version_summaries("ckpt", ["node-a"], notable=[mb.shards[0].blob_sha256])
+    md.listing.version_summaries("ckpt", ["node-a"], notable=[mb.entries[0].blob_sha256])
     md.r.delete(K.SUMMARIES_FILLED)
     md.listing.version_states()  # fills the summaries again, version by version
     assert md.removals.start_reading(b, "reader-1", 30) == "committed"
@@ -150,10 +150,10 @@ def test_every_caller_passes_the_keys_its_script_names(md, calls):
         assert md.blobs.claim_delete(c, d)
         md.blobs.blob_deleted(c, d, ["node-a"])
     assert md.removals.finish_remove(c)
-    digest = mc.shards[0].blob_sha256
+    digest = mc.entries[0].blob_sha256
     assert md.blobs.claim_orphan(digest, "crosscheck-1")
     md.blobs.orphan_deleted(digest, "crosscheck-1", ["node-b"])
-    shared = mb.shards[0].blob_sha256
+    shared = mb.entries[0].blob_sha256
     assert md.blobs.record_copy(shared, "node-c")
     assert trim_marks.mark(md, shared, "node-c", 2, ["node-a", "node-b", "node-c"]) == 1
     assert repairs.placed(md, shared, "node-c")

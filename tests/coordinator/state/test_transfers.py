@@ -11,7 +11,7 @@ def test_the_barrier_fires_once_and_only_when_every_transfer_settled(md, tmp_pat
     p = prepared(tmp_path, "ckpt", 1)
     assert pending(md, p) is True
     assert pending(md, p, "t2") is False  # the same bytes again: one version
-    digests = [s.blob_sha256 for s in p.manifest.shards]
+    digests = [s.blob_sha256 for s in p.manifest.entries]
     fired = [
         md.transfers.settle(p.vkey, 0, 0, "node-a", digests[0]),
         md.transfers.settle(p.vkey, 0, 1, None, digests[0]),  # a dead replica still settles
@@ -31,7 +31,7 @@ def test_the_barrier_fires_once_and_only_when_every_transfer_settled(md, tmp_pat
 def test_a_shard_with_no_copy_holds_the_barrier_until_its_replay_succeeds(md, tmp_path):
     p = prepared(tmp_path, "ckpt", 2)
     pending(md, p)
-    d = [s.blob_sha256 for s in p.manifest.shards]
+    d = [s.blob_sha256 for s in p.manifest.entries]
     assert not md.transfers.settle(p.vkey, 0, 0, "node-a", d[0])
     assert not md.transfers.settle(p.vkey, 0, 1, "node-b", d[0])
     assert not md.transfers.settle(p.vkey, 1, 0, None, d[1])

@@ -17,7 +17,7 @@ UP = ["node-a", "node-b", "node-c"]
 def test_a_copy_is_marked_only_while_surplus_and_no_replica_counts_on_it(md, tmp_path):
     p = prepared(tmp_path, "ckpt", 1)  # R=2
     pending(md, p)
-    digest = p.manifest.shards[0].blob_sha256
+    digest = p.manifest.entries[0].blob_sha256
     for n in UP:
         md.blobs.add_placement(digest, n)
     assert trim_marks.mark(md, digest, "node-z", 2, UP) == -1  # not a holder
@@ -43,14 +43,14 @@ def test_a_copy_is_marked_only_while_surplus_and_no_replica_counts_on_it(md, tmp
 def test_a_version_at_a_higher_r_keeps_every_copy_from_the_trim(md, tmp_path):
     low = prepared(tmp_path, "low", 2)
     pending(md, low)
-    digest = low.manifest.shards[0].blob_sha256
+    digest = low.manifest.entries[0].blob_sha256
     for n in UP:
         md.blobs.add_placement(digest, n)
     assert trim_marks.mark(md, digest, "node-c", 3, UP) == 0  # the sweep's own R
     # A pending version of another name using the same blob at R=3.
     m3 = dataclasses.replace(low.manifest, name="high", replicas=3)
     md.versions.create_pending(m3, m3.storage_key(), {"request_id": "t3"}, list(low.targets))
-    assert digest in {s.blob_sha256 for s in m3.shards}
+    assert digest in {s.blob_sha256 for s in m3.entries}
     assert trim_marks.mark(md, digest, "node-c", 2, UP) == 0
     assert md.blobs.placement(digest) == set(UP) and not trim_marks.marked(md, digest, UP)
     # Counted on up nodes only: a copy on a node not up does not make one surplus.
@@ -61,7 +61,7 @@ def test_a_version_at_a_higher_r_keeps_every_copy_from_the_trim(md, tmp_path):
 def test_a_trim_not_passed_a_version_using_the_blob_changes_nothing(md, tmp_path):
     p = prepared(tmp_path, "ckpt", 3)
     pending(md, p)
-    digest = p.manifest.shards[0].blob_sha256
+    digest = p.manifest.entries[0].blob_sha256
     for n in UP:
         md.blobs.add_placement(digest, n)
     keys = [

@@ -68,7 +68,7 @@ def test_a_late_transfer_never_changes_a_committed_versions_state(md, tmp_path):
     pending(md, p)
     settle_all(md, p)
     assert md.versions.commit(p.vkey, "ckpt") is True
-    digest = p.manifest.shards[0].blob_sha256
+    digest = p.manifest.entries[0].blob_sha256
     assert md.versions.abort(p.vkey, "a late transfer saw the source change") is False
     assert md.transfers.settle(p.vkey, 0, 1, "node-c", digest) is False  # a dead-letter replay
     assert md.versions.version(p.vkey)["state"] == COMMITTED
@@ -80,7 +80,7 @@ def test_a_removed_version_is_never_committed_nor_made_current(md, tmp_path):
     pending(md, p)
     settle_all(md, p)
     assert md.removals.begin_remove(p.vkey) == "pending"
-    digest = p.manifest.shards[0].blob_sha256
+    digest = p.manifest.entries[0].blob_sha256
     before = md.blobs.placement(digest)
     assert md.transfers.settle(p.vkey, 0, 0, "node-z", digest) is False
     assert md.blobs.placement(digest) == before  # a removing version records nothing
@@ -104,7 +104,7 @@ def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path
     for i in range(1500):  # over one batch of LISTING_BATCH_VERSIONS
         m = synthetic_manifest("many", i)
         vkey = storage_key(m.name, m.version_id)
-        md.versions.create_pending(m, vkey, {}, [("node-a", "node-b") for _ in m.shards])
+        md.versions.create_pending(m, vkey, {}, [("node-a", "node-b") for _ in m.entries])
         md.versions.commit(vkey, m.name)
         vkeys.append(vkey)
     counted = CountedMetadata(md.url)
@@ -114,7 +114,7 @@ def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path
     assert list(got) == vkeys
     m = md.versions.manifest(vkeys[7])
     assert got[vkeys[7]] == VersionBlobs(
-        m.name, m.replicas, tuple((s.blob_sha256, s.blob_size) for s in m.shards)
+        m.name, m.replicas, tuple((s.blob_sha256, s.blob_size) for s in m.entries)
     )
     assert counted.sent == 2  # 1,501 manifests asked: two batches
     counted.sent = 0
@@ -131,7 +131,7 @@ def test_the_repair_sweep_parses_a_committed_manifest_once_while_its_commit_stan
     for i in range(50):
         m = synthetic_manifest("kept", i)
         vkey = storage_key(m.name, m.version_id)
-        md.versions.create_pending(m, vkey, {}, [("node-a", "node-b") for _ in m.shards])
+        md.versions.create_pending(m, vkey, {}, [("node-a", "node-b") for _ in m.entries])
         md.versions.commit(vkey, m.name)
         vkeys.append(vkey)
     counted = CountedMetadata(md.url)
@@ -142,7 +142,7 @@ def test_the_repair_sweep_parses_a_committed_manifest_once_while_its_commit_stan
 
     m = synthetic_manifest("kept", 50)
     new = storage_key(m.name, m.version_id)
-    md.versions.create_pending(m, new, {}, [("node-a", "node-b") for _ in m.shards])
+    md.versions.create_pending(m, new, {}, [("node-a", "node-b") for _ in m.entries])
     md.versions.commit(new, m.name)
     md.r.hset(K.VERSION.format(vkey=vkeys[0]), "committed_at", "1")  # committed again
     md.r.hset(K.VERSION.format(vkey=vkeys[1]), "committed_at", "2")
@@ -152,6 +152,6 @@ def test_the_repair_sweep_parses_a_committed_manifest_once_while_its_commit_stan
     read = counted.r.info("commandstats")["cmdstat_get"]["calls"] - before
     assert read == 3  # the manifests of the new version and of the two committed again
     assert set(counted.versions._parsed) == set(vkeys[:2] + vkeys[3:] + [new])
-    assert len(again) == len(first) + len(md.versions.manifest(new).shards) - len(
-        md.versions.manifest(vkeys[2]).shards
+    assert len(again) == len(first) + len(md.versions.manifest(new).entries) - len(
+        md.versions.manifest(vkeys[2]).entries
     )
