@@ -342,6 +342,9 @@ class BlobStore:
             "blob_count": len(sizes),
             # Bad copies held: the coordinator's health probe sees a new one at once.
             "quarantined": len(self.quarantined()),
+            # Where it keeps them: `smoltorrent up` starts a node of its own host again from
+            # here (same id, same address), not a new one at its address.
+            "data_dir": str(self.root.resolve()),
         }
 
     def _manifest_path(self, key: str) -> Path:

@@ -12,6 +12,7 @@ from coordinator.cli import reports
 from coordinator.cli.cluster import NODE_STATE, metadata, node_addresses
 from coordinator.cli.output import console, emit_json, human_bytes, table
 from coordinator.dataplane.node_client import NodeClient
+from coordinator.state.nodes import local_node
 from smoltorrent import defaults
 from smoltorrent.cluster_key import create_key_file
 from smoltorrent.errors import ConfigError, NotFoundError, SmoltorrentError, UsageError
@@ -76,11 +77,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     md = metadata()
     if args.nodes_command == "add":
         rows = []
-        for address in node_addresses(args.addresses, defaults.DEFAULT_PORT):
-            stat = NodeClient(
-                address, cluster_key=config.cluster_key(), timeout=defaults.CONNECT_TIMEOUT_S
-            ).stat()
-            md.nodes.add_node(stat.node_id, address)
+        found = [
+            (address, NodeClient(address, cluster_key=config.cluster_key(),
+                                 timeout=defaults.CONNECT_TIMEOUT_S).stat())
+            for address in node_addresses(args.addresses, defaults.DEFAULT_PORT)
+        ]  # fmt: skip
+        for address, stat in found:  # every address checked before any is registered
+            md.nodes.refuse_second_id(address, stat.node_id)
+        for address, stat in found:
+            md.nodes.add_node(stat.node_id, address, local_node(address, stat, config.host_id()))
             md.nodes.mark_alive(stat.node_id, stat.__dict__)
             rows.append(
                 {

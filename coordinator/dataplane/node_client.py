@@ -8,6 +8,7 @@ error frames raise NodeError (code attribute), DigestMismatchError for
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from collections.abc import Callable, Iterator
@@ -52,6 +53,13 @@ class NodeAddress:
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
+    def is_loopback(self) -> bool:
+        """On the machine that connects to it (127.0.0.0/8, ::1, localhost)."""
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host == "localhost"
+
 
 @dataclass(frozen=True)
 class NodeStat:
@@ -62,6 +70,7 @@ class NodeStat:
     blob_count: int
     protocol_version: int
     quarantined: int = 0  # bad copies its scrub holds (0 from a node that does not say)
+    data_dir: str = ""  # its data directory, on its own host ("" from a node that does not say)
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,7 @@ class NodeClient:
                 blob_count=response["blob_count"],
                 protocol_version=response["protocol"],
                 quarantined=int(response.get("quarantined", 0)),
+                data_dir=str(response.get("data_dir", "")),
             )
         except KeyError as exc:
             raise ProtocolError(f"node {self.address} sent a stat without {exc}") from None

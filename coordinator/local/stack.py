@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator import config
-from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient, NodeStat
 from coordinator.state.embedded_redis import ensure_redis_url, redis_status, stop_redis
 from coordinator.state.metadata import Metadata
+from coordinator.state.nodes import local_node
 from smoltorrent import defaults
 from smoltorrent.cluster_key import key_from_env
 from smoltorrent.errors import SmoltorrentError
@@ -67,10 +68,10 @@ class Stack:
         url = ensure_redis_url()
         self.say(f"redis: {redis_status()['url'] if status['embedded'] else config.shown_url(url)}")
         md = Metadata(url)
-        for i in range(self.nodes):
+        for i, (data, port) in enumerate(self._node_places(md)):
             if self._stop.is_set():
                 return
-            self._node(i, md)
+            self._node(i, md, data, port)
         self._spawn("worker", self._cli("worker", *self._metrics(defaults.UP_WORKER_METRICS)),
                     defaults.UP_WORKER_GRACE_S)  # fmt: skip
         self._wait_worker(md)
@@ -92,14 +93,43 @@ class Stack:
         host = ["--metrics-host", self.metrics_host] if self.metrics_host else []
         return ["--metrics-port", str(port), *host]
 
-    def _node(self, i: int, md: Metadata) -> None:
-        data = self.root / f"node{i}"
+    def _node_places(self, md: Metadata) -> list[tuple[Path, int]]:
+        """Each node's data directory and port. First the nodes this home already has on
+        this host (registered with their data directory, by `nodes add` or an earlier
+        `up`): the same directory and port, so the same id at the same address, never a
+        new node in its place. Then nodes of its own under <root>/nodeN, each on a port no
+        registered node has."""
+        registered = sorted(md.nodes.nodes().values(), key=lambda r: r.added_at)
+        places = [
+            (Path(r.data_dir), r.address.port)
+            for r in registered
+            if r.data_dir and r.host == config.host_id() and r.address.is_loopback()
+            if Path(r.data_dir).is_dir()
+        ][: self.nodes]
+        taken = {r.address.port for r in registered if r.address.is_loopback()}
+        mine = {data.resolve() for data, _ in places}
+        for i in range(self.nodes * 2):
+            if len(places) >= self.nodes:
+                break
+            data = self.root / f"node{i}"
+            if data.resolve() in mine:
+                continue
+            # The same port every time where it is free, so registered addresses stay put.
+            port = defaults.DEFAULT_PORT + i
+            places.append((data, port if port not in taken else 0))
+        return places
+
+    def _node(self, i: int, md: Metadata, data: Path, port: int) -> None:
         port_file = data / "port"
-        port_file.unlink(missing_ok=True)  # a killed node's old one
-        # The same port every time where it is free, so registered addresses stay put.
-        port = defaults.DEFAULT_PORT + i
-        if not _bindable(port):
+        address = NodeAddress("127.0.0.1", port)
+        if port and not _bindable(port):
+            running = _answering(address)
+            if running is not None and running.data_dir == str(data.resolve()):
+                # This very node runs already (started by hand): used as it is, not stopped.
+                self.say(f"node{i}: {running.node_id[:12]} on {address} (already running)")
+                return
             port = 0
+        port_file.unlink(missing_ok=True)  # a killed node's old one
         argv = [sys.executable, "-m", "worker_server", "--data-dir", str(data)]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--no-mdns"]
         argv += self._metrics(defaults.UP_NODE_METRICS + i)
@@ -117,7 +147,9 @@ class Stack:
             time.sleep(0.05)
         address = NodeAddress("127.0.0.1", int(port_file.read_text()))
         stat = NodeClient(address, cluster_key=config.cluster_key()).stat()
-        md.nodes.add_node(stat.node_id, address)  # by id: a restart keeps its shards
+        md.nodes.refuse_second_id(address, stat.node_id)
+        # By id, with its directory: a restart (and the next `up`) keeps its shards.
+        md.nodes.add_node(stat.node_id, address, local_node(address, stat, config.host_id()))
         md.nodes.mark_alive(stat.node_id, stat.__dict__)
         self.say(f"node{i}: {stat.node_id[:12]} on {address}")
 
@@ -206,3 +238,13 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _answering(address: NodeAddress) -> NodeStat | None:
+    """The stat of the node at `address`, or None when none answers there."""
+    try:
+        return NodeClient(
+            address, cluster_key=config.cluster_key(), timeout=defaults.CONNECT_TIMEOUT_S
+        ).stat()
+    except SmoltorrentError:
+        return None

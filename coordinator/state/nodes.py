@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import redis
 
-from coordinator.dataplane.node_client import NodeAddress
+from coordinator.dataplane.node_client import NodeAddress, NodeStat
 from coordinator.state import redis_keys as K
 from smoltorrent import defaults
+from smoltorrent.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -21,16 +22,40 @@ class NodeRecord:
     node_id: str
     address: NodeAddress
     added_at: float
+    # A node on loopback: its data directory and the host it runs on, so `smoltorrent up`
+    # there starts it again (same id, same address) instead of a new node at its address.
+    data_dir: str | None = None
+    host: str | None = None
 
 
 class Nodes:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
 
-    def add_node(self, node_id: str, address: NodeAddress) -> None:
-        self.r.hset(
-            K.NODES, node_id, json.dumps({"address": str(address), "added_at": time.time()})
+    def add_node(
+        self, node_id: str, address: NodeAddress, local: tuple[str, str] | None = None
+    ) -> None:
+        """Register (or move) a node by id. `local`: (its data directory, this host's id) for
+        a node on this host's loopback, which `smoltorrent up` may start again."""
+        record = {"address": str(address), "added_at": time.time()}
+        if local is not None:
+            record |= {"data_dir": local[0], "host": local[1]}
+        self.r.hset(K.NODES, node_id, json.dumps(record))
+
+    def refuse_second_id(self, address: NodeAddress, node_id: str) -> None:
+        """UsageError when `address` is registered to another node already: a second id
+        there would leave the first "down" for ever, and its copies counted lost."""
+        others = sorted(
+            n for n, rec in self.nodes().items() if rec.address == address and n != node_id
         )
+        if others:
+            old = others[0][:12]
+            raise UsageError(
+                f"{address} is registered to node {old} already, and node {node_id[:12]}"
+                f" answers there now: one address takes one node. If {old}'s data is gone,"
+                f" run `smoltorrent nodes rm {old}` first (its copies are repaired from the"
+                " others); if it moved, start it and add it at its new address first"
+            )
 
     def remove_node(self, node_id: str) -> bool:
         with self.r.pipeline() as p:
@@ -46,7 +71,13 @@ class Nodes:
         out = {}
         for node_id, raw in self.r.hgetall(K.NODES).items():
             data = json.loads(raw)
-            out[node_id] = NodeRecord(node_id, NodeAddress.parse(data["address"]), data["added_at"])
+            out[node_id] = NodeRecord(
+                node_id,
+                NodeAddress.parse(data["address"]),
+                data["added_at"],
+                data.get("data_dir"),
+                data.get("host"),
+            )
         return out
 
     # --- liveness ------------------------------------------------------------------
@@ -127,3 +158,11 @@ class Nodes:
         if gone:
             self.r.srem(K.WORKER_HOSTS, *gone)
         return {h: boot for h, boot in zip(hosts, boots, strict=True) if boot is not None}
+
+
+def local_node(address: NodeAddress, stat: NodeStat, host: str) -> tuple[str, str] | None:
+    """(data directory, host id) of a node on this host's loopback, for `up` to start
+    again; None for a node elsewhere (its directory means nothing here)."""
+    if not (address.is_loopback() and stat.data_dir):
+        return None
+    return stat.data_dir, host

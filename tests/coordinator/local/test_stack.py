@@ -98,3 +98,119 @@ def test_up_runs_a_stack_that_stores_gathers_and_stops_cleanly(tmp_path: Path) -
     assert code == 0, log.read_text()
     assert left == [], "still running after up stopped:\n" + "\n".join(left)
     assert "up: stopped" in log.read_text()
+
+
+def _up_env(tmp_path: Path, home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "SMOLTORRENT_REDIS_URL"}
+    env |= {"SMOLTORRENT_HOME": str(home), "SMOLTORRENT_HOST_ID": "uptest"}
+    return env | {"SMOLTORRENT_GATHER_DIRS": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+
+
+def _cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *argv], env=env, capture_output=True, text=True
+    )
+
+
+def _serve(env: dict[str, str], data: Path, port: int) -> subprocess.Popen:
+    argv = ["serve", "--data-dir", str(data), "--port", str(port), "--no-mdns"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _add(env: dict[str, str], *addresses: str) -> subprocess.CompletedProcess[str]:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while (added := _cli(env, "nodes", "add", *addresses)).returncode != 0:
+        if "does not answer" not in added.stderr and "refused" not in added.stderr:
+            return added
+        assert time.monotonic() < deadline, added.stderr
+        time.sleep(0.2)
+    return added
+
+
+def _run_up(env: dict[str, str], log: Path, nodes: int, then) -> None:
+    """`up --nodes N` until ready, then(), then SIGTERM; nothing of it left running."""
+    with open(log, "wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "up", "--nodes", str(nodes)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "up: ready" not in log.read_text():
+            assert up.poll() is None, f"up exited {up.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"up did not get ready:\n{log.read_text()}"
+            time.sleep(0.2)
+        then()
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(STOP_TIMEOUT_S) == 0, log.read_text()
+
+
+def test_up_reuses_the_nodes_the_home_has_and_one_address_takes_one_id(tmp_path: Path) -> None:
+    """Nodes started by hand and registered (docs/operations.md), then stopped, then `up`:
+    it started nodes of its own at their addresses, so the home had 4 ids, 2 down, and its
+    checkpoints at 0/2. Now `up` starts the home's nodes again from their data directories
+    (same ids, same addresses), again on every `up`; and `nodes add` refuses a second id at
+    an address, saying how to let the first go."""
+    home = tmp_path / "home"
+    env = _up_env(tmp_path, home)
+    ports = [free_port(), free_port()]
+    by_hand = [_serve(env, tmp_path / f"st{i}", port) for i, port in enumerate(ports)]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    try:
+        added = _add(env, *addresses)
+        assert added.returncode == 0, added.stderr
+    finally:
+        for node in by_hand:
+            node.terminate()
+            node.wait(STOP_TIMEOUT_S)
+    ids = {
+        n["node_id"]: n["address"] for n in json.loads(_cli(env, "nodes", "ls", "--json").stdout)
+    }
+    assert sorted(ids.values()) == sorted(addresses)
+    source = tmp_path / "m.safetensors"
+    write_checkpoint(source, 500_000, hidden=64)
+    os.utime(source, (time.time() - 60, time.time() - 60))
+
+    def first() -> None:
+        nodes = json.loads(_cli(env, "nodes", "ls", "--json").stdout)
+        assert {n["node_id"]: n["address"] for n in nodes} == ids, nodes
+        assert all(n["up"] for n in nodes), nodes
+        stored = _cli(env, "store", str(source), "--replicas", "2")
+        assert stored.returncode == 0, stored.stdout + stored.stderr
+
+    _run_up(env, tmp_path / "up1.log", 2, first)
+
+    def second() -> None:
+        nodes = json.loads(_cli(env, "nodes", "ls", "--json").stdout)
+        assert {n["node_id"]: n["address"] for n in nodes} == ids, nodes
+        status = _cli(env, "status")
+        assert status.returncode == 0, status.stdout + status.stderr
+        out = tmp_path / "back.safetensors"
+        gathered = _cli(env, "gather", "m.safetensors", "-o", str(out))
+        assert gathered.returncode == 0, gathered.stderr
+        assert out.read_bytes() == source.read_bytes()
+
+    _run_up(env, tmp_path / "up2.log", 2, second)
+    assert processes_with_home(home) == []
+
+    stranger = _serve(env, tmp_path / "stranger", ports[0])
+    try:
+        refused = _add(env, addresses[0])
+    finally:
+        stranger.terminate()
+        stranger.wait(STOP_TIMEOUT_S)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    old = next(n for n, a in ids.items() if a == addresses[0])
+    assert f"{addresses[0]} is registered to node {old[:12]}" in refused.stderr
+    assert f"smoltorrent nodes rm {old[:12]}" in refused.stderr
+    assert len(json.loads(_cli(env, "nodes", "ls", "--json").stdout)) == 2
