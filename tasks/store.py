@@ -120,8 +120,9 @@ def _store(
             place_replicas=min(replicas, len(live)),
             lookup=md.chunks.stored,
             encode=should_encode(config.encode_mode(), hosts),
+            digest_cache=DigestCache(config.home() / "digest-cache"),
         )
-        spans, hashed_bytes = prepared.spans, prepared.manifest.source_size
+        spans, hashed_bytes = prepared.spans, prepared.hashed_bytes
     else:
         prepared = prepare_store(
             path,

@@ -38,6 +38,7 @@ from coordinator.dataplane.chunk_source import (
     source_changed,
     spool_dir,
 )
+from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.replicas import BadCopy, first_intact
 from coordinator.dataplane.store_engine import hash_blob, probe_nodes, send_shard, write_manifest
@@ -82,6 +83,7 @@ class PreparedChunks:
     spool: str  # this version's encoded chunks: remove it once they are on the nodes
     encoded_raw_bytes: int = 0  # raw bytes this store encoded or hashed RAW (not known)
     known: frozenset[int] = frozenset()  # chunks already stored: never encoded here
+    hashed_bytes: int = 0  # source bytes read at plan time (0: cached digests, all stored)
 
     @property
     def vkey(self) -> str:
@@ -103,6 +105,7 @@ def prepare_chunked_store(
     lookup: Lookup | None = None,
     encode: bool = True,
     threads: int = defaults.HASH_THREADS,
+    digest_cache: DigestCache | None = None,
 ) -> PreparedChunks:
     """Plan the chunks, encode the ones `lookup` does not know (threads at once: zstd and
     hashlib release the GIL) into spool_dir(spool, vkey), place every chunk.
@@ -110,12 +113,18 @@ def prepare_chunked_store(
     With `lookup`, every chunk is hashed first and only the unknown ones are encoded.
     Without `encode`, every new chunk is RAW (for a link faster than the encoder): hashed
     once, never spooled. `place_replicas` below `replicas` stores under-replicated on
-    purpose (fewer live nodes than R), as prepare_store does."""
+    purpose (fewer live nodes than R), as prepare_store does. With `digest_cache`, the raw
+    digests of an unchanged file are not read again: a chunk `lookup` knows is then never
+    read at all."""
     path = os.fspath(path)
     identity = SourceIdentity.of(path)
     header = read_header(path)
     identity.check(path)
     plans = plan_chunks(header)
+    key = DigestCache.chunks_key(os.stat(path), plans) if digest_cache else ""
+    cached = digest_cache.get(key) if digest_cache else None
+    cached_raws = [raw for raw, _ in cached] if cached and len(cached) == len(plans) else None
+    full_pass = False  # every chunk read once before encoding (no cached raw digests)
     os.makedirs(spool, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="store-", dir=spool)
     try:
@@ -123,11 +132,15 @@ def prepare_chunked_store(
             hashed: list[tuple[tuple[str, str, int], BlobSpan] | None] = [None] * len(plans)
             known: KnownChunks = {}
             if lookup is not None:
-                if encode:  # a pass of raw digests alone: encode only what is new
+                if cached_raws is not None:  # unchanged since: read only what is new
+                    raws = cached_raws
+                elif encode:  # a pass of raw digests alone: encode only what is new
                     raws = list(pool.map(lambda p: _raw_digest(path, header, p), plans))
+                    full_pass = True
                 else:  # RAW chunks: both digests in the one pass
                     hashed = list(pool.map(lambda p: encode_one(path, header, p, None), plans))
                     raws = [h[0][0] for h in hashed]
+                    full_pass = True
                 known = lookup(raws)
                 # A chunk whose bytes an earlier one of this version repeats (every norm
                 # at ones) is encoded once, as that one: the store sends its blob once.
@@ -162,6 +175,8 @@ def prepare_chunked_store(
                 encoded[index] = encoded[index] or (encoded[earlier][0], None)
         identity.check(path)
         digests = [digest for digest, _ in encoded]
+        if digest_cache and DigestCache.chunks_key(os.stat(path), plans) == key:
+            digest_cache.put(key, [(raw, ()) for raw, _, _ in digests])
         manifest = Manifest(
             name=name,
             version_id=chunked_version_id(header.header_bytes, [raw for raw, _, _ in digests]),
@@ -187,6 +202,7 @@ def prepare_chunked_store(
             spans.append(span)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    encoded_raw_bytes = sum(p.size for p, (_, s) in zip(plans, encoded, strict=True) if s)
     size_of = [size for _, _, size in digests]
     places = place(size_of, free_bytes, place_replicas or replicas) if plans else []
     return PreparedChunks(
@@ -196,8 +212,9 @@ def prepare_chunked_store(
         targets=tuple(tuple(t) for t in places),
         identity=identity,
         spool=kept,
-        encoded_raw_bytes=sum(p.size for p, (_, s) in zip(plans, encoded, strict=True) if s),
+        encoded_raw_bytes=encoded_raw_bytes,
         known=frozenset(i for i, (_, s) in enumerate(encoded) if s is None),
+        hashed_bytes=header.data_size if full_pass else encoded_raw_bytes,
     )
 
 

@@ -3,8 +3,9 @@
 Storing an unchanged file again (a watcher restart's file_sync, a rollback that
 re-saves earlier bytes, the same `save` twice) would otherwise read and hash every
 byte again before finding that nothing has to move. An entry is keyed by the file's
-device, inode, size, mtime and ctime, and by the shard plan: ctime cannot be set
-from user space, so a rewrite that restores the old mtime (rsync -t, `touch -r`)
+device, inode, size, mtime and ctime, and by the shard plan (or the chunk plan: a chunked
+store keeps each chunk's raw digest, which finds the chunk stored without reading it):
+ctime cannot be set from user space, so a rewrite that restores the old mtime (rsync -t, `touch -r`)
 still misses. The nodes verify every blob against its digest whatever the cache
 says, so an entry can never put wrong bytes on a node.
 
@@ -20,10 +21,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from coordinator.plan.chunks import ChunkPlan
 from coordinator.plan.planner import ShardPlan
 from smoltorrent import defaults
 
-Hashed = list[tuple[str, tuple[str, ...]]]  # per shard: blob digest, tensor digests
+# Per shard: blob digest, tensor digests; per chunk: raw digest, no tensors.
+Hashed = list[tuple[str, tuple[str, ...]]]
 
 
 class DigestCache:
@@ -47,6 +50,15 @@ class DigestCache:
             for p in plans
         ]
         return hashlib.sha256(json.dumps([identity, shards]).encode()).hexdigest()
+
+    @staticmethod
+    def chunks_key(st: os.stat_result, plans: Sequence[ChunkPlan]) -> str:
+        """The key of a chunked store's raw chunk digests (each kept with no tensors)."""
+        identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        chunks = [
+            [p.index, p.data_start, p.data_end, [list(run) for run in p.layout]] for p in plans
+        ]
+        return hashlib.sha256(json.dumps([identity, "chunks", chunks]).encode()).hexdigest()
 
     def get(self, key: str) -> Hashed | None:
         try:

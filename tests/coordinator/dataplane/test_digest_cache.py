@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from coordinator.dataplane.chunk_engine import prepare_chunked_store
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.local.synthetic import write_checkpoint
@@ -57,3 +58,44 @@ def test_a_damaged_entry_is_a_miss_and_entries_are_bounded(tmp_path):
     for shards in (1, 2, 4):
         prepare_store(src, src.name, FREE, shards=shards, digest_cache=cache)
     assert len(list((tmp_path / "cache").glob("*.json"))) == 2
+
+
+def test_a_chunked_store_of_an_unchanged_file_reads_none_of_its_stored_chunks(tmp_path):
+    """A chunked store asks which chunks are stored by their raw digests: cached, an
+    unchanged file whose chunks are all stored is not read at all; a rewrite is read."""
+    src = tmp_path / "c.safetensors"
+    write_checkpoint(src, 3 << 20, hidden=256)
+    cache = DigestCache(tmp_path / "cache")
+    stored: dict[str, tuple[str, int]] = {}
+
+    def lookup(raws):
+        return {r: stored[r] for r in raws if r in stored}
+
+    def prepare_chunks(encode: bool):
+        p = prepare_chunked_store(
+            src,
+            src.name,
+            FREE,
+            tmp_path / "spool",
+            lookup=lookup,
+            encode=encode,
+            digest_cache=cache,
+        )
+        stored.update({c.raw_sha256: (c.blob_sha256, c.blob_size) for c in p.manifest.chunks})
+        return p
+
+    first = prepare_chunks(encode=True)
+    assert first.hashed_bytes > 0
+    for encode in (True, False):
+        again = prepare_chunks(encode)
+        assert again.hashed_bytes == 0 and again.known == frozenset(range(len(first.spans)))
+        assert again.manifest.chunks == first.manifest.chunks
+    st = os.stat(src)
+    data = bytearray(src.read_bytes())
+    data[-1] ^= 0xFF  # in place, the old mtime restored: only ctime tells
+    with open(src, "r+b") as f:
+        f.write(data)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    changed = prepare_chunks(encode=True)
+    assert changed.hashed_bytes > 0
+    assert changed.manifest.chunks[-1].raw_sha256 != first.manifest.chunks[-1].raw_sha256
