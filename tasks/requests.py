@@ -7,9 +7,11 @@ ordered lives here and in the tasks behind it, once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +29,12 @@ from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE, FAILED, IN_PROCESS_GATHER
 from coordinator.state.versions import ABORTED, COMMITTED, REMOVED, REMOVING
 from smoltorrent import defaults
-from smoltorrent.errors import DestinationNotAllowedError, OutcomeUnknownError, SmoltorrentError
+from smoltorrent.errors import (
+    DestinationNotAllowedError,
+    MetadataError,
+    OutcomeUnknownError,
+    SmoltorrentError,
+)
 from tasks.context import REDIS_TRANSIENT, bwlimit_arg, metadata, new_request_id
 from tasks.gathering import run_gather
 
@@ -93,6 +100,11 @@ class StoreProgress:
     raw_done_bytes: int = 0  # the same bytes as they are in the checkpoint (decoded)
 
 
+def error_text(exc: BaseException) -> str:
+    """An error as words, never empty: its message, else its type's name."""
+    return str(exc) or type(exc).__name__
+
+
 def connected_metadata() -> Metadata:
     """The metadata store, checked to answer (a clear error if Redis is not there)."""
     md = metadata()
@@ -107,12 +119,13 @@ def require_worker(host: str | None = None) -> None:
     name, which returns as soon as it answers."""
     host = host or config.host_id()
     nodes = metadata().nodes
+    what = f"checking that a worker serves {host}"
     # `smoltorrent worker & smoltorrent store ...`: a worker launched with this command
     # gets WORKER_CHECK_TIMEOUT_S to say it is starting, then its Celery boot (seconds, up
     # to WORKER_START_GRACE_S) to send its first heartbeat.
     started = time.monotonic()
-    while nodes.worker_boot(host) is None:
-        starting = nodes.worker_is_starting(host)
+    while ride_out(lambda: nodes.worker_boot(host), what, recorded=False) is None:
+        starting = ride_out(lambda: nodes.worker_is_starting(host), what, recorded=False)
         grace = defaults.WORKER_START_GRACE_S if starting else defaults.WORKER_CHECK_TIMEOUT_S
         if time.monotonic() - started > grace:
             break
@@ -123,7 +136,7 @@ def require_worker(host: str | None = None) -> None:
     from tasks.app import app
 
     inspect = app.control.inspect(timeout=defaults.WORKER_CHECK_TIMEOUT_S, destination=[name])
-    if not (inspect.ping() or {}).get(name):
+    if not (ride_out(inspect.ping, what, recorded=False) or {}).get(name):
         raise SmoltorrentError(
             f"no smoltorrent worker is serving this host ({host}); start one with "
             "`smoltorrent worker` (or run `smoltorrent demo` for a complete local cluster)."
@@ -169,9 +182,14 @@ def submit_store(
     bwlimit = config.bwlimit() if bwlimit is None else bwlimit
     args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
     args |= bwlimit_arg(bwlimit)
-    metadata().requests.open_request(request_id, "store", host, args)
     try:
-        _ride_out(
+        # Opening is idempotent (requests/open): tried again after a reply Redis lost, the
+        # request is recorded once.
+        ride_out(
+            lambda: metadata().requests.open_request(request_id, "store", host, args),
+            f"recording the store of {name} (request {request_id})",
+        )
+        ride_out(
             lambda: send_store(
                 path, name, replicas, shards, host, request_id=request_id, bwlimit=bwlimit
             ),
@@ -187,26 +205,37 @@ def submit_store(
     return StoreRequest(task_id=request_id, name=name, path=path)
 
 
-def _ride_out(call: Callable[[], T], what: str) -> T:
+def ride_out(call: Callable[[], T], what: str, *, recorded: bool = True) -> T:
     """call(), tried again while Redis is unreachable, for up to CLIENT_OUTAGE_S: a Redis
-    restart of a few seconds must not turn an accepted operation into a reported failure.
-    Past that, OutcomeUnknownError: the operation is recorded and may still complete."""
-    # What an unreachable Redis raises: the metadata client's errors and the broker's
-    # (kombu wraps a failed publish in OperationalError).
-    from kombu.exceptions import OperationalError
-
+    restart of a few seconds must not turn an accepted operation into a reported failure,
+    nor fail one about to be asked for. Past that, OutcomeUnknownError when the operation
+    is `recorded` (it may still complete), else MetadataError (nothing was recorded)."""
     deadline = time.monotonic() + defaults.CLIENT_OUTAGE_S
     while True:
         try:
             return call()
-        except (*REDIS_TRANSIENT, OperationalError) as exc:
-            if time.monotonic() > deadline:
-                raise OutcomeUnknownError(
-                    f"Redis was unreachable for {defaults.CLIENT_OUTAGE_S:.0f} s while "
-                    f"{what} ({exc}). It is recorded and may still complete once Redis is "
-                    "back: check with `smoltorrent ls` before trying again."
+        except _unreachable() as exc:
+            if time.monotonic() <= deadline:
+                time.sleep(defaults.CLIENT_OUTAGE_POLL_S)
+                continue
+            unreachable = f"Redis was unreachable for {defaults.CLIENT_OUTAGE_S:.0f} s while {what}"
+            if not recorded:
+                raise MetadataError(
+                    f"{unreachable} ({exc or type(exc).__name__}). Nothing was recorded:"
+                    " start Redis (`smoltorrent redis status`), then try again."
                 ) from exc
-            time.sleep(defaults.CLIENT_OUTAGE_POLL_S)
+            raise OutcomeUnknownError(
+                f"{unreachable} ({exc or type(exc).__name__}). It is recorded and may still"
+                " complete once Redis is back: check with `smoltorrent ls` before trying again."
+            ) from exc
+
+
+def _unreachable() -> tuple[type[BaseException], ...]:
+    """What an unreachable Redis raises: the metadata client's errors and, once Celery is
+    in use here, the broker's (kombu wraps a failed publish in OperationalError). kombu is
+    not imported for it: a reader's in-process gather runs without Celery."""
+    kombu_errors = sys.modules.get("kombu.exceptions")
+    return REDIS_TRANSIENT + ((kombu_errors.OperationalError,) if kombu_errors else ())
 
 
 def wait_store(
@@ -219,15 +248,15 @@ def wait_store(
     md = metadata()
     what = f"waiting for the store of {request.name} (request {request.task_id})"
     while True:
-        record = _ride_out(lambda: md.requests.request(request.task_id), what)
+        record = ride_out(lambda: md.requests.request(request.task_id), what)
         if record["state"] in (DONE, FAILED):
             break
         _pause()
     if record["state"] == FAILED:
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
     vkey = record["vkey"]
-    state = _ride_out(lambda: _wait_commit(md, vkey, request.name, on_progress), what)
-    raw, wire = _ride_out(lambda: md.transfers.wire(vkey), what)
+    state = ride_out(lambda: _wait_commit(md, vkey, request, on_progress), what)
+    raw, wire = ride_out(lambda: md.transfers.wire(vkey), what)
     return {
         "vkey": vkey,
         "state": state,
@@ -238,8 +267,12 @@ def wait_store(
 
 
 def _wait_commit(
-    md: Metadata, vkey: str, name: str, on_progress: Callable[[StoreProgress], None] | None
+    md: Metadata,
+    vkey: str,
+    request: StoreRequest,
+    on_progress: Callable[[StoreProgress], None] | None,
 ) -> str:
+    name = request.name
     manifest = md.versions.manifest(vkey)
     sizes = [s.blob_size for s in manifest.entries]
     # What a blob's bytes are in the checkpoint (a shard's blob: itself; an encoded chunk's:
@@ -276,10 +309,15 @@ def _wait_commit(
                 "`smoltorrent dlq replay --all` completes it."
             )
         if md.dead_letters.has_dead_letter(f"commit-{vkey}"):
-            raise SmoltorrentError(
-                f"store of {name}: every shard landed but the commit failed for good "
-                f"({md.dead_letters.dead_letter(f'commit-{vkey}')['error']}). Fix the cause, then "
-                f"`smoltorrent dlq replay commit-{vkey}` commits it."
+            # Not a failure: a complete barrier without a commit is what the reconcile
+            # sweep sends a commit for, every pass, so the version may commit yet (the
+            # chaos run saw an exit 1 here and then the commit).
+            raise OutcomeUnknownError(
+                f"store of {name}: every shard landed but its commit ran out of retries "
+                f"({md.dead_letters.dead_letter(f'commit-{vkey}')['error']}). The reconcile"
+                " sweep sends the commit again: follow it with"
+                f" `smoltorrent wait {request.task_id}`, or send it now with"
+                f" `smoltorrent dlq replay commit-{vkey}`."
             )
         _pause()
 
@@ -298,10 +336,14 @@ def submit_gather(
     only, as a .safetensors file of their own. A glob matching no tensor fails here.
     `bwlimit`: bytes/s it receives at most, as for submit_store."""
     md = connected_metadata()
-    vkey = md.versions.resolve(name, version)
-    size = int(md.versions.version(vkey)["size"])
-    if tensors is not None:
-        size = select(md.versions.manifest(vkey), tensors).size
+    reading = f"reading what to gather of {name}"
+    vkey = ride_out(lambda: md.versions.resolve(name, version), reading, recorded=False)
+    if tensors is None:
+        size = int(ride_out(lambda: md.versions.version(vkey), reading, recorded=False)["size"])
+    else:
+        size = select(
+            ride_out(lambda: md.versions.manifest(vkey), reading, recorded=False), tensors
+        ).size
     out = os.path.abspath(out)
     if os.path.isdir(out):  # as cp does: into that directory, under the checkpoint's file name
         out = os.path.join(out, os.path.basename(name))
@@ -310,7 +352,7 @@ def submit_gather(
     host = config.host_id()
     request_id = new_request_id()
     bwlimit = config.bwlimit() if bwlimit is None else bwlimit
-    if not _worker_takes(md, host, out):
+    if not ride_out(lambda: _worker_takes(md, host, out), reading, recorded=False):
         if not os.access(os.path.dirname(out), os.W_OK):
             raise SmoltorrentError(
                 f"cannot write in {os.path.dirname(out)}: permission denied. Choose an output"
@@ -320,8 +362,11 @@ def submit_gather(
     from tasks.enqueue import send_gather
 
     args = {"vkey": vkey, "out": out} | _tensors(tensors) | bwlimit_arg(bwlimit)
-    md.requests.open_request(request_id, "gather", host, args)
-    _ride_out(
+    ride_out(
+        lambda: md.requests.open_request(request_id, "gather", host, args),
+        f"recording the gather of {name} (request {request_id})",
+    )
+    ride_out(
         lambda: send_gather(vkey, out, host, request_id, name, tensors, bwlimit),
         f"queuing the gather of {name} (request {request_id})",
     )
@@ -350,24 +395,47 @@ def _gather_here(request: GatherRequest, on_progress: Callable[[int, int], None]
     host = config.host_id()
     args = {"vkey": request.vkey, "out": request.out} | _tensors(request.tensors)
     args |= bwlimit_arg(request.bwlimit)
-    # Recorded all the same, before a byte moves, under a kind the reconcile sweep never
-    # sends to a worker: this process is what runs it.
-    md.requests.open_request(request.task_id, IN_PROCESS_GATHER, host, args)
-    md.requests.start_request(request.task_id, f"process:{host}:{os.getpid()}")
+    what = f"gathering {request.name} (request {request.task_id})"
+
+    def record() -> None:
+        # Recorded all the same, before a byte moves, under a kind the reconcile sweep
+        # never sends to a worker: this process is what runs it. Nothing is written
+        # until it is, so an outage here fails with nothing to undo.
+        md.requests.open_request(request.task_id, IN_PROCESS_GATHER, host, args)
+        md.requests.start_request(request.task_id, f"process:{host}:{os.getpid()}")
+
+    ride_out(record, what, recorded=False)
     reader = f"{host}:{os.getpid()}:{request.task_id}"
     try:
-        result = run_gather(
-            md, request.vkey, request.out, request.tensors, reader, on_progress, request.bwlimit
+        # A Redis error out of the gather came before its output was renamed into place
+        # (nothing of it is left): the gather is simply run again once Redis is back.
+        result = ride_out(
+            lambda: run_gather(
+                md, request.vkey, request.out, request.tensors, reader, on_progress, request.bwlimit
+            ),
+            what,
+            recorded=False,
         )
     except BaseException as exc:
-        md.requests.finish_request(request.task_id, FAILED, error=str(exc) or type(exc).__name__)
+        error = error_text(exc)
+        with contextlib.suppress(SmoltorrentError):
+            ride_out(
+                lambda: md.requests.finish_request(request.task_id, FAILED, error=error),
+                what,
+            )
         if isinstance(exc, OSError):  # the output's disk or directory, as the user can fix
             raise SmoltorrentError(
                 f"gather of {request.name} into {request.out} failed: {exc}. Nothing was"
                 " written there."
             ) from exc
         raise
-    md.requests.finish_request(request.task_id, DONE, result=json.dumps(result))
+    # The file is in place, whole and verified: the gather succeeded whatever happens to
+    # its record now (an exit 1 here left a good file behind a reported failure).
+    with contextlib.suppress(SmoltorrentError):
+        ride_out(
+            lambda: md.requests.finish_request(request.task_id, DONE, result=json.dumps(result)),
+            what,
+        )
     return result
 
 
@@ -391,10 +459,13 @@ def wait_gather(
             on_progress(res.info.get("done", 0), request.size)
         return False
 
-    while not _ride_out(look, what):
+    while not ride_out(look, what):
         _pause()
     if res.failed():
-        raise SmoltorrentError(str(res.result))
+        raise SmoltorrentError(
+            f"gather of {request.name} failed: {error_text(res.result)}. Nothing was written"
+            f" at {request.out}."
+        )
     return res.result
 
 
@@ -404,14 +475,15 @@ def follow(rid: str) -> tuple[StoreRequest | GatherRequest, dict]:
     the gather gives. SmoltorrentError when it failed, NotFoundError when no such request
     is recorded (a finished one is kept REQUEST_TTL_S)."""
     md = connected_metadata()
-    record = md.requests.request(rid)
+    what = f"following request {rid}"
+    record = ride_out(lambda: md.requests.request(rid), what)
     args = json.loads(record["args"])
     if record["kind"] == "store":
         request = StoreRequest(rid, args["name"], args["path"])
         return request, wait_store(request)
     if record["kind"] not in ("gather", IN_PROCESS_GATHER):
         raise SmoltorrentError(f"request {rid} is a {record['kind']}, not a store or a gather")
-    version = md.versions.version(args["vkey"])
+    version = ride_out(lambda: md.versions.version(args["vkey"]), what)
     gather = GatherRequest(
         rid, version["name"], args["vkey"], args["out"], int(version["size"]), args.get("tensors")
     )
@@ -419,7 +491,7 @@ def follow(rid: str) -> tuple[StoreRequest | GatherRequest, dict]:
     while record["state"] not in (DONE, FAILED):
         _check_gathering_process(rid, record)
         _pause()
-        record = _ride_out(lambda: md.requests.request(rid), what)
+        record = ride_out(lambda: md.requests.request(rid), what)
     if record["state"] == FAILED:
         raise SmoltorrentError(f"gather of {gather.name} failed: {record.get('error')}")
     return gather, json.loads(record["result"])

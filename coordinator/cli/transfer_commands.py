@@ -4,7 +4,6 @@ cluster, through the worker."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -184,9 +183,17 @@ def _report_store(
     name: str, out: dict, seconds: float, changed: tuple[int, int] | None, as_json: bool
 ) -> int:
     """A store's summary line (or JSON) once it ended; its exit status."""
-    md = metadata()
+    from tasks.context import metadata as client_metadata
+    from tasks.requests import ride_out
+
     vkey = out["vkey"]
-    row = next(c for c in reports.checkpoints(md, name) if c["vkey"] == vkey)
+    # The store has ended: a Redis restart now must not turn it into an exit 1 (the
+    # client, unlike cluster.metadata's, is not pinged first, so its errors are retried).
+    md = client_metadata()
+    row = ride_out(
+        lambda: next(c for c in reports.checkpoints(md, name) if c["vkey"] == vkey),
+        f"reading the stored version of {name} for its summary",
+    )
     if as_json:
         figures = {k: out[k] for k in ("hashed_bytes", "raw_bytes", "wire_bytes", "ratio")}
         moved = {} if changed is None else {"replicas_before": changed[0]}
@@ -349,9 +356,12 @@ def cmd_wait(args: argparse.Namespace) -> int:
     """Follow a store or a gather recorded earlier to its end (a `store --no-wait`, or one
     whose command was interrupted): its summary line, and the exit status it would have
     had."""
-    from tasks.requests import StoreRequest, ctrl_c_stops_waiting, follow
+    from tasks.requests import StoreRequest, ctrl_c_stops_waiting, follow, ride_out
 
-    record = metadata().requests.request(args.request_id)  # NotFoundError says so
+    md = metadata()
+    record = ride_out(  # NotFoundError says so
+        lambda: md.requests.request(args.request_id), f"reading request {args.request_id}"
+    )
     try:
         with ctrl_c_stops_waiting():
             request, out = follow(args.request_id)
@@ -359,7 +369,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
         warn(f"stopped waiting; request {args.request_id} goes on in the background")
         return 3
     if isinstance(request, StoreRequest):
-        replicas = json.loads(record["args"])["replicas"]
         seconds = time.time() - float(record["created_at"])  # since it was asked for
-        return _report_store(request.name, out, seconds, replicas, args.json)
+        # Following a request changes no copies (its R was the store's): nothing to say.
+        return _report_store(request.name, out, seconds, None, args.json)
     return _report_gather(request, out, args.json)

@@ -39,3 +39,14 @@ def test_a_running_request_stays_with_the_run_holding_its_lease_until_it_lapses(
     time.sleep(0.6)
     assert not md.requests.start_request("r1", "boot-2", "boot-2:14").holder
     assert md.requests.request("r1")["deferred"] == "2"
+
+
+def test_a_request_opened_again_is_recorded_once(md):
+    # A client whose reply Redis lost (a restart) opens its request again: the second
+    # open must neither take a new number (it orders the name's versions) nor reset a
+    # request a worker already started to queued.
+    first = md.requests.open_request("r1", "store", "host-a", {"path": "/x"})
+    md.requests.start_request("r1", "boot-1")
+    assert md.requests.open_request("r1", "store", "host-a", {"path": "/x"}) == first
+    assert md.requests.request("r1")["state"] == "running"
+    assert md.requests.next_seq() == first + 1

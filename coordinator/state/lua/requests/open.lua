@@ -1,6 +1,7 @@
 --[[
   A new request (intent): its sequence number from the one counter, its record, and its
-  place among the open requests, in one step.
+  place among the open requests, in one step. Idempotent: a request already recorded is
+  left as it is (a client whose reply Redis lost asks again), and its number returned.
 
   Input:
     KEYS[1] SEQ: the request counter
@@ -13,8 +14,10 @@
     ARGV[5] rid: the request id
 
   Output:
-    its sequence number
+    its sequence number (the one it was given, if it was recorded already)
 ]]
+local recorded = redis.call('HGET', KEYS[2], 'seq')
+if recorded then return tonumber(recorded) end
 local seq = redis.call('INCR', KEYS[1])
 redis.call('HSET', KEYS[2], 'kind', ARGV[1], 'host', ARGV[2], 'args', ARGV[3],
            'state', 'queued', 'seq', seq, 'created_at', ARGV[4])
