@@ -71,7 +71,11 @@ def unlink_durably(path: Path) -> bool:
         os.unlink(path)
     except FileNotFoundError:
         return False
-    durable.sync_path(path.parent)
+    try:
+        durable.sync_path(path.parent)
+    except OSError as exc:
+        # Gone from the directory, maybe not from the disk: a retry finds it gone.
+        raise _disk_error(exc, f"delete {path.name}") from exc
     return True
 
 
@@ -311,10 +315,12 @@ class BlobStore:
             if os.stat(path).st_ino != inode:
                 return False
             os.replace(path, self.quarantine_dir / digest)
+            durable.sync_path(self.quarantine_dir)
+            durable.sync_path(path.parent)
         except FileNotFoundError:
             return False
-        durable.sync_path(self.quarantine_dir)
-        durable.sync_path(path.parent)
+        except OSError as exc:
+            raise _disk_error(exc, f"quarantine blob {digest[:12]}") from exc
         return True
 
     def quarantined(self) -> list[str]:

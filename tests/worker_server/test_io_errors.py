@@ -79,3 +79,20 @@ def test_eio_while_publishing_a_manifest_is_answered_as_a_disk_error(
     fiu_ctrl(fiu_node.pid, f"disable name={point}")
     fiu_node.client().put_manifest("v1", manifest)
     assert fiu_node.client().get_manifest("v1") == manifest
+
+
+def test_eio_while_deleting_is_answered_as_a_disk_error(fiu_node: NodeProcess, make_blob) -> None:
+    """Found by a fault run (bench.chaos seed 22): a delete whose directory fsync failed
+    dropped the connection, which the remove read as a node that stopped answering."""
+    blob: SourceBlob = make_blob(64 * 1024)
+    assert blob.put(fiu_node.client()) is True
+    fiu_node.client().put_manifest("v1", b"{}")
+    fiu_ctrl(fiu_node.pid, f"enable name={FSYNC},failinfo={errno.EIO}")
+    for delete in (lambda c: c.delete(blob.digest), lambda c: c.delete_manifest("v1")):
+        with pytest.raises(NodeError) as failed:
+            delete(fiu_node.client())
+        assert failed.value.code == "disk_error", failed.value
+    fiu_ctrl(fiu_node.pid, f"disable name={FSYNC}")
+    # Asked again (the remove retries), the node answers: the file is gone.
+    assert fiu_node.client().delete(blob.digest) is False
+    assert fiu_node.client().delete_manifest("v1") is False
