@@ -6,6 +6,7 @@ import dataclasses
 
 from coordinator import config
 from coordinator.dataplane.store_engine import write_manifest
+from coordinator.state.marks import node_manifest
 from coordinator.state.versions import COMMITTED, PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -54,7 +55,8 @@ def commit(self, vkey: str) -> str:
         return f"shards {lost} had no copy left; sent again"
     # The nodes' copies carry the version's request order, so a rebuild orders by it.
     seq = int(v.get("seq") or 0)
-    ordered = dataclasses.replace(manifest, seq=seq)
+    # With its pin and labels too (a version removed and stored again may have kept them).
+    ordered = dataclasses.replace(node_manifest(md, vkey), seq=seq)
     write_manifest_durably(md, ordered, set().union(*holders.values()), registered)
     md.versions.commit(vkey, manifest.name)
     if int(md.versions.version(vkey).get("seq") or 0) > seq:
@@ -68,8 +70,7 @@ def record_request_order(md, vkey: str) -> int:
     (a rollback) made it current again after its commit, and a rebuild from the nodes
     must order the name's versions by that request, not by when each was created. Best
     effort (a rebuild takes the highest number any copy carries); how many nodes took it."""
-    v = md.versions.version(vkey)
-    manifest = dataclasses.replace(md.versions.manifest(vkey), seq=int(v.get("seq") or 0))
+    manifest = node_manifest(md, vkey)  # its marks kept: coordinator/state/marks.py
     registered = md.nodes.nodes()
     placed = set().union(*(md.blobs.placement(digest) for digest, _ in manifest.blobs))
     holders = sorted(placed & set(md.nodes.alive(registered)))

@@ -204,12 +204,25 @@ def _said(args: argparse.Namespace, answer: dict, line: str) -> int:
     return 0
 
 
+def _on_the_nodes(md, vkeys: list[str], what: str) -> None:
+    """Pins and labels live on the nodes too (in their manifest copies), so a rebuild
+    brings them back; said when no node took them."""
+    from coordinator.state import marks
+
+    if not marks.publish(md, vkeys, config.cluster_key()):
+        warn(
+            f"{what} is recorded in Redis, but no node holding the version answered to keep"
+            " it too: a rebuild from the nodes now would not bring it back"
+        )
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     md = metadata()
     vkey, vid = _committed(md, args.name, args.version)
     state = md.versions.pin(vkey)
     if state != "committed":
         raise SmoltorrentError(f"{args.name} {vid[:12]} is {state}: only a committed one is pinned")
+    _on_the_nodes(md, [vkey], f"the pin of {args.name} {vid[:12]}")
     return _said(
         args,
         {"name": args.name, "version_id": vid, "pinned": True},
@@ -221,6 +234,8 @@ def cmd_unpin(args: argparse.Namespace) -> int:
     md = metadata()
     vkey, vid = _committed(md, args.name, args.version)
     was = md.versions.unpin(vkey)
+    if was:
+        _on_the_nodes(md, [vkey], f"the unpin of {args.name} {vid[:12]}")
     return _said(
         args,
         {"name": args.name, "version_id": vid, "pinned": False, "was_pinned": was},
@@ -240,10 +255,15 @@ def cmd_tag(args: argparse.Namespace) -> int:
     if args.rm:
         if not md.versions.untag(vkey, args.label):
             raise NotFoundError(f"{args.name} {vid[:12]} is not tagged {args.label!r}")
+        _on_the_nodes(md, [vkey], f"the label {args.label} of {args.name} {vid[:12]}")
         return _said(args, answer, f"{args.name} {vid[:12]} is no longer {args.label}")
+    had = [v for v, (_, labels) in md.versions.labels(md.versions.versions(args.name)).items()
+           if args.label in labels and v != vkey]  # fmt: skip
     state = md.versions.tag(vkey, args.name, args.label)
     if state != "committed":
         raise SmoltorrentError(f"{args.name} {vid[:12]} is {state}: only a committed one is tagged")
+    # The version it was taken from first: its copies then carry the older marks number.
+    _on_the_nodes(md, [*had, vkey], f"the label {args.label} of {args.name} {vid[:12]}")
     return _said(
         args, answer, f"tagged {args.name} {vid[:12]} {args.label}: {args.name}@{args.label}"
     )

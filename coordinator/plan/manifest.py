@@ -94,6 +94,12 @@ class Manifest:
     # a rollback), so a rebuild orders a name's versions by request, not by creation.
     # 0: not recorded (Redis keeps it in the version's hash; older manifests).
     seq: int = 0
+    # Its pin and labels, in the copies the nodes keep, so a rebuild brings them back;
+    # marks_seq: the number (from the one counter) of their last change, so of a rebuild's
+    # copies the one last written says them (coordinator/state/marks.py). 0: none recorded.
+    marks_seq: int = 0
+    pinned: bool = False
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.chunked and self.shards) or (not self.chunked and self.chunks):
@@ -178,6 +184,12 @@ class Manifest:
         }
         if self.seq:
             document["seq"] = self.seq
+        if self.marks_seq:
+            document["marks"] = {
+                "seq": self.marks_seq,
+                "pinned": self.pinned,
+                "labels": list(self.labels),
+            }
         if self.chunked:
             document["chunks"] = [
                 {
@@ -449,7 +461,8 @@ _MANIFEST_FIELDS = {
     "replicas",
     "created_at",
 }
-_OPTIONAL_FIELDS = frozenset({"seq"})  # absent from manifests that do not record it
+# absent from manifests that do not record them
+_OPTIONAL_FIELDS = frozenset({"seq", "marks"})
 _CHUNK_FIELDS = {"data_start", "data_end", "raw_sha256", "blob_size", "blob_sha256"}
 _SHARD_FIELDS = {
     "index",
@@ -511,6 +524,19 @@ def _sha256(document: dict[str, Any], key: str, what: str) -> str:
     return value
 
 
+def _parse_marks(marks: Any) -> dict[str, Any]:
+    """A node's copy's pin and labels: {"seq", "pinned", "labels"}."""
+    if not isinstance(marks, dict) or set(marks) != {"seq", "pinned", "labels"}:
+        _fail(f"marks is {marks!r}, not {{seq, pinned, labels}}")
+    labels = marks["labels"]
+    if not isinstance(marks["pinned"], bool) or not isinstance(labels, list):
+        _fail(f"marks {marks!r} have the wrong types")
+    if not all(isinstance(label, str) and label for label in labels):
+        _fail(f"marks labels {labels!r} are not non-empty strings")
+    seq = _count(marks, "seq", "marks", 1)
+    return {"marks_seq": seq, "pinned": marks["pinned"], "labels": tuple(labels)}
+
+
 def _parse_manifest(data: bytes | str) -> Manifest:
     try:
         document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
@@ -556,6 +582,7 @@ def _parse_manifest(data: bytes | str) -> Manifest:
         schema_version=schema,
         chunks=tuple(_parse_chunk(c, i) for i, c in enumerate(fields.get("chunks", ()))),
         seq=_count(fields, "seq", "manifest") if "seq" in fields else 0,
+        **(_parse_marks(fields["marks"]) if "marks" in fields else {}),
     )
     if manifest.chunked:
         _check_chunks(manifest)

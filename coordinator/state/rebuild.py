@@ -15,6 +15,7 @@ from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.plan.directory import RECORD_FILE, record_of
 from coordinator.plan.manifest import Manifest, storage_key
 from coordinator.plan.safetensors_header import CheckpointHeader, parse_header
+from coordinator.state import redis_keys as K
 from coordinator.state.directories import Directories, DirectoryVersion, Member
 from coordinator.state.metadata import Metadata
 from coordinator.state.steps import (
@@ -33,6 +34,7 @@ def rebuild_metadata(
     md: Metadata, addresses: Sequence[NodeAddress], cluster_key: bytes | None
 ) -> dict:
     manifests: dict[str, Manifest] = {}
+    marked: dict[str, Manifest] = {}  # per version, the copy whose marks were set last
     unreachable: list[str] = []
     skipped: list[str] = []
     held: set[str] = set()
@@ -58,6 +60,8 @@ def rebuild_metadata(
                 continue
             if key not in manifests or manifest.seq > manifests[key].seq:
                 manifests[key] = manifest
+            if manifest.marks_seq > getattr(marked.get(key), "marks_seq", 0):
+                marked[key] = manifest
         nodes_read += 1
         md.nodes.add_node(stat.node_id, address)
         md.nodes.mark_alive(stat.node_id, dataclasses.asdict(stat))
@@ -65,7 +69,14 @@ def rebuild_metadata(
             md.blobs.add_placement(digest, stat.node_id)
             held.add(digest)
             placements += 1
+    # Numbers taken from here on come after every one the nodes' copies carry: a pin or
+    # label changed after this rebuild must outrank a copy a node kept from before it.
+    top = max((max(m.seq, m.marks_seq) for m in [*manifests.values(), *marked.values()]), default=0)
+    behind = top - int(md.r.get(K.SEQ) or 0)
+    if behind > 0:
+        md.r.incrby(K.SEQ, behind)
     restored = 0
+    brought_back: set[str] = set()
     # In request order (each restored version takes a new number in turn, so the last
     # request of a name is current again); manifests that record none, by creation.
     for key, manifest in sorted(manifests.items(), key=lambda kv: (kv[1].seq, kv[1].created_at)):
@@ -80,8 +91,11 @@ def rebuild_metadata(
                 f"{manifest.name} {manifest.version_id[:12]}: shards {missing} on no node"
             )
             continue
-        restored += md.versions.restore_committed(manifest, vkey)
+        if md.versions.restore_committed(manifest, vkey):
+            restored += 1
+            brought_back.add(vkey)
         md.chunks.record(manifest.chunks)  # so a store finds them stored again
+    marks = restore_marks(md, [m for k, m in marked.items() if k in brought_back])
     steps = restore_steps(md, list(manifests.values()))
     directories = restore_directories(md, list(manifests.values()))
     return {
@@ -92,8 +106,26 @@ def rebuild_metadata(
         "placements": placements,
         "steps": steps,
         "directories": directories,
+        "marks": marks,
         "unreachable": unreachable + skipped,
     }
+
+
+def restore_marks(md: Metadata, marked: Sequence[Manifest]) -> int:
+    """Pins and labels of the versions restored, from the copy of each whose marks were
+    set last (coordinator/state/marks.py), applied in that order: a label two versions of
+    a name claim (a node was down when it moved) ends on the later. How many versions had
+    any."""
+    applied = 0
+    for manifest in sorted(marked, key=lambda m: m.marks_seq):
+        vkey = manifest.storage_key()
+        if manifest.pinned:
+            md.versions.pin(vkey)
+        for label in manifest.labels:
+            md.versions.tag(vkey, manifest.name, label)
+        md.r.hset(K.VERSION.format(vkey=vkey), "marks_seq", manifest.marks_seq)
+        applied += bool(manifest.pinned or manifest.labels)
+    return applied
 
 
 def _header(manifest: Manifest) -> CheckpointHeader:
