@@ -153,27 +153,30 @@ def store_shard_chain(
         else:
             head_target, chain, head_client = todo[0], todo[1:], todo[0].client
         sending = None  # a node holding the blob heads: no byte leaves the source
-        if span.spool is not None:
-            # An encoded chunk, whoever heads: the chain announces its encoded blob, which
-            # a head that wants the bytes gets from the spooled file (encoded again if that
-            # is gone). Announced as the chunk's raw range, a holder heading the chain
-            # asked for the raw bytes under the blob's digest, and every node refused them.
+        # An encoded chunk headed by a holder: the holder pushes its own copy, so the
+        # source neither reads its spooled file nor encodes it again (a source rewritten
+        # since would abandon a version whose blob a node still holds). A holder that lost
+        # its copy asks for the bytes and is dropped; the source heads the next round.
+        holder_only = head_target is None and span.spool is not None
+        if span.spool is not None and not holder_only:
+            # An encoded chunk the source sends: the chain announces its encoded blob, from
+            # the spooled file (encoded again if that is gone). Announced as the chunk's raw
+            # range, a holder heading the chain asked for the raw bytes under the blob's
+            # digest, and every node refused them.
             path, identity, span = sendable(path, identity, span, spool)
         if head_target is not None:
             identity.check(path)
             if progress is not None:
                 sending = partial(progress, [t.replica for t in [head_target, *chain]])
+        forward = [t.client.address for t in chain]
         try:
-            with open(path, "rb") as f:
-                report = head_client.chain_put(
-                    digest,
-                    span.prefix,
-                    f.fileno(),
-                    span.offset,
-                    span.length,
-                    [t.client.address for t in chain],
-                    sending,
-                )
+            if holder_only:  # the encoded blob's size, and no bytes to give
+                report = head_client.chain_put(digest, b"", None, 0, span.size, forward)
+            else:
+                with open(path, "rb") as f:
+                    report = head_client.chain_put(
+                        digest, span.prefix, f.fileno(), span.offset, span.length, forward, sending
+                    )
         except DigestMismatchError as exc:  # not a chain report: a plain refusal
             if head_target is None:
                 sources.remove(head_client)

@@ -20,6 +20,7 @@ from smoltorrent import defaults
 from smoltorrent.cluster_key import key_from_env
 from smoltorrent.errors import (
     DigestMismatchError,
+    NodeError,
     NodeUnavailableError,
     PeerClosedError,
     ProtocolError,
@@ -241,7 +242,7 @@ class NodeClient:
         self,
         digest: str,
         prefix: bytes,
-        src_fd: int,
+        src_fd: int | None,
         src_offset: int,
         length: int,
         forward: list[NodeAddress],
@@ -252,7 +253,9 @@ class NodeClient:
 
         When the node already holds a verified copy, no byte is sent: it pushes its own copy
         down the chain. Returns what became of every copy; errors before the node took the
-        request (unreachable, busy, disk full) are raised as from put_blob.
+        request (unreachable, busy, disk full) are raised as from put_blob. With no
+        `src_fd` the caller has no bytes to give (only the blob's size): a node that asks
+        for them is a NodeError (code "missing") and gets none.
         """
         size = len(prefix) + length
         peer = str(self.address)
@@ -267,6 +270,9 @@ class NodeClient:
             wire.send_frame_header(sock, request, size)
             header, _ = wire.recv_final_response(sock, peer, progress)
             status = header.get("status")
+            if status == "continue" and src_fd is None:
+                # The connection closes unsent: the node drops the put it was waiting on.
+                raise NodeError("missing", f"node {peer} does not hold blob {digest}")
             if status == "continue":
                 wire.send_prefix(sock, prefix, self.pace)
                 wire.send_file_range(sock, src_fd, src_offset, length, progress, self.pace)

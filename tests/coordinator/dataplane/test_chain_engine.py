@@ -177,3 +177,48 @@ def test_a_holder_heads_the_chain_of_an_encoded_chunk_with_the_encoded_blob(node
     assert out.failed == {} and out.bytes_from_source == 0
     assert {how for _, how in out.placed.values()} == {"replicated"}
     assert held(nodes[1], chunk.blob_sha256) and held(nodes[2], chunk.blob_sha256)
+
+
+def _stored_encoded_then_rewritten(nodes, tmp_path):
+    """An encoded chunk on nodes[0], its spool gone, and the source rewritten since (the
+    next step's weights in the same file): the prepared store and the chunk's span as a
+    later transfer has it."""
+    src = tmp_path / "ones.safetensors"
+    save_file({"norm.weight": torch.ones(512, 512)}, src)  # 1 MiB: one chunk, encoded
+    free = {n.client().ping(): 10**12 for n in nodes}
+    p = prepare_chunked_store(src, "ones", free, tmp_path / "spool")
+    (chunk,) = p.manifest.chunks
+    store_shard_chain(p.path, p.identity, p.spans[0], [target(nodes[0], 0)], [])
+    save_file({"norm.weight": torch.full((512, 512), 2.0)}, src)
+    return p, chunk, chunk_span(p.manifest, chunk, "")
+
+
+def test_a_holder_heads_an_encoded_chunk_whose_spool_is_gone_though_the_source_changed(
+    nodes, tmp_path
+):
+    """The holder pushes its own copy: nothing is encoded again from the source, so a
+    source rewritten since does not abandon a version whose blob a node still holds."""
+    p, chunk, span = _stored_encoded_then_rewritten(nodes, tmp_path)
+    targets = [target(n, r) for r, n in enumerate(nodes[1:3], start=1)]
+    out = store_shard_chain(
+        p.path, p.identity, span, targets, [nodes[0].client()], spool=str(tmp_path / "again")
+    )
+    assert out.failed == {} and out.bytes_from_source == 0
+    assert {how for _, how in out.placed.values()} == {"replicated"}
+    assert held(nodes[1], chunk.blob_sha256) and held(nodes[2], chunk.blob_sha256)
+    assert not (tmp_path / "again").exists()  # nothing was encoded
+
+
+def test_a_holder_that_lost_its_copy_falls_back_to_the_source_which_says_it_changed(
+    nodes, tmp_path
+):
+    """The listed holder no longer has the blob: the source must send it, cannot encode
+    the planned blob from a rewritten file, and says so (the version is abandoned)."""
+    p, chunk, span = _stored_encoded_then_rewritten(nodes, tmp_path)
+    nodes[0].client().delete(chunk.blob_sha256)
+    targets = [target(n, r) for r, n in enumerate(nodes[1:3], start=1)]
+    with pytest.raises(SourceChangedError, match="rewritten"):
+        store_shard_chain(
+            p.path, p.identity, span, targets, [nodes[0].client()], spool=str(tmp_path / "again")
+        )
+    assert not held(nodes[1], chunk.blob_sha256) and not held(nodes[2], chunk.blob_sha256)
