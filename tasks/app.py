@@ -32,6 +32,10 @@ class SmoltorrentTask(Task):
     # The wait before a task whose worker process died runs again (the OOM killer took a
     # pool child, say); Celery's own 180 s left a gather or a store idle for 3 minutes.
     default_retry_delay = defaults.WORKER_LOST_RETRY_S
+    # A countdown is held on the receiving worker's monotonic clock, not till its wall
+    # clock reaches the sender's ETA (tasks/countdown.py): a clock stepped back held a
+    # retry for as long as the step.
+    Strategy = "tasks.countdown:strategy"
 
 
 app = Celery(
@@ -39,8 +43,9 @@ app = Celery(
     task_cls=SmoltorrentTask,
     broker=REDIS_URL,
     backend=REDIS_URL,
-    # Every message carries a readable argsrepr/kwargsrepr (what Flower shows).
-    amqp="tasks.readable:ReadableAMQP",
+    # Every message carries a readable argsrepr/kwargsrepr (what Flower shows), and its
+    # countdown, if any, in seconds (tasks/countdown.py).
+    amqp="tasks.countdown:CountdownAMQP",
     include=[
         "tasks.store",
         "tasks.transfer",
