@@ -708,12 +708,13 @@ class ChaosRun:
         key nodes beyond loopback need."""
         netns.remove_stale(NETNS_TAG)
         hosts = [COORDINATOR_HOST, *(_node_host(i) for i in range(self.nodes))]
-        self.lan = netns.Lan(
-            hosts,
-            prefix=f"{NETNS_TAG}{os.getpid()}",
-            subnet=netns.free_subnet(),
-            local_host=COORDINATOR_HOST,
-        ).open()
+        with netns.subnet_lock():
+            self.lan = netns.Lan(
+                hosts,
+                prefix=f"{NETNS_TAG}{os.getpid()}",
+                subnet=netns.free_subnet(),
+                local_host=COORDINATOR_HOST,
+            ).open()
         places = tuple(
             (self.lan.address(_node_host(i)), tuple(self.lan.exec_prefix(_node_host(i))))
             for i in range(self.nodes)

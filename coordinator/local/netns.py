@@ -19,16 +19,19 @@ processes in it with `exec_prefix`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 TBF_LATENCY = "50ms"  # queueing a tbf allows before dropping: a switch port's buffer
 # The MAC a severed host's frames go to: locally administered, unicast, owned by nobody.
 NOBODY_MAC = "02:00:5e:00:de:ad"
+SUBNET_LOCK = "/tmp/smoltorrent-netns-subnet.lock"  # one per machine, as its addresses
 CLOSE_TIMEOUT_S = 10.0  # seconds close() waits for the kernel to delete the local link
 
 
@@ -208,9 +211,21 @@ def remove_stale(tag: str) -> list[str]:
     return removed
 
 
+@contextlib.contextmanager
+def subnet_lock() -> Iterator[None]:
+    """Held from free_subnet() until the Lan that takes it is open: runs started at once
+    (pytest-xdist workers) would otherwise be handed the same subnet."""
+    with open(SUBNET_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def free_subnet(first: int = 100) -> str:
     """A 10.X.0 /24 no link on this namespace has an address in (a run's local host
-    takes one here, beside other runs')."""
+    takes one here, beside other runs'); hold subnet_lock() until it is taken."""
     used = run("ip", "-4", "-o", "addr", "show").stdout
     for x in range(first, 250):
         if f" 10.{x}.0." not in used:

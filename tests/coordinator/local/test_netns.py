@@ -41,9 +41,10 @@ while True:
 @pytest.fixture
 def lan() -> Iterator[netns.Lan]:
     require_network_namespaces()
-    lan = netns.Lan(
-        HOSTS, prefix=f"stnt{os.getpid()}", subnet=netns.free_subnet(), local_host="co"
-    ).open()
+    with netns.subnet_lock():
+        lan = netns.Lan(
+            HOSTS, prefix=f"stnt{os.getpid()}", subnet=netns.free_subnet(), local_host="co"
+        ).open()
     servers = [
         subprocess.Popen(
             [*lan.exec_prefix(h), sys.executable, "-c", _SERVE, lan.address(h), str(PORT)],
@@ -100,9 +101,10 @@ def test_what_a_killed_run_left_is_removed_by_the_next(tmp_path) -> None:
     # A run that died before close(): its pid is gone, its namespaces and links are not.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    left = netns.Lan(
-        ["co", "n0"], prefix=f"stnk{dead.pid}", subnet=netns.free_subnet(), local_host="co"
-    ).open()
+    with netns.subnet_lock():
+        left = netns.Lan(
+            ["co", "n0"], prefix=f"stnk{dead.pid}", subnet=netns.free_subnet(), local_host="co"
+        ).open()
     sleeper = subprocess.Popen([*left.exec_prefix("n0"), "sleep", "60"])
     assert f"stnk{dead.pid}-n0" in netns.run("ip", "netns", "list").stdout
 
