@@ -5,7 +5,6 @@ beat schedule and at every worker start (step 3 of beat/boot.py)."""
 from __future__ import annotations
 
 import json
-import time
 
 from celery.utils.log import get_task_logger
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -109,7 +108,7 @@ def run_pass(started_host: str | None = None) -> dict[str, int]:
     md = metadata()
     actions = decide.plan(
         md,
-        time.time(),
+        md.sweeps.redis_time(),  # the clock the timestamps it compares were written on
         grace=config.reconcile_grace(),
         stale_after=_stale_after,
         deadline=defaults.PENDING_DEADLINE_S,

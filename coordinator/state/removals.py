@@ -18,6 +18,7 @@ import redis
 from coordinator.plan.manifest import Manifest
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
+from coordinator.state.sweeps import redis_clock
 from coordinator.state.versions import COMMITTED, digests, version_keys
 from smoltorrent import defaults
 from smoltorrent.errors import MetadataError
@@ -46,7 +47,7 @@ class Removals:
             others = self._successors(name, vkey) if self.r.hget(K.CURRENT, name) == vkey else []
             state = self._begin(
                 keys=[*keys, *blob_keys, *(K.VERSION.format(vkey=v) for v in others)],
-                args=[name, vkey, time.time(), defaults.BLOB_TOMBSTONE_TTL_S, len(blobs)]
+                args=[name, vkey, redis_clock(self.r), defaults.BLOB_TOMBSTONE_TTL_S, len(blobs)]
                 + [*blobs, *others],
             )
             if state != _STALE:
@@ -82,7 +83,7 @@ class Removals:
                 args=[
                     name,
                     vkey,
-                    time.time(),
+                    redis_clock(self.r),
                     defaults.BLOB_TOMBSTONE_TTL_S,
                     keep if before is None else -1,
                     before if before is not None else 0,

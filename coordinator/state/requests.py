@@ -18,6 +18,7 @@ import redis
 
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
+from coordinator.state.sweeps import redis_clock
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError
 
@@ -63,7 +64,7 @@ class Requests:
         return int(
             self._open(
                 keys=[K.SEQ, K.REQUEST.format(rid=rid), K.REQUESTS_OPEN],
-                args=[kind, host, json.dumps(args), time.time(), rid],
+                args=[kind, host, json.dumps(args), redis_clock(self.r), rid],
             )
         )
 
@@ -88,7 +89,7 @@ class Requests:
         the caller knows is dead, whose lease it takes at once."""
         found, holder, left_ms = self._start(
             keys=[K.REQUEST.format(rid=rid)],
-            args=[boot, time.time(), owner or boot, int(lease_s * 1000), dead_owner],
+            args=[boot, redis_clock(self.r), owner or boot, int(lease_s * 1000), dead_owner],
         )
         return Start(found, holder, int(left_ms) / 1000)
 

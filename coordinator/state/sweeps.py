@@ -11,14 +11,21 @@ from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 
 
+def redis_clock(r: redis.Redis) -> float:
+    """Seconds on the Redis server's clock: one clock for every host. What the reconcile
+    sweep compares (a request's age, a remove's, a commit sent) is written on it, so a
+    host whose clock is off, or stepped, neither hides nor hurries a re-drive."""
+    seconds, micros = r.time()
+    return seconds + micros / 1e6
+
+
 class Sweeps:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
 
     def redis_time(self) -> float:
         """Seconds on the Redis server's clock: one clock for every host."""
-        seconds, micros = self.r.time()
-        return seconds + micros / 1e6
+        return redis_clock(self.r)
 
     def sweep_ran(self, name: str, started: float, by: str, outcome: str) -> None:
         """Record one run of a sweep (its last SWEEP_RUNS_KEPT are kept)."""

@@ -4,7 +4,6 @@ log and progress, and the commit barrier that says when every transfer has settl
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable
 
 import redis
@@ -13,6 +12,7 @@ from coordinator.dataplane.chunk_source import chunk_span
 from coordinator.plan.manifest import BlobSpan, blob_spans
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
+from coordinator.state.sweeps import redis_clock
 from coordinator.state.versions import Versions
 from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, NotFoundError
@@ -67,7 +67,7 @@ class Transfers:
         """Append to the version's attempt log, keeping its last ATTEMPTS_KEPT entries."""
         key = K.ATTEMPTS.format(vkey=vkey)
         with self.r.pipeline() as p:
-            p.rpush(key, json.dumps({**entry, "at": time.time()}))
+            p.rpush(key, json.dumps({**entry, "at": redis_clock(self.r)}))
             p.ltrim(key, -defaults.ATTEMPTS_KEPT, -1)
             p.execute()
 
@@ -84,7 +84,7 @@ class Transfers:
         )
 
     def mark_resent(self, vkey: str) -> None:
-        self.r.hset(K.VERSION.format(vkey=vkey), "resent_at", repr(time.time()))
+        self.r.hset(K.VERSION.format(vkey=vkey), "resent_at", repr(redis_clock(self.r)))
 
     def settle(
         self,
@@ -129,7 +129,7 @@ class Transfers:
 
     def mark_commit_enqueued(self, vkey: str) -> None:
         """Record that the commit is queued (only after it is: see lua/versions/settle.lua)."""
-        self.r.hset(K.VERSION.format(vkey=vkey), "commit_enqueued", repr(time.time()))
+        self.r.hset(K.VERSION.format(vkey=vkey), "commit_enqueued", repr(redis_clock(self.r)))
 
     def reopen_shards(self, vkey: str, shards: list[int]) -> bool:
         """Send the barrier back for `shards` of a pending version (their copies are gone)."""
