@@ -13,7 +13,7 @@ import pytest
 from coordinator.local.chaos import EIO_POINTS, LINK_KINDS, ChaosRun, available_kinds
 from tests.conftest import REQUIRE_FIU_ENV, REQUIRE_NETNS_ENV, REQUIRE_TMPFS_ENV
 
-# Three seeds of 20 s of faults each: about 45 s a seed with start, healing and the final
+# Three seeds of 20 s of faults each: about 30 s a seed with start, healing and the final
 # gathers. Chosen so that, with every kind available (CI), they draw between them every
 # kind but stop-redis, kill-beat and eio-node (fsync): 36 eiowrite, cutcoord, cutpeers,
 # kill-redis, flap; 27 skew-node, cutcoord, eiorename; 181 kill-worker, full-node,
