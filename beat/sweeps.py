@@ -23,6 +23,7 @@ from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.context import metadata
+from tasks.readable import QUIET_TASKS
 
 
 def _renew(lock, stop: threading.Event) -> None:
@@ -37,7 +38,10 @@ def sweep(name: str):
     """Register `fn` as the Celery task smoltorrent.sweep.<name>, run under its lock."""
 
     def register(fn):
-        @app.task(name=f"smoltorrent.sweep.{name}")
+        task = f"smoltorrent.sweep.{name}"
+
+        # A frequent sweep sends no task events, so Flower is not buried in its rows.
+        @app.task(name=task, send_events=task not in QUIET_TASKS)
         @functools.wraps(fn)
         def run(*args, **kwargs) -> dict:
             md = metadata()

@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from redis.exceptions import RedisError
+
 from coordinator import config
 from coordinator.plan.manifest import Manifest
+from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.context import bwlimit_arg, metadata, new_request_id
@@ -138,9 +141,18 @@ def send_commit(vkey: str, name: str | None = None) -> None:
 
 
 def _named(name: str | None, vkey: str) -> dict[str, str]:
-    """Flower's line for a task whose arguments hold only a version key, when the sender
-    knows the checkpoint's name (tasks/readable.py covers the rest)."""
-    return {} if name is None else {"argsrepr": name, "kwargsrepr": f"version {vkey[:12]}"}
+    """Flower's line for a task whose arguments hold only a version key: the checkpoint's
+    name and the version id the CLI prints, read from the version's record (tasks/readable.py
+    covers the rest). Without that record (Redis away a moment), the key."""
+    try:
+        recorded, version_id = metadata().r.hmget(K.VERSION.format(vkey=vkey), "name", "version_id")
+    except RedisError:
+        recorded, version_id = None, None
+    name = name or recorded
+    if name is None:
+        return {}
+    version = f"version {version_id[:12]}" if version_id else f"version key {vkey[:12]}"
+    return {"argsrepr": name, "kwargsrepr": version}
 
 
 def send_store(

@@ -23,6 +23,18 @@ from smoltorrent import defaults
 
 Readable = tuple[str, str]  # (argsrepr, kwargsrepr)
 
+# Sweeps that run every few seconds to a minute: in Flower they would bury the stores and
+# gathers a person looks for (health alone adds 360 rows an hour), so they send no task
+# events (neither their sending nor their run: beat/sweeps.py, ReadableAMQP). Their runs
+# are on record in Redis (coordinator/state/sweeps.py) and in the worker's log; the rarer
+# sweeps (retention, crosscheck, scrub) stay listed.
+QUIET_TASKS = frozenset(
+    {"smoltorrent.sweep.health", "smoltorrent.sweep.repair", "smoltorrent.sweep.reconcile"}
+)
+# Where Celery's AMQP.as_task_v2 takes create_sent_event among its positional arguments
+# after (task_id, name, args, kwargs): Celery's send_task passes it there.
+_SENT_EVENT_AT = 12
+
 
 def _cut(text: str) -> str:
     limit = defaults.TASK_REPR_MAX_CHARS
@@ -79,6 +91,11 @@ class ReadableAMQP(AMQP):
     """Celery's AMQP with our argsrepr/kwargsrepr filled in where the sender gave none."""
 
     def as_task_v2(self, task_id, name, args=None, kwargs=None, *rest, **options):
+        if name in QUIET_TASKS:  # no task-sent event: see QUIET_TASKS
+            if len(rest) > _SENT_EVENT_AT:
+                rest = (*rest[:_SENT_EVENT_AT], False, *rest[_SENT_EVENT_AT + 1 :])
+            if "create_sent_event" in options:
+                options["create_sent_event"] = False
         if options.get("argsrepr") is None and options.get("kwargsrepr") is None:
             readable = _retried(task_id) or describe(name, args or (), kwargs or {})
             if readable is not None:

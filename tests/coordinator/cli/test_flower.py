@@ -22,6 +22,7 @@ import pytest
 from coordinator.local.cluster import LocalCluster
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.embedded_redis import free_port
+from coordinator.state.metadata import Metadata
 
 START_TIMEOUT_S = 60.0  # seconds; Flower imports Celery and Tornado before it listens
 TASKS_TIMEOUT_S = 120.0  # seconds for a store's tasks to reach Flower's list
@@ -134,10 +135,22 @@ def _wait_for_tasks(port: int, names: set[str]) -> dict[str, dict]:
 
 def test_flower_lists_a_store_with_readable_arguments(tmp_path: Path) -> None:
     # Whole shards, one per node: two chains to list (in chunks this file is one chunk).
+    # Beat runs, its sweeps every second or two: the frequent ones (health, repair,
+    # reconcile) must not bury the store in Flower; a rarer one (retention) is listed.
+    sweeps = {
+        "SMOLTORRENT_HEALTH_INTERVAL_S": "1",
+        "SMOLTORRENT_REPAIR_INTERVAL_S": "1",
+        "SMOLTORRENT_RECONCILE_INTERVAL_S": "1",
+        "SMOLTORRENT_RETENTION_INTERVAL_S": "2",
+    }
     cluster = LocalCluster(
-        tmp_path / "cluster", nodes=2, host_id="flowertest", extra_env={"SMOLTORRENT_CHUNKS": "0"}
+        tmp_path / "cluster",
+        nodes=2,
+        host_id="flowertest",
+        extra_env={"SMOLTORRENT_CHUNKS": "0", **sweeps},
     )
     cluster.start()
+    cluster.start_beat()
     flower = None
     try:
         env = dict(cluster.env(), FLOWER_BASIC_AUTH=AUTH)
@@ -159,8 +172,27 @@ def test_flower_lists_a_store_with_readable_arguments(tmp_path: Path) -> None:
         assert stored.returncode == 0, stored.stderr
         node_ids = {n.client().stat().node_id[:12] for n in cluster.node_procs}
 
+        md = Metadata(cluster.redis_url)
+        deadline = time.monotonic() + TASKS_TIMEOUT_S
+        while len(md.sweeps.sweep_runs("health")) < 3:  # the sweeps ran, and were sent
+            assert time.monotonic() < deadline, "beat ran no health sweep"
+            time.sleep(0.2)
         tasks = _wait_for_tasks(
-            flower.port, {"smoltorrent.store", "smoltorrent.chain", "smoltorrent.commit"}
+            flower.port,
+            {
+                "smoltorrent.store",
+                "smoltorrent.chain",
+                "smoltorrent.commit",
+                "smoltorrent.sweep.retention",
+            },
+        )
+        quiet = {
+            "smoltorrent.sweep.health",
+            "smoltorrent.sweep.repair",
+            "smoltorrent.sweep.reconcile",
+        }
+        assert not quiet & {t["name"] for t in tasks.values()}, sorted(
+            t["name"] for t in tasks.values()
         )
         by_name: dict[str, list[dict]] = {}
         for task in tasks.values():
@@ -183,7 +215,8 @@ def test_flower_lists_a_store_with_readable_arguments(tmp_path: Path) -> None:
         assert len(lines) == 2
         (commit,) = by_name["smoltorrent.commit"]
         assert commit["args"] == "run1/step_100.safetensors"
-        assert commit["kwargs"].startswith("version ")
+        # The version id the CLI printed, not the internal version key.
+        assert commit["kwargs"] == f"version {json.loads(stored.stdout)['version_id'][:12]}"
         assert size > 500_000
 
         _check_rendered_page(tmp_path, flower.port)
