@@ -19,7 +19,10 @@ from kombu.asynchronous.timer import to_timestamp
 
 from tasks.readable import ReadableAMQP
 
-HEADER = "smoltorrent_countdown_s"  # the message header carrying the countdown, seconds
+# The message header carrying the countdown: {"s": seconds, "eta": the ETA it was sent
+# with}. The ETA ties it to its own message: a retry is built from the running task's
+# request, whose headers (this one with them) Celery copies over the new message's.
+HEADER = "smoltorrent_countdown"
 
 
 class CountdownAMQP(ReadableAMQP):
@@ -27,8 +30,8 @@ class CountdownAMQP(ReadableAMQP):
 
     def as_task_v2(self, task_id, name, args=None, kwargs=None, countdown=None, *rest, **options):
         message = super().as_task_v2(task_id, name, args, kwargs, countdown, *rest, **options)
-        if countdown is not None:
-            message.headers[HEADER] = float(countdown)
+        if countdown:
+            message.headers[HEADER] = {"s": float(countdown), "eta": message.headers["eta"]}
         return message
 
 
@@ -40,12 +43,13 @@ def strategy(task, app, consumer, **kwargs):
     handle = default(task, app, consumer, **kwargs)
 
     def handler(message, body, ack, reject, callbacks, **options):
-        countdown = (message.headers or {}).get(HEADER)
-        if countdown is None:
+        headers = message.headers or {}
+        hold = headers.get(HEADER)
+        if not isinstance(hold, dict) or not hold.get("eta") or hold["eta"] != headers.get("eta"):
             return handle(message, body, ack, reject, callbacks, **options)
         # The timer runs on the monotonic clock: kombu's to_timestamp turns the ETA into
         # it through this worker's wall clock, which is what a step makes wrong.
-        due = time.monotonic() + float(countdown)
+        due = time.monotonic() + float(hold["s"])
 
         def held_until(eta, *args, **kwargs) -> float:
             return min(to_timestamp(eta, *args, **kwargs), due)
