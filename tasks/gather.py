@@ -3,6 +3,7 @@ tasks/gathering.py, which a reader's own process runs too)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -10,10 +11,12 @@ from coordinator import config
 from coordinator.dataplane.gather_engine import check_destination
 from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE
+from smoltorrent.errors import SmoltorrentError
 from tasks import request_runs
 from tasks.app import app
 from tasks.context import metadata
 from tasks.gathering import run_gather
+from tasks.requests import ride_out
 
 
 @app.task(name="smoltorrent.gather", bind=True)
@@ -57,5 +60,12 @@ def _gather_task(
     reader = f"{config.host_id()}:{os.getpid()}:{task_id}"
     result = run_gather(md, vkey, out_path, tensors, reader, progress, bwlimit)
     if request_id is not None:
-        md.requests.finish_request(request_id, DONE, result=json.dumps(result))
+        # The file is in place, whole and verified: the gather succeeded. A Redis restart
+        # now must not fail the task (its caller then reported a failure beside a good
+        # file); past the outage the request stays open and reconcile runs it again.
+        with contextlib.suppress(SmoltorrentError):
+            ride_out(
+                lambda: md.requests.finish_request(request_id, DONE, result=json.dumps(result)),
+                f"closing gather request {request_id}",
+            )
     return result
