@@ -90,7 +90,7 @@ def sources(result, by_id, count):
 
 CELERY_WAYS = {
     "shards": {"SMOLTORRENT_CHUNKS": "0"},
-    # SMOLTORRENT_CHUNKS=1 while stores default to whole shards (coordinator/config.py).
+    # Chunks are the default; set all the same, so an environment's 0 does not leak in.
     "chunks": {"SMOLTORRENT_CHUNKS": "1", "SMOLTORRENT_ENCODE": "zstd"},
     "auto": {"SMOLTORRENT_CHUNKS": "1"},  # the encode policy's default: RAW on loopback
 }

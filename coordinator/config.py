@@ -195,11 +195,13 @@ def worker_mingle() -> bool:
 
 
 def chunked_store() -> bool:
-    """Whether a store cuts a checkpoint into content-addressed chunks (manifest schema 3,
-    SMOLTORRENT_CHUNKS=1); by default (0) it stores whole-shard blobs (schema 2). Off by
-    default while a known defect stands: a checkpoint with byte-identical chunks inside one
-    version (every LayerNorm at ones, as freshly initialised) fails to store in chunks."""
-    return os.environ.get("SMOLTORRENT_CHUNKS", "0").strip() not in ("0", "false", "no", "off")
+    """Whether a store cuts a checkpoint into content-addressed chunks (manifest schema 3;
+    SMOLTORRENT_CHUNKS, default defaults.CHUNKED_STORE: on); 0 stores whole-shard blobs
+    (schema 2), as before."""
+    given = os.environ.get("SMOLTORRENT_CHUNKS", "").strip().lower()
+    if not given:
+        return defaults.CHUNKED_STORE
+    return given not in ("0", "false", "no", "off")
 
 
 def encode_mode() -> str:

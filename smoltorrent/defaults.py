@@ -96,6 +96,12 @@ MAX_SAFETENSORS_HEADER_BYTES = 100 * 1000 * 1000  # bytes; the limit the safeten
 # taking a blob fewer in a hundred is all the weighting could mean there
 PLACEMENT_EQUAL_FREE_SHARE = 0.01
 
+# Whether a store cuts a checkpoint into content-addressed chunks (manifest schema 3;
+# SMOLTORRENT_CHUNKS overrides it). On: a fine-tune that changes 7.3% of a checkpoint
+# moves 5.0% of it per replica encoded, whole shards move 100% (docs/benchmarks.md).
+# Off (schema 2, whole shards) stays for the runs that measure the old format.
+CHUNKED_STORE = True
+
 # Chunks (coordinator/plan/chunks.py). A tensor this big or bigger is a chunk of its own:
 # a fine-tune changes whole matrices, and a matrix packed with its neighbours would move
 # them too. Below it (norms, biases, scalars: kilobytes) a chunk per tensor would cost

@@ -1,10 +1,9 @@
 """The store task: parse, plan, hash and place on this host, then fan out transfers.
 
-With SMOLTORRENT_CHUNKS=1 a checkpoint is stored in chunks
-(coordinator/dataplane/chunk_engine.py): the chunks Redis knows as stored (md.chunks) are
-neither encoded nor sent, the new ones are encoded into the spool (or sent RAW,
-coordinator/plan/encoding.py) and each is a blob to the transfers, placement and sweeps.
-By default (coordinator/config.py says why), or with --shards N, it stores whole
+By default a checkpoint is stored in chunks (coordinator/dataplane/chunk_engine.py): the
+chunks Redis knows as stored (md.chunks) are neither encoded nor sent, the new ones are
+encoded into the spool (or sent RAW, coordinator/plan/encoding.py) and each is a blob to
+the transfers, placement and sweeps. SMOLTORRENT_CHUNKS=0, or --shards N, stores whole
 shards (manifest schema 2)."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ partial load of one of them fetches and verifies the whole shards it needs.
 Schema 3 lists chunks instead of shards (coordinator/plan/chunks.py): per chunk its
 range of the data section, the SHA-256 of its raw bytes (its address, the same in every
 version that holds those bytes) and the size and SHA-256 of the encoded chunk a node
-keeps (coordinator/dataplane/codec.py). Every schema is read; the shard store path
-writes schema 2 until it moves to chunks.
+keeps (coordinator/dataplane/codec.py). Every schema is read; a store writes schema 3
+by default, schema 2 with --shards N or SMOLTORRENT_CHUNKS=0.
 """
 
 from __future__ import annotations

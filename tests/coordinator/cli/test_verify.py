@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from tests.beat.test_scrub import flip_byte, whole
-from tests.tasks.test_control_plane import make_ckpt, sha
+from tests.tasks.test_control_plane import make_blobs_ckpt, make_ckpt, sha
 
 
 def store(c, src, name: str) -> list[str]:
@@ -17,7 +17,7 @@ def store(c, src, name: str) -> list[str]:
 
 def test_verify_finds_a_flipped_byte_and_a_deleted_copy_and_repairs_both(make_cluster, tmp_path):
     c = make_cluster(3)
-    src = make_ckpt(tmp_path / "v.safetensors")
+    src = make_blobs_ckpt(tmp_path / "v.safetensors", 3)  # a blob to flip, one to delete
     digests = store(c, src, "v.safetensors")
     other = make_ckpt(tmp_path / "w.safetensors", size=1_000_000)
     untouched = store(c, other, "w.safetensors")
