@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
         log(f"stored {size / 1e6:.0f} MB in {time.monotonic() - t:.1f} s")
         md = Metadata(cluster.redis_url)
         manifest = md.versions.manifest(md.versions.current("ckpt.safetensors"))
-        sizes = {s.blob_sha256: s.blob_size for s in manifest.shards}
+        sizes = {s.blob_sha256: s.blob_size for s in manifest.entries}
         digests = sorted(sizes)
         by_id = {n.client().ping(): n for n in cluster.node_procs}
         with open(root / "beat.log", "ab") as beat_log:
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
             "size_bytes": size,
             "nodes": args.nodes,
             "replicas": 2,
-            "shards": len(manifest.shards),
+            "blobs": len(manifest.entries),
             "blob_bytes": {d[:12]: sz for d, sz in sizes.items()},
             "interval_s": args.interval,
             "dead_after_s": args.dead_after,
