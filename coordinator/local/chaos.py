@@ -320,10 +320,14 @@ def check(ops: list[Op], final: Final, content_names: dict[str, set[str]]) -> li
                         f"{got or 'nothing'}, not {op.content[:12]}"
                     )
             done = req is not None and req.get("state") == "done"
-            if op.exit not in (0, None) and done and states.get(req.get("vkey")) == "committed":
+            # Exit 3: recorded, outcome unknown (not a failure). Under --json the error
+            # is on stdout, so it is quoted from there when stderr has none.
+            failed = op.exit not in (0, 3, None)
+            if failed and done and states.get(req.get("vkey")) == "committed":
+                said = (op.error.strip() or op.output.strip())[-300:]
                 bad.append(
                     f"{_op(op)} exited {op.exit} (failed) but its request {rid} "
-                    f"committed version {req['vkey']}: {op.error.strip()[-300:]}"
+                    f"committed version {req['vkey']}: {said}"
                 )
         elif op.kind == "gather":
             if op.exit == 0 and op.content not in content_names.get(op.name, set()):

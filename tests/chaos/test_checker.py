@@ -3,6 +3,7 @@ says so; a history that keeps them all passes. No cluster: the checker is pure."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from coordinator.local.chaos import FAULT_KINDS, SKEW_S, Final, Op, check, draw_schedule
@@ -65,6 +66,12 @@ def test_a_failed_exit_for_a_store_that_committed_is_a_violation():
     ops = [OPS[0], store("/b1", B, exit=1, t=2)]
     [v] = check(ops, final(), NAMES)
     assert "exited 1 (failed)" in v
+    # Under --json the CLI's error is on stdout: the violation quotes it (it read empty).
+    said = dataclasses.replace(ops[1], output='{"error": "cannot reach Redis"}')
+    [v] = check([OPS[0], said], final(), NAMES)
+    assert "cannot reach Redis" in v
+    # Exit 3 says the outcome is unknown (recorded, may complete), not failed.
+    assert check([OPS[0], store("/b1", B, exit=3, t=2)], final(), NAMES) == []
 
 
 def test_a_gather_of_bytes_never_stored_is_a_violation(tmp_path):
