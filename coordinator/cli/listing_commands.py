@@ -9,7 +9,7 @@ import time
 from coordinator import config
 from coordinator.cli import reports
 from coordinator.cli.cluster import NODE_STATE, at_label, metadata
-from coordinator.cli.output import console, emit_json, human_bytes, table
+from coordinator.cli.output import console, emit_json, human_bytes, pieces, table
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -68,7 +68,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"{h['name']} version {h['version_id'][:12]} ({h['state']}"
         + (", current" if h["current"] else "")
         + f"): {h['tensor_count']} tensors, {h['parameters']:,} parameters, "
-        f"{human_bytes(h['size'])} in {h['shards']} shards (header {h['header_bytes']} B)"
+        f"{human_bytes(h['size'])} in {pieces(h['shards'], h['chunked'])} "
+        f"(header {h['header_bytes']} B)"
     )
     console.print("dtypes: " + ", ".join(f"{d} x{n}" for d, n in h["dtypes"].items()))
     for key, value in sorted(h["metadata"].items()):

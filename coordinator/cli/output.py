@@ -46,6 +46,13 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def pieces(count: int, chunked: bool) -> str:
+    """How many pieces a checkpoint is kept in, in the words of its format: "1 chunk",
+    "12 shards" (a chunked version said "in 1 shards")."""
+    word = "chunk" if chunked else "shard"
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
 def emit_json(data) -> None:
     # One write: json.dump writes every token on its own (700,000 writes, 1.5 s, for an
     # `ls --json` of 10,000 versions). Indented for a person at a terminal only: an indent

@@ -200,6 +200,7 @@ def header(md: Metadata, name: str, version: str | None = None) -> dict:
         "size": manifest.source_size,
         "header_bytes": LENGTH_PREFIX_BYTES + len(manifest.header_bytes),
         "shards": len(manifest.entries),
+        "chunked": manifest.chunked,
         "tensor_count": len(tensors),
         "parameters": sum(_numel(t["shape"]) for t in tensors),
         "dtypes": dict(sorted(Counter(t["dtype"] for t in tensors).items())),

@@ -10,7 +10,7 @@ import time
 from coordinator import config
 from coordinator.cli import reports
 from coordinator.cli.cluster import at_label, metadata
-from coordinator.cli.output import console, emit_json, human_bytes, warn
+from coordinator.cli.output import console, emit_json, human_bytes, pieces, warn
 from coordinator.state.liveness import probe_registered
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults
@@ -200,9 +200,12 @@ def _report_store(
         emit_json({**row, "new": out["new"], **figures, **moved})
     else:
         verb = "stored" if out["new"] else "already stored (no bytes moved)"
+        chunked = ride_out(
+            lambda: md.versions.manifest(vkey).chunked, f"reading the manifest of {name}"
+        )
         console.print(
             f"{verb}: {name} version {row['version_id'][:12]}, "
-            f"{human_bytes(row['size'])} in {row['shards']} shards x "
+            f"{human_bytes(row['size'])} in {pieces(row['shards'], chunked)} x "
             f"{row['replicas']} replicas, "
             + (f"sent {_wire_words(out['raw_bytes'], out['wire_bytes'])}, " if out["new"] else "")
             + _time_and_rate(row["size"], seconds)

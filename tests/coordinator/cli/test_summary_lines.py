@@ -26,7 +26,14 @@ def test_store_and_gather_summaries_in_a_pipe(make_cluster, tmp_path: Path) -> N
     src = tmp_path / "m.safetensors"
     write_checkpoint(src, 2_000_000, hidden=64)
     os.utime(src, (time.time() - 60, time.time() - 60))
-    assert re.search(TIME_AND_RATE, one_line(c.cli("store", str(src))))
+    line = one_line(c.cli("store", str(src)))
+    assert re.search(TIME_AND_RATE, line), line
+    # In the words of its format, counted right: a small checkpoint is one chunk.
+    assert " in 1 chunk x 2 replicas, " in line, line
+    shards = one_line(c.cli("store", str(src), "--name", "whole", "--shards", "2"))
+    assert " in 2 shards x 2 replicas, " in shards, shards
+    shown = c.cli("show", "m.safetensors").stdout
+    assert " in 1 chunk (header " in shown, shown
     line = one_line(c.cli("gather", "m.safetensors", "-o", str(tmp_path / "back.safetensors")))
     assert line.startswith("gathered m.safetensors") and re.search(TIME_AND_RATE, line), line
 
