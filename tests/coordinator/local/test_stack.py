@@ -20,14 +20,16 @@ STOP_TIMEOUT_S = 120.0  # seconds; within the worker's 60 s grace and every othe
 
 def processes_with_home(home: Path) -> list[str]:
     """`pid cmdline` of every process whose environment names this home: everything `up`
-    started (and their children) inherits SMOLTORRENT_HOME."""
+    started (and their children) inherits SMOLTORRENT_HOME; and of one working in the home,
+    as its embedded redis-server does, whose title overwrites its environment."""
     needle = f"SMOLTORRENT_HOME={home}\0".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle not in (entry / "environ").read_bytes() + b"\0":
+            in_home = Path(os.readlink(entry / "cwd")).is_relative_to(home)
+            if not in_home and needle not in (entry / "environ").read_bytes() + b"\0":
                 continue
             state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -163,6 +165,14 @@ def test_up_reuses_the_nodes_the_home_has_and_one_address_takes_one_id(tmp_path:
     an address, saying how to let the first go."""
     home = tmp_path / "home"
     env = _up_env(tmp_path, home)
+    try:
+        _reuse_the_home_nodes(tmp_path, home, env)
+    finally:  # the first `nodes add` started the embedded Redis, so `up` left it running
+        _cli(env, "redis", "stop")
+    assert processes_with_home(home) == []
+
+
+def _reuse_the_home_nodes(tmp_path: Path, home: Path, env: dict[str, str]) -> None:
     ports = [free_port(), free_port()]
     by_hand = [_serve(env, tmp_path / f"st{i}", port) for i, port in enumerate(ports)]
     addresses = [f"127.0.0.1:{p}" for p in ports]
@@ -201,7 +211,6 @@ def test_up_reuses_the_nodes_the_home_has_and_one_address_takes_one_id(tmp_path:
         assert out.read_bytes() == source.read_bytes()
 
     _run_up(env, tmp_path / "up2.log", 2, second)
-    assert processes_with_home(home) == []
 
     stranger = _serve(env, tmp_path / "stranger", ports[0])
     try:
