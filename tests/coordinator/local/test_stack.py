@@ -44,27 +44,13 @@ def test_up_runs_a_stack_that_stores_gathers_and_stops_cleanly(tmp_path: Path) -
     home = tmp_path / "home"
     watched = tmp_path / "watched"
     watched.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "SMOLTORRENT_REDIS_URL"}
-    env |= {"SMOLTORRENT_HOME": str(home), "SMOLTORRENT_HOST_ID": "uptest"}
-    env |= {"SMOLTORRENT_GATHER_DIRS": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    flower_port = free_port()
+    env = _up_env(tmp_path, home)
     cli = [sys.executable, "-m", "coordinator.cli"]
     log = tmp_path / "up.log"
-    with open(log, "wb") as out:
-        up = subprocess.Popen(
-            [*cli, "up", "--watch", str(watched), "--flower", "--flower-port", str(flower_port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    up = _start_up(env, log, "--watch", str(watched), "--flower", "--flower-port", str(free_port()))
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while "up: ready" not in log.read_text():
-            assert up.poll() is None, f"up exited {up.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"up did not get ready:\n{log.read_text()}"
-            time.sleep(0.2)
-        text = log.read_text()
+        text = _ready(up, log)
         for part in ("node0", "node3", "worker", "beat", "watcher", "flower"):
             assert part in text.split("up: ready:")[1].split(";")[0], text
 
@@ -135,22 +121,32 @@ def _add(env: dict[str, str], *addresses: str) -> subprocess.CompletedProcess[st
     return added
 
 
-def _run_up(env: dict[str, str], log: Path, nodes: int, then) -> None:
-    """`up --nodes N` until ready, then(), then SIGTERM; nothing of it left running."""
+def _start_up(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen:
     with open(log, "wb") as out:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "up", "--nodes", str(nodes)],
+        return subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "up", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def _ready(up: subprocess.Popen, log: Path) -> str:
+    """The log of `up` once it says it is ready."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while "up: ready" not in (text := log.read_text()):
+        assert up.poll() is None, f"up exited {up.returncode}:\n{text}"
+        assert time.monotonic() < deadline, f"up did not get ready:\n{text}"
+        time.sleep(0.2)
+    return text
+
+
+def _run_up(env: dict[str, str], log: Path, nodes: int, then) -> None:
+    """`up --nodes N` until ready, then(), then SIGTERM; nothing of it left running."""
+    up = _start_up(env, log, "--nodes", str(nodes))
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while "up: ready" not in log.read_text():
-            assert up.poll() is None, f"up exited {up.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"up did not get ready:\n{log.read_text()}"
-            time.sleep(0.2)
+        _ready(up, log)
         then()
     finally:
         up.send_signal(signal.SIGTERM)
