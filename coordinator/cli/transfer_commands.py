@@ -80,11 +80,16 @@ def cmd_store(args: argparse.Namespace) -> int:
     from tasks.requests import ctrl_c_stops_waiting, submit_store, wait_store
 
     if os.path.isdir(args.path):
-        return _store_directory(args)
+        return _store_directory(args, asked)
 
     request = submit_store(args.path, args.name, args.replicas, args.shards, bwlimit=args.bwlimit)
     name = request.name
     if args.no_wait:
+        if asked:  # known only once the worker has hashed the file: say it in advance
+            warn(
+                f"--replicas {args.replicas} changes the copies of bytes already stored only"
+                " when the store waits: if these are, they keep the copies they have"
+            )
         if args.json:
             emit_json({"task_id": request.task_id, "name": name, "follow": _follow(request)})
         else:
@@ -243,7 +248,7 @@ def _check_replicas(replicas: int) -> None:
         )
 
 
-def _store_directory(args: argparse.Namespace) -> int:
+def _store_directory(args: argparse.Namespace, asked: bool) -> int:
     """A directory of safetensors files (the Hugging Face layout) as one unit."""
     from tasks.directory_requests import store_directory
 
@@ -277,6 +282,12 @@ def _store_directory(args: argparse.Namespace) -> int:
         warn(
             "not stored (only .safetensors files and their index are): "
             + ", ".join(stored.plan.ignored)
+        )
+    kept = len(v.files) - len(stored.new_files)
+    if asked and kept:
+        warn(
+            f"--replicas {args.replicas} does not change the copies of a directory's files"
+            f" already stored: {kept} of its files keep the copies they have"
         )
     return 0
 

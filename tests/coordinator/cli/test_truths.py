@@ -13,6 +13,7 @@ import pytest
 
 from coordinator.local.cluster import LocalCluster
 from coordinator.local.synthetic import write_checkpoint
+from tests.checkpoints import write_hf_dir
 from tests.coordinator.cli.test_papercuts import run
 
 
@@ -66,8 +67,6 @@ def test_ls_in_a_pipe_is_clean_rows_lists_a_prefix_and_hides_directory_records(
 ):
     """In a pipe `ls` printed `name *` and the legend line among its rows; `ls run2/` listed
     nothing; a directory's internal NAME/.directory.safetensors record showed as a row."""
-    from tests.checkpoints import write_hf_dir
-
     model = tmp_path / "model"
     write_hf_dir(model, parts=2)
     past = time.time() - 60
@@ -154,3 +153,19 @@ def test_replicas_given_again_for_stored_content_raise_or_lower_its_copies(
     gathered = run("gather", "same.safetensors", "-o", str(tmp_path / "out"), env=cluster.env())
     assert gathered.returncode == 0, gathered.stderr
     assert (tmp_path / "out").read_bytes() == same
+
+
+def test_replicas_that_cannot_change_stored_copies_say_so(cluster: LocalCluster, tmp_path: Path):
+    """Where `--replicas` cannot change the copies of bytes already stored (a store that
+    does not wait, a directory's files stored before), the store said nothing, and `ls`
+    later showed the old R. Now it warns; it still exits 0 and nothing else changes."""
+    assert store(cluster, tmp_path, "nw.safetensors", "--replicas", "1").returncode == 0
+    queued = store(cluster, tmp_path, "nw.safetensors", "--replicas", "2", "--no-wait")
+    assert queued.returncode == 0, queued.stderr
+    assert "keep the copies they have" in queued.stderr, queued.stderr
+    write_hf_dir(tmp_path / "hf")
+    first = run("store", str(tmp_path / "hf"), "--name", "hf", env=cluster.env())
+    assert first.returncode == 0 and "keep the copies" not in first.stderr, first.stderr
+    again = run("store", str(tmp_path / "hf"), "--name", "hf", "--replicas", "1", env=cluster.env())
+    assert again.returncode == 0, again.stderr
+    assert "files keep the copies they have" in again.stderr, again.stderr
