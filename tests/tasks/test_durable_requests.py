@@ -125,24 +125,34 @@ def test_a_store_while_every_node_restarts_waits_for_them_and_commits(make_clust
 
 
 def test_redis_killed_mid_store_and_restarted_from_its_aof(make_cluster, tmp_path):
-    """redis-server SIGKILLed 1 s into a store and started again from its AOF 3 s later:
-    the tasks that lost Redis retry instead of dead-lettering, what the worker held and
-    Celery dropped is sent again as it reconnects, and the store commits once."""
+    """redis-server SIGKILLed while a store's transfers are in flight and started again
+    from its AOF 3 s later: the tasks that lost Redis retry instead of dead-lettering,
+    what the worker held and Celery dropped is sent again as it reconnects, and the store
+    commits once. The phase is held, not timed: the nodes are SIGSTOPped, so the store
+    plans and its transfers wait on them (a kill 1 s into a 300 MB store could land while
+    the file was still being hashed)."""
     c = make_cluster(4, retries=6)
-    src = make_ckpt(tmp_path / "r.safetensors", 300_000_000)
-    c.cli("store", str(src), "--shards", "8", "--no-wait")
-    started = time.monotonic()
-    wait_until(lambda: time.monotonic() - started >= 1, interval=0.01, what="1 s of store")
-    c.kill_redis()
-    killed = time.monotonic()
-    wait_until(lambda: time.monotonic() - killed >= 3, interval=0.05, what="3 s of outage")
-    c.start_redis()
+    src = make_ckpt(tmp_path / "r.safetensors", 20_000_000)
+    for node in c.node_procs:
+        node.send_signal(signal.SIGSTOP)
+    try:
+        c.cli("store", str(src), "--shards", "8", "--no-wait")
+        # Planned, and its transfers cannot end: the nodes are stopped.
+        [vkey] = wait_until(c.md.listing.pending_versions, what="the store's pending version")
+        c.kill_redis()
+        killed = time.monotonic()
+        wait_until(lambda: time.monotonic() - killed >= 3, interval=0.05, what="3 s of outage")
+        c.start_redis()
+        assert c.md.versions.state(vkey) == "pending"  # the phase: nothing moved meanwhile
+    finally:
+        for node in c.node_procs:
+            node.send_signal(signal.SIGCONT)
     rows = wait_until(
         lambda: committed(c, "r.safetensors"), timeout=120, what="the store to commit itself"
     )
     assert c.worker.poll() is None  # the worker lived through the outage
     assert len([r for r in c.cli_json("ls") if r["name"] == "r.safetensors"]) == 1
-    assert rows[0]["min_copies"] == 2
+    assert rows[0]["vkey"] == vkey and rows[0]["min_copies"] == 2
     assert c.cli_json("dlq", "ls") == []
     out = tmp_path / "out.safetensors"
     c.cli("gather", "r.safetensors", "-o", str(out), timeout=300)
