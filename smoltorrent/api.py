@@ -33,24 +33,26 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator import config
 from coordinator.plan.manifest import Manifest, check_name
 from coordinator.plan.safetensors_header import parse_header, read_header
 from coordinator.plan.selection import pick
+from coordinator.state.directories import Directories
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults, local_tier, snapshot
 from smoltorrent.errors import NotFoundError, SmoltorrentError, StateDictError
 from smoltorrent.keypaths import STATE_KEY, flatten, parse_structure, paths, unflatten
 from smoltorrent.tensors import check_framework, check_metadata, read_file
-from tasks.directory_requests import directory_version, is_directory
-from tasks.requests import connected_metadata, submit_gather, wait_gather
+from tasks.context import metadata
+from tasks.requests import ride_out, submit_gather, wait_gather
 
 log = logging.getLogger("smoltorrent")
+T = TypeVar("T")
 SOURCES = ("auto", "local", "cluster")  # where load reads from
 
 
@@ -334,7 +336,7 @@ def load(
     if snapshot.has_orphans(directory):
         _writer(directory).start()  # it adopts the saves a dead trainer left
     name, version = _at(name, version)
-    if is_directory(name):
+    if _read(lambda: Directories(metadata().r).is_directory(name), name):
         if source == "local":
             raise NotFoundError(f"{name} is a directory checkpoint: the local tier keeps saves")
         if bwlimit:
@@ -371,7 +373,7 @@ def _at(name: str, version: str | None) -> tuple[str, str | None]:
     """`NAME@LABEL` or `NAME@VERSION` as (NAME, that version's id), as `gather` reads it."""
     if "@" not in name:
         return name, version
-    base, named = connected_metadata().versions.split_at(name)
+    base, named = _read(lambda: metadata().versions.split_at(name), name)
     if named is None:
         return name, version
     if version is not None:
@@ -382,11 +384,12 @@ def _at(name: str, version: str | None) -> tuple[str, str | None]:
 def _local_copy(name: str, version: str | None, staging: Path, out: Path, source: str) -> bool:
     """Whether this machine's kept copy of the version is linked at `out`, checked byte for
     byte against its manifest; with source='local', NotFoundError when it is not."""
-    md = connected_metadata()
-    vkey = md.versions.resolve(name, version)
-    state = md.versions.state(vkey)
+    md = metadata()
+    vkey = _read(lambda: md.versions.resolve(name, version), name)
+    state = _read(lambda: md.versions.state(vkey), name)
     if state == COMMITTED:
-        why = local_tier.link_verified(staging, md.versions.manifest(vkey), out)
+        manifest = _read(lambda: md.versions.manifest(vkey), name)
+        why = local_tier.link_verified(staging, manifest, out)
     else:
         why = f"the version is {state}, not committed"
     if why is None:
@@ -398,6 +401,12 @@ def _local_copy(name: str, version: str | None, staging: Path, out: Path, source
             "load it with source='auto' or 'cluster'"
         )
     return False
+
+
+def _read(call: Callable[[], T], name: str) -> T:
+    """A read of what to load, before its gather, ridden out over a Redis restart of a few
+    seconds (ride_out); nothing is recorded yet, so past that it is a MetadataError."""
+    return ride_out(call, f"reading what to load of {name}", recorded=False)
 
 
 def manifest_metadata(manifest: Manifest) -> dict[str, str]:
@@ -418,10 +427,10 @@ def _select(
     names or globs to gather, the key paths chosen). A saved state's globs match key
     paths of tensors, plain values and containers alike (a container comes whole); a
     flat state dict's go to the gather as they are."""
-    md = connected_metadata()
-    vkey = md.versions.resolve(name, version)
-    tree = parse_structure(manifest_metadata(md.versions.manifest(vkey)))
-    version_id = md.versions.version(vkey)["version_id"]
+    md = metadata()
+    vkey = _read(lambda: md.versions.resolve(name, version), name)
+    tree = parse_structure(manifest_metadata(_read(lambda: md.versions.manifest(vkey), name)))
+    version_id = _read(lambda: md.versions.version(vkey), name)["version_id"]
     if tree is None:
         return None, version_id, patterns, None
     found = list(paths(tree))
@@ -449,14 +458,14 @@ def _load_directory(
 ) -> dict[str, Any]:
     """A directory checkpoint's files gathered at once and merged into one state dict; with
     `tensors`, only the files holding a match are read, and of them only the matches."""
-    found = directory_version(name, version)
+    md = metadata()
+    found = _read(lambda: Directories(md.r).get(name, version), name)
     wanted: dict[str, list[str] | None] = dict.fromkeys(found.files)
     if tensors is not None:
-        md = connected_metadata()
-        names = {
-            f: [t.name for t in md.versions.manifest(m.vkey).header().tensors]
-            for f, m in found.files.items()
+        manifests = {
+            f: _read(lambda m=m: md.versions.manifest(m.vkey), name) for f, m in found.files.items()
         }
+        names = {f: [t.name for t in m.header().tensors] for f, m in manifests.items()}
         chosen, missing = pick([t for ts in names.values() for t in ts], tensors)
         if missing:
             raise NotFoundError(
