@@ -9,12 +9,12 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED
+from tests import held_cli
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import committed, make_ckpt, sha
+from tests.tasks.test_outage_at_every_phase import stopped_child
 
 
 def test_a_rolled_back_checkpoint_gathers_the_rolled_back_bytes(make_cluster, tmp_path):
@@ -54,21 +54,32 @@ def test_a_rollback_is_still_current_after_losing_redis_and_a_rebuild(make_clust
     assert sha(out) == sha(a)
 
 
-@pytest.mark.parametrize("delay", [0.2, 1.0])
-def test_worker_killed_while_the_store_plans_loses_nothing(make_cluster, tmp_path, delay):
-    """SIGKILL the worker `delay` s after `store --no-wait` returned (the store task is
-    still hashing a large file); a restarted worker completes the store on its own."""
+def test_worker_killed_while_the_store_plans_loses_nothing(make_cluster, tmp_path):
+    """SIGKILL the worker while its store task plans (it stops itself as it starts cutting
+    and hashing the file: held, not timed, as a delay after a big file's `--no-wait` was);
+    a restarted worker completes the store on its own."""
     c = make_cluster(4, concurrency=2)
-    src = make_ckpt(tmp_path / "big.safetensors", 500_000_000)
-    c.cli("store", str(src), "--no-wait")
-    returned = time.monotonic()
-    wait_until(lambda: time.monotonic() - returned >= delay, interval=0.01, what="the delay")
-    os.killpg(c.worker.pid, signal.SIGKILL)
-    c.worker.wait()
-    request = c.md.requests.open_requests()
-    if delay < 1:
-        # What the test is about: the request exists before any version does.
-        assert len(request) == 1 and c.md.listing.pending_versions() == []
+    src = make_ckpt(tmp_path / "big.safetensors", 20_000_000)
+    c.kill_worker()
+    with open(c.root / "held-worker.log", "ab") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "tests.held_cli", "tasks.store:prepare_chunked_store"]
+            + ["worker", "--loglevel", "INFO", "--concurrency", "2"],
+            env=c.env(),
+            cwd=held_cli.ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(c.worker_answers, timeout=120, what="the held worker")
+        c.cli("store", str(src), "--no-wait")
+        wait_until(lambda: stopped_child(worker.pid), timeout=120, what="the store held")
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    # The phase: the request is recorded, no version yet.
+    assert len(c.md.requests.open_requests()) == 1 and c.md.listing.pending_versions() == []
     c.start_worker()
     rows = wait_until(
         lambda: committed(c, "big.safetensors"), timeout=60, what="the store to commit itself"
