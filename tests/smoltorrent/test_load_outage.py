@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 from tests import held_cli
+from tests.checkpoints import write_hf_dir
 from tests.smoltorrent.conftest import ROOT
 from tests.tasks.test_control_plane import make_ckpt
 from tests.tasks.test_outage_at_every_phase import restart_redis_around
@@ -37,10 +38,7 @@ def test_a_redis_restart_at_each_read_before_a_loads_gather_is_ridden_out(make_c
         import json
         import safetensors.torch
         import smoltorrent
-        from tests import held_cli
 
-        for target in {PHASES!r}:
-            held_cli.hold_at(target)
         want = safetensors.torch.save(safetensors.torch.load_file({str(src)!r}))
         # A labelled, partial load (_at, is_directory, _select), then a whole one that
         # looks at the local tier first (_local_copy).
@@ -48,8 +46,40 @@ def test_a_redis_restart_at_each_read_before_a_loads_gather_is_ridden_out(make_c
         whole = smoltorrent.load("o.safetensors")
         print(json.dumps([safetensors.torch.save(s) == want for s in (part, whole)]))
         """
+    assert held_load(c, PHASES, script) == [True, True]
+
+
+def test_a_redis_restart_at_each_read_of_a_directory_load_is_ridden_out(make_cluster, tmp_path):
+    c = make_cluster(3)
+    src = tmp_path / "hf"
+    write_hf_dir(src)
+    c.cli("store", str(src), "--name", "hf")
+    files = sorted(str(p) for p in src.glob("*.safetensors"))
+    script = f"""
+        import json
+        import safetensors.torch
+        import smoltorrent
+
+        want = {{}}
+        for f in {files!r}:
+            want.update(safetensors.torch.load_file(f))
+        got = smoltorrent.load("hf", tensors=["*"])
+        print(json.dumps(safetensors.torch.save(got) == safetensors.torch.save(want)))
+        """
+    # Its files' record, then their manifests (what a partial load picks from).
+    phases = (
+        "coordinator.state.directories:Directories.get",
+        "coordinator.state.versions:Versions.manifest",
+    )
+    assert held_load(c, phases, script) is True
+
+
+def held_load(c, phases: tuple[str, ...], script: str):
+    """`script` run with the cluster's environment, held as it enters each of `phases` in
+    turn while Redis restarts; its last stdout line, parsed as JSON."""
+    holds = "".join(f"held_cli.hold_at({p!r})\n" for p in phases)
     load = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
+        [sys.executable, "-c", "from tests import held_cli\n" + holds + textwrap.dedent(script)],
         env=c.env(),
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -57,12 +87,12 @@ def test_a_redis_restart_at_each_read_before_a_loads_gather_is_ridden_out(make_c
         text=True,
     )
     try:
-        for _ in PHASES:
-            # It ended with a redis.exceptions.ConnectionError (or "cannot reach Redis").
+        for _ in phases:
+            # It ended with "cannot reach Redis" (MetadataError) or a redis traceback.
             held_cli.wait_stopped(load)
             restart_redis_around(c, load)
         out, err = load.communicate(timeout=240)
     finally:
         load.kill()
     assert load.returncode == 0, out + err
-    assert json.loads(out.strip().splitlines()[-1]) == [True, True]
+    return json.loads(out.strip().splitlines()[-1])
