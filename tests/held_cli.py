@@ -10,6 +10,7 @@ commit) or `coordinator.state.requests:Requests.finish_request`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -50,6 +51,32 @@ def start(env: dict[str, str], target: str, *argv: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def start_worker(env: dict[str, str], target: str, log: Path) -> subprocess.Popen:
+    """`smoltorrent worker` (in a session of its own, output appended to `log`) whose pool
+    process stops itself as it enters `target`: stopped_child finds it."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.held_cli", target]
+            + ["worker", "--loglevel", "INFO", "--concurrency", "2"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stopped_child(parent: int) -> int | None:
+    """A process of `parent`'s that has stopped itself (state T), if any."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            pid, _, rest = stat.read_text().partition(" (")
+            fields = rest.rpartition(")")[2].split()
+            if fields[0] == "T" and int(fields[1]) == parent:
+                return int(pid)
+    return None
 
 
 def wait_stopped(proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -14,7 +14,6 @@ from coordinator.state.versions import COMMITTED
 from tests import held_cli
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import committed, make_ckpt, sha
-from tests.tasks.test_outage_at_every_phase import stopped_child
 
 
 def test_a_rolled_back_checkpoint_gathers_the_rolled_back_bytes(make_cluster, tmp_path):
@@ -61,20 +60,13 @@ def test_worker_killed_while_the_store_plans_loses_nothing(make_cluster, tmp_pat
     c = make_cluster(4, concurrency=2)
     src = make_ckpt(tmp_path / "big.safetensors", 20_000_000)
     c.kill_worker()
-    with open(c.root / "held-worker.log", "ab") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "tests.held_cli", "tasks.store:prepare_chunked_store"]
-            + ["worker", "--loglevel", "INFO", "--concurrency", "2"],
-            env=c.env(),
-            cwd=held_cli.ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = held_cli.start_worker(
+        c.env(), "tasks.store:prepare_chunked_store", c.root / "held-worker.log"
+    )
     try:
         wait_until(c.worker_answers, timeout=120, what="the held worker")
         c.cli("store", str(src), "--no-wait")
-        wait_until(lambda: stopped_child(worker.pid), timeout=120, what="the store held")
+        wait_until(lambda: held_cli.stopped_child(worker.pid), timeout=120, what="the store held")
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()

@@ -11,14 +11,10 @@ Redis is killed, and the command goes on (SIGCONT) into the outage."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from coordinator.state.requests import QUEUED
 from coordinator.state.versions import COMMITTED
@@ -107,22 +103,16 @@ def test_a_redis_restart_as_a_workers_gather_closes_its_record_exits_0(make_clus
     c.cli("store", str(src))
     # A worker whose pool process stops itself once the gather's file is in place.
     c.kill_worker()
-    with open(c.root / "held-worker.log", "ab") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "tests.held_cli"]
-            + ["coordinator.state.requests:Requests.finish_request"]
-            + ["worker", "--loglevel", "INFO", "--concurrency", "2"],
-            env=c.env(),
-            cwd=held_cli.ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = held_cli.start_worker(
+        c.env(), "coordinator.state.requests:Requests.finish_request", c.root / "held-worker.log"
+    )
     try:
         wait_until(c.worker_answers, timeout=120, what="the held worker")
         out_path = c.root / "out.safetensors"  # where the worker writes a gather sent to it
         gather = start_cli(c, "gather", "w.safetensors", "-o", str(out_path), "--json")
-        child = wait_until(lambda: stopped_child(worker.pid), timeout=120, what="the gather held")
+        child = wait_until(
+            lambda: held_cli.stopped_child(worker.pid), timeout=120, what="the gather held"
+        )
         # The phase: the worker's file is in place, whole; its request is still running.
         assert sha(out_path) == sha(src)
         [(_, record)] = c.md.requests.open_requests()
@@ -139,14 +129,3 @@ def test_a_redis_restart_as_a_workers_gather_closes_its_record_exits_0(make_clus
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
-
-
-def stopped_child(parent: int) -> int | None:
-    """A process of `parent`'s that has stopped itself (state T), if any."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            pid, _, rest = stat.read_text().partition(" (")
-            fields = rest.rpartition(")")[2].split()
-            if fields[0] == "T" and int(fields[1]) == parent:
-                return int(pid)
-    return None
