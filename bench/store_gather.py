@@ -292,7 +292,6 @@ def measure_celery(source: Path, digest: str, args, root: Path, timeout: float) 
         gathered = cluster.root / "celery-gathered.safetensors"
         gather_s, report_ = cli(env, timeout, "gather", source.name, "-o", str(gathered))
         check_same(gathered, digest, "celery gather")
-        gathered.unlink()
         phase("gather (CLI, in its own process)")
         # Outside every directory the worker writes: the CLI gathers itself, as a user's
         # `smoltorrent gather NAME -o ./model.safetensors` does.
@@ -301,7 +300,6 @@ def measure_celery(source: Path, digest: str, args, root: Path, timeout: float) 
         mine = reader / "gathered.safetensors"
         reader_s, reader_report = cli(env, timeout, "gather", source.name, "-o", str(mine))
         check_same(mine, digest, "in-process gather")
-        mine.unlink()
         return {
             "store": {"seconds": store_s, "under_replicated": stored["under_replicated"]},
             "gather": {"seconds": gather_s, "task_seconds": report_["seconds"]},
