@@ -84,24 +84,32 @@ def chain_transfer(
             settle(vkey, shard, r, node, digest, name, held=True, same=same)
     if not todo:
         return {"how": "exists", "nodes": {}}
+    # Nodes another transfer just could not reach: neither a target nor a spare while
+    # another node can take the copy, so this transfer does not wait out the same timeout.
+    unreachable = md.nodes.unreachable(registered)
     keep_off = set(plan) | holding | {n for _, n in todo}
     blob_size = span.size
     meter = delivery_meter(v, vkey)  # what the source sends, on one bucket with the others
 
     def spare(seen: set[str]) -> Target | None:
-        found = spare_for(registered, keep_off | seen, blob_size, md.transfers.plan(vkey), digest)
+        found = spare_for(
+            registered, keep_off | seen | unreachable, blob_size, md.transfers.plan(vkey), digest
+        )
         if found is not None:
             found.client = found.client.paced(meter.wire)
         return found
 
     targets, lost = [], []
     for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)
-        if n in registered:
+        if n in registered and n not in unreachable:
             targets.append(Target(r, n, node_client(n, registered).paced(meter.wire)))
         else:
             lost.append((r, n))
-    for r, n in lost:  # its node was removed from the cluster: another takes the replica
+    for r, n in lost:  # removed from the cluster or unreachable: another takes the replica
         replacement = spare({t.node_id for t in targets})
+        if replacement is None and n in registered:  # no other node: try it after all
+            targets.append(Target(r, n, node_client(n, registered).paced(meter.wire)))
+            continue
         if replacement is None:
             raise NodeUnavailableError(
                 f"node {n} is not registered and no other node can hold"
@@ -149,6 +157,10 @@ def chain_transfer(
         md.transfers.record_attempt(
             vkey, {**base, "replica": r, "node": node, "error": f"replaced: {exc}"}
         )
+    md.nodes.mark_unreachable(
+        {node for _, node, exc in outcome.lost if isinstance(exc, NodeUnavailableError)}
+        | {node for node, exc in outcome.failed.values() if isinstance(exc, NodeUnavailableError)}
+    )
     for r, (node, how) in sorted(outcome.placed.items()):
         md.transfers.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
         settle(vkey, shard, r, node, digest, name, same=same)

@@ -91,10 +91,32 @@ class Nodes:
                 ex=defaults.NODE_ALIVE_TTL_S,
             )
             p.hset(K.NODE_SEEN, node_id, repr(time.time()))
+            p.delete(K.NODE_UNREACHABLE.format(node_id=node_id))
             p.execute()
 
     def mark_down(self, node_id: str) -> None:
         self.r.delete(K.NODE_ALIVE.format(node_id=node_id))
+
+    def mark_unreachable(self, node_ids: Iterable[str]) -> None:
+        """A transfer could not reach these nodes: the next ones place elsewhere for
+        NODE_UNREACHABLE_S, or until a probe hears from the node (mark_alive). Down too,
+        so the next store's plan probes them instead of trusting a recent answer."""
+        ids = list(node_ids)
+        if not ids:
+            return
+        with self.r.pipeline() as p:
+            for node_id in ids:
+                p.set(K.NODE_UNREACHABLE.format(node_id=node_id), 1, ex=defaults.NODE_UNREACHABLE_S)
+                p.delete(K.NODE_ALIVE.format(node_id=node_id))
+            p.execute()
+
+    def unreachable(self, node_ids: Iterable[str]) -> set[str]:
+        """Which of these nodes a transfer lately could not reach (mark_unreachable)."""
+        ids = list(node_ids)
+        if not ids:
+            return set()
+        marks = self.r.mget([K.NODE_UNREACHABLE.format(node_id=n) for n in ids])
+        return {n for n, mark in zip(ids, marks, strict=True) if mark}
 
     def alive(self, node_ids: Iterable[str]) -> dict[str, dict]:
         """Last stat of every node heard from within NODE_ALIVE_TTL_S."""

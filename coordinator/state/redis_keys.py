@@ -17,6 +17,10 @@ PREFIX = os.environ.get("SMOLTORRENT_REDIS_PREFIX", "smoltorrent") + ":"
 NODES = PREFIX + "nodes"
 # TTL key per node: JSON of its last stat; absent = not heard from recently
 NODE_ALIVE = PREFIX + "node:{node_id}:alive"
+# TTL key per node a transfer could not reach (connect timed out, a stream stalled):
+# the version's other transfers put their copies elsewhere instead of each waiting out
+# the same timeout; gone when the node answers a probe again
+NODE_UNREACHABLE = PREFIX + "node:{node_id}:unreachable"
 # hash node_id -> unix time it last answered a probe (kept while it is registered, so a
 # dead node still shows when it was last seen)
 NODE_SEEN = PREFIX + "nodes:seen"

@@ -7,7 +7,7 @@ import urllib.request
 
 from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
-from tests.tasks.test_control_plane import committed, make_ckpt, sha
+from tests.tasks.test_control_plane import committed, make_blobs_ckpt, make_ckpt, sha
 
 
 def node_counter(node, name: str) -> float:
@@ -80,6 +80,44 @@ def test_a_silent_node_is_replaced_not_waited_for(make_cluster, tmp_path):
         frozen.send_signal(signal.SIGCONT)
     out = tmp_path / "out.safetensors"
     c.cli("gather", "s.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_a_node_one_transfer_could_not_reach_is_passed_over_by_the_others(make_cluster, tmp_path):
+    """A chunked store has a transfer per chunk. Once one of them gives up a silent node
+    (SIGSTOP: the connection opens, nothing answers), the others place their copies on
+    the live nodes at once instead of each waiting out the same timeout: only the
+    transfers already running when it was found tried it. Before, every chunk planned on
+    it waited its 2 s. Once the node answers a probe again, stores place on it again."""
+    c = make_cluster(4, SMOLTORRENT_SOCKET_TIMEOUT_S="2")
+    frozen = c.node_procs[1]
+    frozen_id = frozen.client().ping()
+    src = make_blobs_ckpt(tmp_path / "many.safetensors", 32)
+    frozen.send_signal(signal.SIGSTOP)  # still counted alive: chunks are placed on it
+    try:
+        row = c.cli_json("store", str(src))
+        assert row["state"] == COMMITTED and row["under_replicated"] == [], row
+        tried = {
+            a["shard"] for a in c.md.transfers.attempts(row["vkey"]) if a.get("node") == frozen_id
+        }
+        assert tried, "the plan put no chunk on the silent node: the test shows nothing"
+        assert len(tried) <= 4, tried  # the worker's 4 processes, no more
+        for chunk in c.md.versions.manifest(row["vkey"]).entries:
+            assert frozen_id not in c.md.blobs.placement(chunk.blob_sha256)
+        assert c.md.nodes.unreachable([frozen_id]) == {frozen_id}
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    again = c.cli_json("store", str(make_blobs_ckpt(tmp_path / "next.safetensors", 16)))
+    assert again["state"] == COMMITTED
+    holders = set().union(
+        *(
+            c.md.blobs.placement(e.blob_sha256)
+            for e in c.md.versions.manifest(again["vkey"]).entries
+        )
+    )
+    assert frozen_id in holders  # its probe answered: no longer passed over
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "many.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
 
 
