@@ -45,6 +45,11 @@ class Blobs:
         """Whether a remove is deleting this blob from the nodes right now."""
         return bool(self.r.exists(K.BLOB_DELETING.format(digest=digest)))
 
+    def any_deleting(self, digests: Iterable[str]) -> bool:
+        """Whether a remove is deleting any of these blobs right now (one EXISTS)."""
+        keys = [K.BLOB_DELETING.format(digest=d) for d in digests]
+        return bool(keys) and bool(self.r.exists(*keys))
+
     def blobs_to_delete(self, vkey: str) -> set[str]:
         """Blobs a removing version left unreferenced, not yet deleted from the nodes."""
         return set(self.r.smembers(K.REMOVE_BLOBS.format(vkey=vkey)))

@@ -4,7 +4,8 @@ log and progress, and the commit barrier that says when every transfer has settl
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 
 import redis
 
@@ -18,6 +19,17 @@ from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, NotFoundError
 
 
+class AttemptClock:
+    """The Redis clock (redis_clock) read once, then followed by this process's monotonic
+    clock: a task stamping many attempts pays one TIME round trip, not one each."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self._at, self._since = redis_clock(r), time.monotonic()
+
+    def now(self) -> float:
+        return self._at + (time.monotonic() - self._since)
+
+
 class Transfers:
     def __init__(self, r: redis.Redis, versions: Versions) -> None:
         self.r = r
@@ -29,6 +41,16 @@ class Transfers:
     def plan(self, vkey: str) -> list[tuple[str, ...]]:
         raw = self.r.hgetall(K.PLAN.format(vkey=vkey))
         return [tuple(json.loads(raw[str(i)])) for i in range(len(raw))]
+
+    def plan_of(self, vkey: str, shards: Sequence[int]) -> dict[int, tuple[str, ...]]:
+        """The plan of `shards` alone, in one HMGET: a delivery task reads its own entries,
+        not the whole plan (a version of a thousand chunks has a thousand). A shard with no
+        plan entry (the version is gone) maps to ()."""
+        raws = self.r.hmget(K.PLAN.format(vkey=vkey), [str(s) for s in shards]) if shards else []
+        return {
+            s: () if raw is None else tuple(json.loads(raw))
+            for s, raw in zip(shards, raws, strict=True)
+        }
 
     def replace_target(self, vkey: str, shard: int, replica: int, old: str, new: str) -> bool:
         """The plan of a pending version's shard names `new` for `replica` instead of `old` (a
@@ -53,21 +75,36 @@ class Transfers:
             p.execute()
 
     def span(self, vkey: str, shard: int) -> BlobSpan:
-        """The blob span of one shard: read alone while the version's spans are kept, else
-        rebuilt from the manifest (a replay after the commit dropped them)."""
-        raw = self.r.hget(K.SPANS.format(vkey=vkey), str(shard))
-        if raw is not None:
-            return BlobSpan.from_json(raw)
-        manifest = self._versions.manifest(vkey)
-        if manifest.chunked:  # an encoded chunk is then encoded again, if it must be sent
-            return chunk_span(manifest, manifest.chunks[shard], "")
-        return blob_spans(manifest)[shard]
+        """The blob span of one shard (see spans)."""
+        return self.spans(vkey, [shard])[shard]
+
+    def spans(self, vkey: str, shards: Sequence[int]) -> dict[int, BlobSpan]:
+        """The blob spans of `shards`: read in one HMGET while the version's spans are kept,
+        else rebuilt from the manifest (a replay after the commit dropped them)."""
+        raws = self.r.hmget(K.SPANS.format(vkey=vkey), [str(s) for s in shards]) if shards else []
+        out = {s: BlobSpan.from_json(raw) for s, raw in zip(shards, raws, strict=True) if raw}
+        missing = [s for s in shards if s not in out]
+        if missing:
+            manifest = self._versions.manifest(vkey)
+            if manifest.chunked:  # an encoded chunk is then encoded again, if it must be sent
+                out |= {s: chunk_span(manifest, manifest.chunks[s], "") for s in missing}
+            else:
+                every = blob_spans(manifest)
+                out |= {s: every[s] for s in missing}
+        return out
 
     def record_attempt(self, vkey: str, entry: dict) -> None:
         """Append to the version's attempt log, keeping its last ATTEMPTS_KEPT entries."""
+        self.record_attempts(vkey, [entry], redis_clock(self.r))
+
+    def record_attempts(self, vkey: str, entries: Sequence[dict], at: float) -> None:
+        """Append `entries`, stamped `at` (seconds on the Redis clock: AttemptClock), to the
+        version's attempt log in one round trip, keeping its last ATTEMPTS_KEPT entries."""
+        if not entries:
+            return
         key = K.ATTEMPTS.format(vkey=vkey)
         with self.r.pipeline() as p:
-            p.rpush(key, json.dumps({**entry, "at": redis_clock(self.r)}))
+            p.rpush(key, *(json.dumps({**entry, "at": at}) for entry in entries))
             p.ltrim(key, -defaults.ATTEMPTS_KEPT, -1)
             p.execute()
 
@@ -94,13 +131,15 @@ class Transfers:
         node_id: str | None,
         digest: str,
         held: bool = False,
+        counts: tuple[str, str] | None = None,
     ) -> bool:
         """Record a finished transfer (node_id None when it failed for good); True when the
         set is complete and no commit was enqueued yet: the caller enqueues the commit, then
         calls mark_commit_enqueued. `held`: the caller counted the node from the placement
         without sending. CopyBeingTrimmedError if the replica cannot count (see
-        lua/versions/settle.lua)."""
-        v = self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
+        lua/versions/settle.lua). `counts`: the version's "transfers" and "shards" fields
+        if the caller has read its record (they never change once it is created)."""
+        v = counts or self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
         done = self._settle(
             keys=[
                 K.SETTLED.format(vkey=vkey),

@@ -76,3 +76,18 @@ def marked(md: Metadata, digest: str, node_ids: Iterable[str]) -> set[str]:
         return set()
     keys = [K.TRIM_MARK.format(digest=digest, node_id=n) for n in ids]
     return {n for n, v in zip(ids, md.r.mget(keys), strict=True) if v is not None}
+
+
+def placement_marked(
+    md: Metadata, digest: str, node_ids: Iterable[str]
+) -> tuple[set[str], set[str]]:
+    """The nodes holding a verified copy of `digest`, and those of `node_ids` whose copy a
+    trim is deleting right now, in one round trip (what a delivery reads before a put)."""
+    ids = list(node_ids)
+    with md.r.pipeline(transaction=False) as p:
+        p.smembers(K.PLACEMENT.format(digest=digest))
+        if ids:
+            p.mget([K.TRIM_MARK.format(digest=digest, node_id=n) for n in ids])
+        found = p.execute()
+    marks = found[1] if ids else []
+    return set(found[0]), {n for n, v in zip(ids, marks, strict=True) if v is not None}
