@@ -15,6 +15,7 @@ from coordinator.state import reconcile as decide
 from coordinator.state.requests import QUEUED
 from smoltorrent import defaults
 from tasks.app import app
+from tasks.chain_batches import chain_entries
 from tasks.context import metadata
 from tasks.enqueue import (
     redrive_request,
@@ -72,6 +73,8 @@ def held(calls: list[TaskCall]) -> decide.Held:
     for name, task_id, args, kwargs in calls:
         if name in REQUEST_TASKS:
             requests.add(kwargs.get("request_id") or task_id)
+        elif name == "smoltorrent.chain":  # a batch holds every chunk it carries
+            shards |= {(kwargs["vkey"], e.shard) for e in chain_entries(kwargs)}
         elif name in DELIVERY_TASKS:
             shards.add((kwargs["vkey"], int(kwargs["shard"])))
         elif name == COMMIT_TASK and args:

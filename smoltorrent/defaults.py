@@ -231,6 +231,18 @@ MAX_TRANSFER_TIME_S = 12 * 3600  # seconds; cap so the visibility timeout stays 
 # whole backoff series, or a slow transfer would run twice at once.
 VISIBILITY_TIMEOUT_S = MAX_TRANSFER_TIME_S + 2 * RETRY_BACKOFF_MAX_S * 7
 WORKER_CONCURRENCY = 4  # prefork children per worker; transfers are I/O bound
+# A chunked version's chunks whose chains go to the same nodes in the same order share a
+# chain task (tasks/chain_batches.py): a task per chunk spent more in Celery dispatch and
+# Redis reads than its chunk took to move (1 GB, 282 chunks: 57 ms a task for 3.5 MB).
+# Bytes of blobs in one task at most: four chunk targets, 0.5 s at 1 Gbit/s and 5 s at
+# 100 Mbit/s, so one task never holds a pool process long, and a retry, which moves only
+# its entries still unplaced, redoes at most that.
+CHAIN_BATCH_BYTES = 4 * CHUNK_TARGET_BYTES
+# entries in one task at most: bounds its message, its dead letter and its Redis reads
+CHAIN_BATCH_ENTRIES = 32
+# tasks a store's chunks are cut into at least (when it has as many): two per pool process,
+# so every process gets work and the last task to end is not far behind the others
+CHAIN_BATCH_MIN_TASKS = 2 * WORKER_CONCURRENCY
 STABLE_AFTER_S = 2.0  # seconds a file's mtime must be in the past before it is stored
 SETTLED_MARGIN_S = 1.0  # seconds past STABLE_AFTER_S a file written whole is dated back
 REMOVING_WAIT_S = 5.0  # seconds a store of bytes being removed waits before trying again
@@ -264,6 +276,7 @@ METRICS_HOST = "127.0.0.1"
 # characters of a task's readable args or kwargs (tasks/readable.py): a name, a shard, a
 # node and a size fit; a path longer than this is cut rather than widen Flower's table
 TASK_REPR_MAX_CHARS = 200
+TASK_REPR_SHARDS = 4  # chunks a batched chain task's line names; then how many it holds
 # The columns of Flower's task list: its default hides args and kwargs, which name the
 # checkpoint, shard, node and bytes of each of our tasks (tasks/readable.py)
 FLOWER_TASKS_COLUMNS = "name,args,kwargs,state,received,runtime,worker,uuid"

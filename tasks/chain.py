@@ -1,11 +1,16 @@
-"""One shard to all its nodes by chain replication: the default for R >= 2.
+"""Blobs to all their nodes by chain replication: the default for R >= 2.
 
-The source sends the shard once, to the head of the chain, and the nodes pass it on
-to each other (coordinator/dataplane/chain_engine.py). Every replica settles in the
-commit barrier on its own, as a per-replica transfer does: a placed one at once, with
-the node that really holds it (a lost node's replica moves to another live node); the
-rest retry with the same exact 2^n backoff, and dead-letter when the retries run out.
-A retry only moves what is still unsettled.
+The source sends each blob once, to the head of its chain, and the nodes pass it on to
+each other (coordinator/dataplane/chain_engine.py). A task delivers one entry (a shard,
+or a chunk) or a batch of chunks whose chains go to the same nodes in the same order
+(tasks/chain_batches.py), one after the other: what they share (the version's record,
+the node registry, their plan entries and spans, the bandwidth meter, the Redis clock)
+is read once per task. Every replica settles in the commit barrier on its own, as a
+per-replica transfer does: a placed one at once, with the node that really holds it (a
+lost node's replica moves to another live node). An entry that fails does not stop the
+others; the task then retries with the same exact 2^n backoff, and dead-letters when the
+retries run out. A retry only moves what is still unsettled: an entry placed by an
+earlier try settles as held and moves nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_c
 from coordinator.dataplane.chunk_source import release, spool_dir
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
+from coordinator.state.transfers import AttemptClock
 from coordinator.state.versions import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -30,12 +36,20 @@ from smoltorrent.errors import (
     SourceChangedError,
 )
 from tasks.app import app
+from tasks.chain_batches import ChainEntry
 from tasks.context import metadata, node_client
 from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
 from tasks.enqueue import settle
-from tasks.sent_progress import delivery_meter, record_wire, sent_recorder
+from tasks.sent_progress import SentRecorder, delivery_meter, record_wire
 
 log = get_task_logger(__name__)
+
+MOVED = ("sent", "replicated")  # how a node got a blob when bytes went to it
+
+
+class _Trimming(Exception):
+    """A trim is deleting a target's copy of an entry's blob: a put now could land before
+    that delete, so the entry waits for the task's next try."""
 
 
 @app.task(name="smoltorrent.chain", **DELIVERY_TASK_OPTIONS)
@@ -48,11 +62,14 @@ def chain_transfer(
     node_ids: list[str],
     digest: str,
     same: list[int] = (),
+    more: list[dict] = (),
 ) -> dict:
     """Make the nodes of `node_ids` (replicas `replicas` of shard `shard`, in chain order)
-    hold the shard; settle each replica in the barrier as it is placed, for the shard and
-    for the later entries `same` with its blob (tasks/enqueue.py send_transfers). Returns
-    how each node got it: {"how": ..., "nodes": {node id: "sent" | "replicated" | "exists"}}."""
+    hold the shard, and each entry of `more` (the same fields) its own; settle each
+    replica in the barrier as it is placed, for the entry and for the later entries `same`
+    with its blob (tasks/enqueue.py send_transfers). Returns how each node got them:
+    {"how": ..., "nodes": {node id: "sent" | "replicated" | "exists"},
+    "bytes": {node id: blob bytes moved onto it}}."""
     md = metadata()
     try:
         v = md.versions.version(vkey)
@@ -60,122 +77,207 @@ def chain_transfer(
         return {"how": "version removed", "nodes": {}}
     if v["state"] in (ABORTED, REMOVING, REMOVED):
         return {"how": f"version {v['state']}", "nodes": {}}
-    if md.blobs.blob_deleting(digest):
+    first = {"shard": shard, "replicas": replicas, "node_ids": node_ids, "digest": digest}
+    entries = [ChainEntry.of(first | {"same": same}), *(ChainEntry.of(e) for e in more)]
+    if md.blobs.any_deleting(e.digest for e in entries):
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
-    span = md.transfers.span(vkey, shard)
-    plan = md.transfers.plan(vkey)[shard]
-    registered = md.nodes.nodes()
-    holding = md.blobs.placement(digest)
-    # The plan names the node a replica moved to if an earlier try replaced a lost one. A
-    # replica is done when its node holds a verified copy (settled is not enough: a dead
-    # letter settles too, and its replay must still place the copy).
-    todo = [
-        (r, plan[r] if r < len(plan) else n)
-        for r, n in zip(replicas, node_ids, strict=True)
-        if (plan[r] if r < len(plan) else n) not in holding
-    ]
-    if trim_marks.marked(md, digest, {n for _, n in todo}):
-        # A trim is deleting a target's copy: a put now could land before that delete.
-        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
-    for r, n in zip(replicas, node_ids, strict=True):
-        node = plan[r] if r < len(plan) else n
-        if node in holding:  # placed by an earlier try that died before settling it
-            # held: refused if a trim took it out of the placement since the read above
-            settle(vkey, shard, r, node, digest, name, held=True, same=same)
-    if not todo:
-        return {"how": "exists", "nodes": {}}
-    # Nodes another transfer just could not reach: neither a target nor a spare while
-    # another node can take the copy, so this transfer does not wait out the same timeout.
-    unreachable = md.nodes.unreachable(registered)
-    keep_off = set(plan) | holding | {n for _, n in todo}
-    blob_size = span.size
-    meter = delivery_meter(v, vkey)  # what the source sends, on one bucket with the others
-
-    def spare(seen: set[str]) -> Target | None:
-        found = spare_for(
-            registered, keep_off | seen | unreachable, blob_size, md.transfers.plan(vkey), digest
-        )
-        if found is not None:
-            found.client = found.client.paced(meter.wire)
-        return found
-
-    targets, lost = [], []
-    for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)
-        if n in registered and n not in unreachable:
-            targets.append(Target(r, n, node_client(n, registered).paced(meter.wire)))
-        else:
-            lost.append((r, n))
-    for r, n in lost:  # removed from the cluster or unreachable: another takes the replica
-        replacement = spare({t.node_id for t in targets})
-        if replacement is None and n in registered:  # no other node: try it after all
-            targets.append(Target(r, n, node_client(n, registered).paced(meter.wire)))
-            continue
-        if replacement is None:
-            raise NodeUnavailableError(
-                f"node {n} is not registered and no other node can hold"
-                f" shard {shard}; see `smoltorrent nodes ls`."
-            )
-        replacement.replica = r
-        keep_off.add(replacement.node_id)
-        for index in [shard, *same]:
-            md.transfers.replace_target(vkey, index, r, n, replacement.node_id)
-        targets.append(replacement)
-    holders = [
-        node_client(h, registered)
-        for h in sorted(holding)
-        if h in registered and h not in {t.node_id for t in targets}
-    ]
-    base = {"shard": shard, "attempt": self.request.retries, "chain": True}
+    run = _Run(self, md, vkey, name, v, entries)
+    failures: list[tuple[str | None, Exception]] = []
+    trimming = False
     try:
-        outcome = store_shard_chain(
-            v["path"],
-            SourceIdentity.from_dict(json.loads(v["identity"])),
-            span,
-            targets,
-            holders,
-            spare,
-            sent_recorder(md, vkey, shard),
-            spool_dir(config.spool_root(), vkey),
-        )
-        # Raw bytes once per send from the source (one send feeds the whole chain).
-        meter.raw(raw_size(span) * (outcome.bytes_from_source // max(span.size, 1)))
-    except SourceChangedError as exc:
-        md.transfers.record_attempt(vkey, {**base, "error": str(exc)})
-        abandon(vkey, v, str(exc))
-        return {"how": "source changed", "nodes": {}}
+        for entry in entries:
+            try:
+                failures += run.deliver(entry)
+            except _Trimming:
+                trimming = True
+            except SourceChangedError as exc:
+                abandon(vkey, v, str(exc))
+                return {"how": "source changed", "nodes": {}}
+            except RETRYABLE as exc:  # this entry's, and the others still go
+                failures.append((None, exc))
     finally:
-        record_wire(md, vkey, meter)
-    for r, (old, new) in outcome.replaced.items():
-        if r not in outcome.placed:
-            continue
-        for index in [shard, *same]:
-            if md.transfers.replace_target(vkey, index, r, old, new):
-                log.warning(
-                    "%s shard %d: replica %d moved from node %s to %s", name, index, r, old, new
-                )
-    for r, node, exc in outcome.lost:
-        md.transfers.record_attempt(
-            vkey, {**base, "replica": r, "node": node, "error": f"replaced: {exc}"}
+        record_wire(md, vkey, run.meter)
+    if failures:
+        raise _one_error(failures)
+    if trimming:
+        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
+    return {"how": "+".join(sorted(run.hows)), "nodes": run.nodes, "bytes": dict(run.moved)}
+
+
+def _one_error(failures: list[tuple[str | None, Exception]]) -> Exception:
+    """The error the task retries on (autoretry_for): the first retryable one; a dead
+    letter names the nodes that failed, not the whole chain."""
+    errors = [exc for _, exc in failures]
+    first = next((e for e in errors if isinstance(e, RETRYABLE)), None)
+    error = first or NodeError("internal", "; ".join(str(e) for e in errors))
+    nodes = [node for node, _ in failures if node is not None]
+    if nodes:
+        error.node_id = ",".join(dict.fromkeys(nodes))
+    return error
+
+
+class _Run:
+    """One run of a chain task: what its entries share, and what they did."""
+
+    def __init__(self, task, md, vkey: str, name: str, version: dict, entries) -> None:
+        self.task, self.md, self.vkey, self.name, self.version = task, md, vkey, name, version
+        shards = [e.shard for e in entries]
+        self.spans = md.transfers.spans(vkey, shards)
+        self.plans = md.transfers.plan_of(vkey, shards)
+        self.registered = md.nodes.nodes()
+        # What the barrier compares the settled set with: fixed when the version was created.
+        self.counts = (version.get("transfers") or 0, version.get("shards") or 0)
+        self.meter = delivery_meter(version, vkey)  # what the source sends, on one bucket
+        self.clock = AttemptClock(md.r)
+        self.progress = SentRecorder(md, vkey)
+        self.hows: set[str] = set()
+        self.nodes: dict[str, str] = {}  # node -> how it got the blobs (moved wins)
+        self.moved: Counter[str] = Counter()  # node -> blob bytes moved onto it
+
+    def settle(self, entry: ChainEntry, replica: int, node: str, held: bool = False) -> None:
+        settle(
+            self.vkey,
+            entry.shard,
+            replica,
+            node,
+            entry.digest,
+            self.name,
+            held=held,
+            same=entry.same,
+            counts=self.counts,
         )
-    md.nodes.mark_unreachable(
-        {node for _, node, exc in outcome.lost if isinstance(exc, NodeUnavailableError)}
-        | {node for node, exc in outcome.failed.values() if isinstance(exc, NodeUnavailableError)}
-    )
-    for r, (node, how) in sorted(outcome.placed.items()):
-        md.transfers.record_attempt(vkey, {**base, "replica": r, "node": node, "result": how})
-        settle(vkey, shard, r, node, digest, name, same=same)
-    for r, (node, exc) in sorted(outcome.failed.items()):
-        md.transfers.record_attempt(vkey, {**base, "replica": r, "node": node, "error": str(exc)})
-    if outcome.failed:
-        errors = [exc for _, exc in outcome.failed.values()]
-        first = next((e for e in errors if isinstance(e, RETRYABLE)), None)
-        error = first or NodeError("internal", "; ".join(str(e) for e in errors))
-        # A dead letter names the nodes that failed, not the whole chain.
-        error.node_id = ",".join(node for node, _ in outcome.failed.values())
-        raise error
-    release(span)  # every replica of this chain is placed: its spooled chunk is done
-    nodes = {node: how for node, how in outcome.placed.values()}
-    return {"how": "+".join(sorted(set(nodes.values()))), "nodes": nodes}
+
+    def deliver(self, entry: ChainEntry) -> list[tuple[str, Exception]]:
+        """Place one entry's replicas and settle those placed; (node, error) of each
+        replica that could not be placed."""
+        md, vkey, shard, digest = self.md, self.vkey, entry.shard, entry.digest
+        span, plan = self.spans[shard], self.plans[shard]
+        # The plan names the node a replica moved to if an earlier try replaced a lost one.
+        planned = [
+            (r, plan[r] if r < len(plan) else n)
+            for r, n in zip(entry.replicas, entry.node_ids, strict=True)
+        ]
+        holding, marked = trim_marks.placement_marked(md, digest, (n for _, n in planned))
+        # A replica is done when its node holds a verified copy (settled is not enough: a
+        # dead letter settles too, and its replay must still place the copy).
+        todo = [(r, n) for r, n in planned if n not in holding]
+        if marked & {n for _, n in todo}:
+            raise _Trimming
+        for r, node in planned:
+            if node in holding:  # placed by an earlier try that died before settling it
+                # held: refused if a trim took it out of the placement since the read above
+                self.settle(entry, r, node, held=True)
+        if not todo:
+            self.hows.add("exists")
+            return []
+        registered = self.registered
+        # Nodes another transfer (or an earlier entry) just could not reach: neither a
+        # target nor a spare while another node can take the copy, so this entry does not
+        # wait out the same timeout. Read per entry: another task may have found one.
+        unreachable = md.nodes.unreachable(registered)
+        keep_off = set(plan) | holding | {n for _, n in todo}
+
+        def spare(seen: set[str]) -> Target | None:
+            found = spare_for(
+                registered,
+                keep_off | seen | unreachable,
+                span.size,
+                md.transfers.plan(vkey),
+                digest,
+            )
+            if found is not None:
+                found.client = found.client.paced(self.meter.wire)
+            return found
+
+        def target(r: int, n: str) -> Target:
+            return Target(r, n, node_client(n, registered).paced(self.meter.wire))
+
+        targets, lost = [], []
+        for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)
+            if n in registered and n not in unreachable:
+                targets.append(target(r, n))
+            else:
+                lost.append((r, n))
+        for r, n in lost:  # removed from the cluster or unreachable: another takes the replica
+            replacement = spare({t.node_id for t in targets})
+            if replacement is None and n in registered:  # no other node: try it after all
+                targets.append(target(r, n))
+                continue
+            if replacement is None:
+                raise NodeUnavailableError(
+                    f"node {n} is not registered and no other node can hold"
+                    f" shard {shard}; see `smoltorrent nodes ls`."
+                )
+            replacement.replica = r
+            keep_off.add(replacement.node_id)
+            for index in [shard, *entry.same]:
+                md.transfers.replace_target(vkey, index, r, n, replacement.node_id)
+            targets.append(replacement)
+        holders = [
+            node_client(h, registered)
+            for h in sorted(holding)
+            if h in registered and h not in {t.node_id for t in targets}
+        ]
+        base = {"shard": shard, "attempt": self.task.request.retries, "chain": True}
+        try:
+            outcome = store_shard_chain(
+                self.version["path"],
+                SourceIdentity.from_dict(json.loads(self.version["identity"])),
+                span,
+                targets,
+                holders,
+                spare,
+                self.progress.of(shard),
+                spool_dir(config.spool_root(), vkey),
+            )
+        except SourceChangedError as exc:
+            md.transfers.record_attempts(vkey, [{**base, "error": str(exc)}], self.clock.now())
+            raise
+        # Raw bytes once per send from the source (one send feeds the whole chain).
+        self.meter.raw(raw_size(span) * (outcome.bytes_from_source // max(span.size, 1)))
+        for r, (old, new) in outcome.replaced.items():
+            if r not in outcome.placed:
+                continue
+            for index in [shard, *entry.same]:
+                if md.transfers.replace_target(vkey, index, r, old, new):
+                    log.warning(
+                        "%s shard %d: replica %d moved from node %s to %s",
+                        self.name,
+                        index,
+                        r,
+                        old,
+                        new,
+                    )
+        errors = [(node, exc) for _, node, exc in outcome.lost] + list(outcome.failed.values())
+        md.nodes.mark_unreachable(
+            {node for node, exc in errors if isinstance(exc, NodeUnavailableError)}
+        )
+        attempts = [
+            {**base, "replica": r, "node": node, "error": f"replaced: {exc}"}
+            for r, node, exc in outcome.lost
+        ]
+        attempts += [
+            {**base, "replica": r, "node": node, "result": how}
+            for r, (node, how) in sorted(outcome.placed.items())
+        ]
+        attempts += [
+            {**base, "replica": r, "node": node, "error": str(exc)}
+            for r, (node, exc) in sorted(outcome.failed.items())
+        ]
+        # One round trip for the entry's attempts, before its settles: whoever sees the
+        # version commit sees them.
+        md.transfers.record_attempts(vkey, attempts, self.clock.now())
+        for r, (node, how) in sorted(outcome.placed.items()):
+            self.settle(entry, r, node)
+            self.hows.add(how)
+            if how in MOVED:
+                self.nodes[node] = how
+                self.moved[node] += span.size
+            else:
+                self.nodes.setdefault(node, how)
+        if not outcome.failed:
+            release(span)  # every replica of this chain is placed: its spooled chunk is done
+        return list(outcome.failed.values())
 
 
 def spare_for(

@@ -23,6 +23,7 @@ from coordinator import config
 from coordinator.state.requests import FAILED
 from smoltorrent.errors import CheckpointFormatError, GatherError, NotFoundError
 from tasks.app import app
+from tasks.chain_batches import chain_entries
 from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import settle
 
@@ -70,16 +71,11 @@ def record_dead_letter(
             kwargs["request_id"], FAILED, error=f"{type(exception).__name__}: {exception}"
         )
     if sender.name == "smoltorrent.chain":
-        # Each replica it still owed settles as failed, as its own transfer would have.
-        for replica in kwargs["replicas"]:
-            settle(
-                kwargs["vkey"],
-                kwargs["shard"],
-                replica,
-                None,
-                kwargs["digest"],
-                same=kwargs.get("same", ()),
-            )
+        # Each replica it still owed, of every entry it carries, settles as failed, as its
+        # own transfer would have.
+        for entry in chain_entries(kwargs):
+            for replica in entry.replicas:
+                settle(kwargs["vkey"], entry.shard, replica, None, entry.digest, same=entry.same)
     if sender.name == "smoltorrent.transfer":
         # Settled even when not replayable (its node was removed): the version must not
         # wait forever for a transfer that will never run again.

@@ -16,6 +16,7 @@ from coordinator.plan.manifest import Manifest
 from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 from tasks.app import app
+from tasks.chain_batches import ChainEntry, batches, chain_message, chain_task_id
 from tasks.context import bwlimit_arg, metadata, new_request_id
 from tasks.readable import transfer_repr
 
@@ -35,8 +36,9 @@ def send_transfers(
 ) -> int:
     """The tasks that put every (shard, replica) not in `skip` on its node, deterministic
     ids; returns how many replicas they cover. With chain replication (the default) the
-    unsettled replicas of a shard are one chain task when there are two or more of them;
-    otherwise one transfer task per (shard, replica).
+    unsettled replicas of a shard go by chain when there are two or more of them (the
+    chunks of one chain batched into a task: tasks/chain_batches.py); otherwise one
+    transfer task per (shard, replica).
 
     A blob several entries use (byte-identical chunks) is delivered once, as its first
     entry, whose targets the others share (tasks/store.py): its tasks carry the later
@@ -44,18 +46,20 @@ def send_transfers(
     those entries still waits for it."""
     sent = 0
     firsts, repeats = manifest.first_uses(), manifest.repeats()
+    chains: list[ChainEntry] = []
     for index, nodes in enumerate(targets):
         if firsts[index] != index:
             continue  # delivered with the first entry of its blob
         shard = manifest.entries[index]
         same = repeats.get(index, [])
         extra = {"same": same} if same else {}
-        limit = transfer_time_limit(shard.blob_size)
         todo = [r for r in range(len(nodes)) if any(f"{i}:{r}" not in skip for i in [index, *same])]
         if config.chain_replication() and len(todo) >= 2:
-            send_chain(vkey, manifest, index, todo, [nodes[r] for r in todo], host, limit, same)
+            chain = tuple(nodes[r] for r in todo)
+            chains.append(ChainEntry(index, tuple(todo), chain, shard.blob_sha256, tuple(same)))
             sent += len(todo) * (1 + len(same))
             continue
+        limit = transfer_time_limit(shard.blob_size)
         for replica, node_id in enumerate(nodes):
             if replica not in todo:
                 continue
@@ -83,6 +87,9 @@ def send_transfers(
                 kwargsrepr=kwargsrepr,
             )
             sent += 1 + len(same)
+    sizes = {e.shard: manifest.entries[e.shard].blob_size for e in chains}
+    for batch in batches(chains, sizes, manifest.chunked):
+        send_chain(vkey, manifest, batch, host)
     if not manifest.entries:
         # No tensors, no transfers: the barrier is complete as it stands.
         send_commit(vkey, manifest.name)
@@ -98,35 +105,18 @@ def chain_time_limit(transfer_limit: int) -> int:
     return min(2 * transfer_limit, defaults.MAX_TRANSFER_TIME_S)
 
 
-def send_chain(
-    vkey: str,
-    manifest: Manifest,
-    index: int,
-    replicas: list[int],
-    node_ids: list[str],
-    host: str,
-    limit: int,
-    same: Sequence[int] = (),
-) -> None:
-    """One chain task for these replicas of shard `index` (and of the later entries
-    `same` with its blob); its id names the replicas, so a re-send of the same set is the
-    same task."""
-    replicas_text = "-".join(str(r) for r in replicas)
+def send_chain(vkey: str, manifest: Manifest, entries: Sequence[ChainEntry], host: str) -> None:
+    """One chain task for `entries` (tasks/chain_batches.py); its id names them, so a
+    re-send of the same set is the same task. Its time limit covers all their bytes."""
+    blob_bytes = sum(manifest.entries[e.shard].blob_size for e in entries)
+    limit = chain_time_limit(transfer_time_limit(blob_bytes))
     app.send_task(
         "smoltorrent.chain",
-        kwargs={
-            "vkey": vkey,
-            "name": manifest.name,
-            "shard": index,
-            "replicas": replicas,
-            "node_ids": node_ids,
-            "digest": manifest.entries[index].blob_sha256,
-            **({"same": list(same)} if same else {}),
-        },
-        task_id=f"chain-{vkey}-{index}-{replicas_text}",
+        kwargs={"vkey": vkey, "name": manifest.name, **chain_message(entries)},
+        task_id=chain_task_id(vkey, entries),
         queue=config.transfer_queue(host),
-        time_limit=chain_time_limit(limit),
-        soft_time_limit=max(1, chain_time_limit(limit) - config.transfer_time_base() // 2),
+        time_limit=limit,
+        soft_time_limit=max(1, limit - config.transfer_time_base() // 2),
     )
 
 
@@ -247,14 +237,15 @@ def settle(
     name: str | None = None,
     held: bool = False,
     same: Sequence[int] = (),
+    counts: tuple[str, str] | None = None,
 ) -> None:
     """Record a finished transfer, for shard `shard` and the later entries `same` with its
     blob; the one that completes the set enqueues the commit and only then marks it
     enqueued (a crash in between is found by the reconcile sweep). `held`: counted from
-    the placement, not sent (see Transfers.settle)."""
+    the placement, not sent; `counts`: as Transfers.settle takes them."""
     md = metadata()
     for index in [shard, *same]:
-        if md.transfers.settle(vkey, index, replica, node_id, digest, held):
+        if md.transfers.settle(vkey, index, replica, node_id, digest, held, counts):
             send_commit(vkey, name)
             md.transfers.mark_commit_enqueued(vkey)
 

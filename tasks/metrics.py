@@ -193,9 +193,10 @@ _TRANSFERS = ("smoltorrent.transfer", "smoltorrent.chain")
 
 def _on_prerun(sender=None, task_id=None, kwargs=None, **_) -> None:
     # The shard's size is read now, while its version is pending and its span is kept in
-    # Redis (a commit racing the task's end drops it; the manifest would be megabytes).
+    # Redis (a commit racing the task's end drops it; the manifest would be megabytes). A
+    # chain task returns the bytes it moved onto each node itself.
     size = None
-    if sender is not None and sender.name in _TRANSFERS:
+    if sender is not None and sender.name == "smoltorrent.transfer":
         with contextlib.suppress(NotFoundError, ManifestError, KeyError, IndexError, TypeError):
             size = metadata().transfers.span(kwargs["vkey"], kwargs["shard"]).size
     _started[task_id] = (time.monotonic(), size)
@@ -205,18 +206,13 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
     started, size = _started.pop(task_id, (None, None))
     if state != "SUCCESS" or sender is None:
         return
-    if sender.name in _TRANSFERS and started is not None and size is not None:
-        kwargs = kwargs or {}
-        if sender.name == "smoltorrent.transfer":
-            nodes = {kwargs.get("node_id", ""): retval}
-        else:
-            nodes = (retval.get("nodes") or {}) if isinstance(retval, dict) else {}
-        moved = [node for node, how in nodes.items() if how in ("sent", "replicated")]
+    if sender.name in _TRANSFERS and started is not None:
+        moved = _moved(sender.name, kwargs or {}, retval, size)
         registered = metadata().nodes.nodes() if moved else {}
-        for node in moved:
+        for node, n in moved.items():
             rec = registered.get(node)
             address = str(rec.address) if rec is not None else ""
-            _m.transfer_bytes.labels(node=node, address=address).inc(size)
+            _m.transfer_bytes.labels(node=node, address=address).inc(n)
             seconds = time.monotonic() - started
             _m.transfer_seconds.labels(node=node, address=address).observe(seconds)
     elif sender.name == "smoltorrent.gather" and isinstance(retval, dict):
@@ -233,6 +229,16 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
         _m.store_seconds.observe(max(time.time() - created, 0.0))
         _m.raw_bytes.labels(direction="store").inc(raw)
         _m.wire_bytes.labels(direction="store").inc(wire)
+
+
+def _moved(task: str, kwargs: dict, retval, size: int | None) -> dict[str, int]:
+    """Node -> shard bytes a delivery task moved onto it: a transfer's one node got its
+    shard's `size` if it was sent there; a chain task counts every entry's own."""
+    if task == "smoltorrent.transfer":
+        moved = size is not None and retval in ("sent", "replicated")
+        return {kwargs.get("node_id", ""): size} if moved else {}
+    found = retval.get("bytes") if isinstance(retval, dict) else None
+    return {node: int(n) for node, n in (found or {}).items() if n}
 
 
 def _on_retry(sender=None, **_) -> None:

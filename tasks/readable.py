@@ -53,6 +53,24 @@ def transfer_repr(
     return _cut(name), _cut(f"shard {shard} -> node {_short(node_id)} (copy {replica + 1}){size}")
 
 
+def chain_repr(
+    name: str,
+    shards: Sequence[int],
+    replicas: Sequence[int],
+    node_ids: Sequence[str],
+) -> Readable:
+    """A chain task's line: its shard, or a batch's chunks (its first few, and how many)."""
+    nodes = " -> ".join(_short(n) for n in node_ids)
+    copies = ", ".join(str(r + 1) for r in replicas)
+    if len(shards) == 1:
+        what = f"shard {shards[0]}"
+    else:
+        listed = [str(s) for s in shards[: defaults.TASK_REPR_SHARDS]]
+        listed += ["…"] if len(shards) > defaults.TASK_REPR_SHARDS else []
+        what = f"{len(shards)} chunks ({', '.join(listed)})"
+    return _cut(name), _cut(f"{what} -> nodes {nodes} (copies {copies})")
+
+
 def describe(task: str, args: Sequence, kwargs: Mapping) -> Readable | None:
     """A readable (argsrepr, kwargsrepr) for one of our tasks; None leaves Celery's own."""
     try:
@@ -65,10 +83,8 @@ def describe(task: str, args: Sequence, kwargs: Mapping) -> Readable | None:
                 kwargs.get("blob_size"),
             )
         if task == "smoltorrent.chain":
-            nodes = " -> ".join(_short(n) for n in kwargs["node_ids"])
-            copies = ", ".join(str(r + 1) for r in kwargs["replicas"])
-            where = f"shard {kwargs['shard']} -> nodes {nodes} (copies {copies})"
-            return _cut(kwargs["name"]), _cut(where)
+            shards = [kwargs["shard"], *(e["shard"] for e in kwargs.get("more") or ())]
+            return chain_repr(kwargs["name"], shards, kwargs["replicas"], kwargs["node_ids"])
         if task == "smoltorrent.store":
             path, name, replicas = args[0], args[1], args[2]
             shards = args[3] if len(args) > 3 else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from coordinator import config
 from coordinator.dataplane.bandwidth import WireMeter
@@ -38,18 +39,27 @@ def record_wire(md, vkey: str, meter: WireMeter) -> None:
 def sent_recorder(md, vkey: str, shard: int) -> Callable[[Sequence[int], int], None]:
     """record(replicas, n): the send now feeding `replicas` of `shard` has sent n bytes (a
     chain feeds all its nodes with one send: they receive the bytes as the head does).
-    Written at most every STORE_PROGRESS_INTERVAL_S. Best effort: a Redis hiccup costs a
-    bar update, never the transfer."""
-    last = 0.0
+    See SentRecorder."""
+    return SentRecorder(md, vkey).of(shard)
 
-    def record(replicas: Sequence[int], sent: int) -> None:
-        nonlocal last
+
+class SentRecorder:
+    """Records how far a delivery task's sends have got, for any of its shards: written at
+    most every STORE_PROGRESS_INTERVAL_S for the whole task (a batch of small chunks writes
+    a few times, not once per chunk). Best effort: a Redis hiccup costs a bar update,
+    never the transfer."""
+
+    def __init__(self, md, vkey: str) -> None:
+        self._md, self._vkey, self._last = md, vkey, 0.0
+
+    def of(self, shard: int) -> Callable[[Sequence[int], int], None]:
+        return partial(self.record, shard)
+
+    def record(self, shard: int, replicas: Sequence[int], sent: int) -> None:
         now = time.monotonic()
-        if now - last < defaults.STORE_PROGRESS_INTERVAL_S:
+        if now - self._last < defaults.STORE_PROGRESS_INTERVAL_S:
             return
-        last = now
+        self._last = now
         with contextlib.suppress(*REDIS_TRANSIENT):
             for replica in replicas:
-                md.transfers.record_sent(vkey, shard, replica, sent)
-
-    return record
+                self._md.transfers.record_sent(self._vkey, shard, replica, sent)

@@ -20,6 +20,7 @@ from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
 from smoltorrent.errors import NodeUnavailableError
 from tasks.chain import chain_transfer
+from tasks.chain_batches import ChainEntry, chain_message, chain_task_id
 
 NODES = ["a" * 32, "b" * 32]
 
@@ -80,3 +81,25 @@ def test_a_task_that_failed_at_a_node_is_a_dead_letter(md):
     vkey, task_id = _chain_failed(md, NodeUnavailableError("cannot reach node 127.0.0.1:1"))
     assert md.dead_letters.dead_letter(task_id)["node"] == ",".join(NODES)
     assert md.transfers.settled(vkey) == {"0:0", "0:1"}
+
+
+def test_a_dead_lettered_batch_settles_every_entry_it_carries(md):
+    """A chain task carrying three chunks' chains fails for good: every replica of every
+    entry settles as failed, not only its first entry's, or the version would wait forever."""
+    name = "batch/model.safetensors"
+    manifest = synthetic_manifest(name, 1, shards=3)
+    vkey = storage_key(name, manifest.version_id)
+    md.versions.create_pending(manifest, vkey, {"host": "test"}, [tuple(NODES)] * 3)
+    entries = [
+        ChainEntry(i, (0, 1), tuple(NODES), manifest.shards[i].blob_sha256) for i in range(3)
+    ]
+    kwargs = {"vkey": vkey, "name": name, **chain_message(entries)}
+    assert len(kwargs["more"]) == 2
+    tasks.dead_letters.record_dead_letter(
+        sender=chain_transfer,
+        task_id=chain_task_id(vkey, entries),
+        exception=NodeUnavailableError("cannot reach node 127.0.0.1:1"),
+        kwargs=kwargs,
+    )
+    assert md.dead_letters.dead_letter(chain_task_id(vkey, entries))["kwargs"] == kwargs
+    assert md.transfers.settled(vkey) == {f"{i}:{r}" for i in range(3) for r in (0, 1)}

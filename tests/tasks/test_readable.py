@@ -23,6 +23,10 @@ def test_each_task_reads_as_its_checkpoint_shard_node_and_bytes() -> None:
     assert describe("smoltorrent.chain", (), chain)[1] == (
         "shard 3 -> nodes aaaaaaaaaaaa -> bbbbbbbbbbbb (copies 1, 2)"
     )
+    more = [{**chain, "shard": s} for s in (7, 11, 15, 19)]  # a batch of chunks
+    assert describe("smoltorrent.chain", (), {**chain, "more": more})[1] == (
+        "5 chunks (3, 7, 11, 15, …) -> nodes aaaaaaaaaaaa -> bbbbbbbbbbbb (copies 1, 2)"
+    )
     store = ("/ckpt/step_100.safetensors", "step_100.safetensors", 2, None)
     assert describe("smoltorrent.store", store, {"request_id": "r"}) == (
         "step_100.safetensors",

@@ -1,0 +1,132 @@
+"""Chunks delivered in batches: the chunks of a chunked version whose chains go to the same
+nodes share a chain task (tasks/chain_batches.py). Real redis-server, Celery worker, node
+processes and CLI; the reconcile test reads the messages reconcile queues off the broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coordinator.dataplane.chunk_engine import prepare_chunked_store
+from coordinator.plan.chains import chain_order
+from coordinator.state.versions import COMMITTED
+from smoltorrent import defaults
+from tests.tasks.test_control_plane import sha
+
+MIB = 1024 * 1024
+
+
+def many_chunks(path: Path, chunks: int) -> Path:
+    """A checkpoint of `chunks` random 1 MiB U8 tensors: a chunk each (CHUNK_SOLO_BYTES)."""
+    header = {
+        f"layers.{i}.weight": {"dtype": "U8", "shape": [MIB], "data_offsets": [at, at + MIB]}
+        for i, at in enumerate(range(0, chunks * MIB, MIB))
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _ in range(chunks):
+            f.write(os.urandom(MIB))
+    past = time.time() - 60
+    os.utime(path, (past, past))
+    return path
+
+
+def chain_task_ids(cluster) -> set[str]:
+    return set(re.findall(r"Task smoltorrent\.chain\[([^\]]+)\] received", cluster.worker_log()))
+
+
+def test_a_chunked_store_sends_a_chain_task_per_batch_of_chunks(make_cluster, tmp_path):
+    c = make_cluster(4)
+    src = many_chunks(tmp_path / "many.safetensors", 48)
+    row = c.cli_json("store", str(src))
+    assert row["state"] == COMMITTED and row["min_copies"] == 2
+    manifest = c.md.versions.manifest(row["vkey"])
+    assert len(manifest.chunks) == 48
+    tasks = chain_task_ids(c)
+    # A task per batch, not per chunk; still enough that every pool process gets work.
+    assert defaults.CHAIN_BATCH_MIN_TASKS <= len(tasks) <= len(manifest.chunks) // 2, tasks
+    assert c.md.transfers.settled(row["vkey"]) == {f"{i}:{r}" for i in range(48) for r in (0, 1)}
+    for chunk in manifest.chunks:
+        assert len(c.md.blobs.placement(chunk.blob_sha256)) == 2
+    attempts = [a for a in c.md.transfers.attempts(row["vkey"]) if "result" in a]
+    assert sorted((a["shard"], a["replica"]) for a in attempts) == [
+        (i, r) for i in range(48) for r in (0, 1)
+    ]
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "many.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+# Run with the cluster's environment (tasks.app reads its broker from it at import): one
+# reconcile of the version, then the messages it queued, read back off the broker's list
+# as the sweep reads them, and what they hold for it.
+RECONCILE = """
+import json, sys
+from beat.reconcile import execute, held, queued
+from coordinator import config
+from coordinator.state.reconcile import Actions
+from tasks.app import app
+from tasks.context import metadata
+
+vkey, host = sys.argv[1], sys.argv[2]
+execute(metadata(), Actions(transfers=[vkey]))
+with app.connection_for_read() as connection:
+    calls = queued(connection.default_channel, [config.transfer_queue(host)])
+print(json.dumps({
+    "calls": [[name, task_id, kwargs] for name, task_id, _, kwargs in calls],
+    "held": sorted(shard for key, shard in held(calls).shards if key == vkey),
+}))
+"""
+
+
+def test_reconcile_resends_only_the_unsettled_chunks_of_a_batch_and_holds_them(
+    make_cluster, tmp_path
+):
+    """A store that died with 10 chunks settled and one chunk half settled: reconcile sends
+    the rest again, batched, and only the replicas still unsettled; a queued batch holds
+    every chunk it carries, so the next pass does not send them a second time."""
+    c = make_cluster(4, worker=False)
+    src = many_chunks(tmp_path / "crash.safetensors", 40)
+    free = {n: 10**12 for n in c.md.nodes.nodes()}
+    prepared = prepare_chunked_store(src, src.name, free, tmp_path / "spool", encode=False)
+    manifest, vkey = prepared.manifest, prepared.vkey
+    targets = chain_order(list(prepared.targets), [e.blob_size for e in manifest.entries])
+    identity = json.dumps(prepared.identity.to_dict())
+    fields = {"path": str(src), "host": c.host_id, "identity": identity}
+    assert c.md.versions.create_pending(manifest, vkey, fields, targets) == "created"
+    c.md.transfers.keep_spans(vkey, prepared.spans)
+    for i in range(10):
+        for r, node in enumerate(targets[i]):
+            c.md.transfers.settle(vkey, i, r, node, manifest.entries[i].blob_sha256)
+    c.md.transfers.settle(vkey, 10, 0, targets[10][0], manifest.entries[10].blob_sha256)
+
+    found = subprocess.run(
+        [sys.executable, "-c", RECONCILE, vkey, c.host_id],
+        env=c.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert found.returncode == 0, found.stderr
+    sent = json.loads(found.stdout)
+    sent_pairs = []
+    for name, task_id, kwargs in sent["calls"]:
+        entries = [kwargs, *kwargs.get("more", [])]
+        if name == "smoltorrent.chain":
+            assert task_id.startswith(f"chain-{vkey}-{entries[0]['shard']}-")
+            sent_pairs += [(e["shard"], r) for e in entries for r in e["replicas"]]
+        else:  # the half-settled chunk: one replica left, a transfer of its own
+            assert name == "smoltorrent.transfer"
+            sent_pairs.append((kwargs["shard"], kwargs["replica"]))
+    assert sorted(sent_pairs) == [(10, 1)] + [(i, r) for i in range(11, 40) for r in (0, 1)]
+    chains = [call for call in sent["calls"] if call[0] == "smoltorrent.chain"]
+    assert len(chains) < 29  # batched: fewer tasks than chunks
+    assert sent["held"] == list(range(10, 40))
