@@ -17,7 +17,8 @@ from coordinator.dataplane.chunk_engine import prepare_chunked_store
 from coordinator.plan.chains import chain_order
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults
-from tests.tasks.test_control_plane import sha
+from tests.tasks.conftest import wait_until
+from tests.tasks.test_control_plane import committed, sha
 
 MIB = 1024 * 1024
 
@@ -62,6 +63,36 @@ def test_a_chunked_store_sends_a_chain_task_per_batch_of_chunks(make_cluster, tm
     ]
     out = tmp_path / "out.safetensors"
     c.cli("gather", "many.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_a_batch_whose_node_is_gone_dead_letters_every_chunk_and_replays(make_cluster, tmp_path):
+    """Two nodes, R=2, one dead: no chunk's second copy has anywhere to go, so each batch
+    retries, then dead-letters with every chunk it carries; each of those chunks settles as
+    failed, so the version commits on the copies that landed, and the replay completes it."""
+    c = make_cluster(2, retries=1)
+    src = many_chunks(tmp_path / "gone.safetensors", 12)
+    dead = c.node_procs[1]
+    dead_id = dead.client().ping()
+    dead.kill()
+    c.cli("store", str(src), check=False)
+    row = wait_until(lambda: committed(c, "gone.safetensors"), 120, what="the commit")[0]
+    assert row["under_replicated"] == list(range(12))
+    letters = c.cli_json("dlq", "ls")
+    assert {letter["task"] for letter in letters} == {"smoltorrent.chain"}
+    assert all(dead_id in letter["node"] for letter in letters)
+    kwargs = [letter["kwargs"] for letter in letters]
+    carried = [e["shard"] for k in kwargs for e in [k, *k.get("more", [])]]
+    assert len(letters) < 12 and sorted(carried) == list(range(12))  # batches, every chunk
+    dead.start()
+    c.cli("dlq", "replay", "--all")
+    wait_until(
+        lambda: committed(c, "gone.safetensors")[0]["min_copies"] == 2,
+        timeout=120,
+        what="the replayed copies",
+    )
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "gone.safetensors", "-o", str(out))
     assert sha(out) == sha(src)
 
 
