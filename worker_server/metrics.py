@@ -51,6 +51,7 @@ class NodeMetrics:
         self._bytes_received = 0
         self._bytes_sent = 0
         self._bytes_scrubbed = 0
+        self._connections_accepted = 0
         self._verify_failures: dict[str, int] = {"put": 0, "at_rest": 0}
         self._buckets = defaults.NODE_REQUEST_BUCKETS_S
         # op -> [count per bucket (not cumulative)..., +Inf count], sum
@@ -63,6 +64,10 @@ class NodeMetrics:
     def sent(self, n: int) -> None:
         with self._lock:
             self._bytes_sent += n
+
+    def connection_accepted(self) -> None:
+        with self._lock:
+            self._connections_accepted += 1
 
     def scrubbed(self, n: int) -> None:
         with self._lock:
@@ -89,6 +94,7 @@ class NodeMetrics:
         with self._lock:
             received, sent = self._bytes_received, self._bytes_sent
             scrubbed = self._bytes_scrubbed
+            accepted = self._connections_accepted
             failures = dict(self._verify_failures)
             requests = {op: (list(c), t[0]) for op, (c, t) in self._requests.items()}
         node = (("node", self.node_id),) + ((("address", self.address),) if self.address else ())
@@ -111,6 +117,13 @@ class NodeMetrics:
             "smoltorrent_node_scrubbed_bytes_total", "counter", "Blob bytes re-hashed by scrubs."
         )
         sample("smoltorrent_node_scrubbed_bytes_total", scrubbed)
+        # Beside the open-connections gauge: a client that opens one per request shows here.
+        family(
+            "smoltorrent_node_connections_accepted_total",
+            "counter",
+            "Client connections accepted, refused ones included.",
+        )
+        sample("smoltorrent_node_connections_accepted_total", accepted)
         family(
             "smoltorrent_node_verify_failures_total",
             "counter",

@@ -118,6 +118,7 @@ class ShardServer:
             self._wait_for_sessions()
 
     def _start_session(self, conn: socket.socket, peer: str) -> None:
+        self.metrics.connection_accepted()
         conn.settimeout(self.socket_timeout)
         if not self._free_slots.acquire(blocking=False):
             log.warning("refusing %s: %d connections are open", peer, defaults.MAX_CONNECTIONS)

@@ -3,7 +3,8 @@
 A temp file beside the destination is preallocated to the source size, the
 original header is written at offset 0, and every shard's data range is
 pulled in parallel straight to its offset (pwrite), hashed as it arrives
-together with the blob's own header. A copy whose length is not the
+together with the blob's own header, over connections kept from one shard or
+chunk to the next. A copy whose length is not the
 manifest's blob size is refused before any of it is written, and no write
 leaves the shard's range, so a bad copy can only dirty bytes its own
 fallback rewrites. A failure or a digest mismatch moves to the next
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.dataplane.chunk_engine import gather_chunks
-from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.node_client import KeptConnections, NodeClient
 from coordinator.dataplane.replicas import BadCopy, first_intact
 from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest, source_prefix
@@ -88,7 +89,10 @@ def gather_checkpoint(
         if on_bad_copy:
             on_bad_copy(bad)
 
-    with staged_output(out_path, manifest.source_size, manifest.name) as fd:
+    # Each thread keeps its connection to a node from one shard or chunk to the next.
+    kept = KeptConnections()
+    sources = [[client.keeping(kept) for client in replicas] for replicas in sources]
+    with kept, staged_output(out_path, manifest.source_size, manifest.name) as fd:
         os.pwrite(fd, source_prefix(manifest), 0)
 
         def one_shard(index: int) -> str | None:

@@ -1,7 +1,9 @@
 """Client side of the wire protocol: one NodeClient talks to one shard server.
 
 Every method opens its own connection (auth handshake included), so a client
-object is cheap and thread-safe. Network failures raise NodeUnavailableError;
+object is cheap and thread-safe; a run of many blob reads (a gather's chunks)
+shares KeptConnections instead, and each read after the first to a node skips
+the connect and the handshake. Network failures raise NodeUnavailableError;
 error frames raise NodeError (code attribute), DigestMismatchError for
 `digest_mismatch`, and AuthenticationError for `unauthorized`.
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import selectors
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,6 +91,59 @@ class ChainReport:
     forward: list[tuple[NodeAddress, dict[str, Any]]]
 
 
+class KeptConnections:
+    """Authenticated connections kept open between the blob reads of one run (a gather's
+    chunks, each a few MB): a read otherwise pays a TCP connect, a thread on the node and
+    the key handshake, hundreds of times per gigabyte. A connection is kept only after a
+    read that ended in step; at most one per thread reading from a node is open at once.
+    close() (or the end of a with block) closes the idle ones. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, bytes | None], list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, key: tuple[str, bytes | None]) -> socket.socket | None:
+        """An idle connection to that node with that key, None if none is left open."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(key)
+                if not idle:
+                    return None
+                sock = idle.pop()
+            if _quiet(sock):
+                return sock
+            sock.close()  # the node closed it while it sat idle (its timeout, a restart)
+
+    def give(self, key: tuple[str, bytes | None], sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(key, []).append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle = [sock for socks in self._idle.values() for sock in socks]
+            self._idle.clear()
+        for sock in idle:
+            sock.close()
+
+    def __enter__(self) -> KeptConnections:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """Nothing to read on an idle connection: one the node closed reads as its end."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_READ)
+        return not selector.select(0)
+
+
 class NodeClient:
     def __init__(
         self,
@@ -95,6 +152,7 @@ class NodeClient:
         cluster_key: bytes | None = None,
         timeout: float | None = None,
         pace: Callable[[int], None] | None = None,
+        kept: KeptConnections | None = None,
     ) -> None:
         self.address = address
         self.cluster_key = cluster_key or key_from_env()
@@ -102,23 +160,90 @@ class NodeClient:
         # Told of every slice of blob bytes sent or received (a transfer's WireMeter.wire,
         # coordinator/dataplane/bandwidth.py): counts them, and may wait for a limit.
         self.pace = pace
+        # Where whole-blob reads take and leave their connections; None: one per read.
+        self.kept = kept
 
     def paced(self, pace: Callable[[int], None] | None) -> NodeClient:
         """The same node, its blob bytes told to `pace` (a transfer's meter)."""
         return NodeClient(
-            self.address, cluster_key=self.cluster_key, timeout=self.timeout, pace=pace
+            self.address,
+            cluster_key=self.cluster_key,
+            timeout=self.timeout,
+            pace=pace,
+            kept=self.kept,
+        )
+
+    def keeping(self, kept: KeptConnections) -> NodeClient:
+        """The same node, its blob reads over the connections `kept` holds."""
+        return NodeClient(
+            self.address,
+            cluster_key=self.cluster_key,
+            timeout=self.timeout,
+            pace=self.pace,
+            kept=kept,
         )
 
     @contextmanager
     def _connection(self, timeout: float | None = None) -> Iterator[socket.socket]:
         """An authenticated connection; network failures become NodeUnavailableError."""
+        with self._unavailable(), self._connect(timeout) as sock:
+            yield sock
+
+    def _connect(self, timeout: float | None = None) -> socket.socket:
+        """A new authenticated connection (network errors raised as they come)."""
+        sock = wire.connect(self.address.host, self.address.port, timeout or self.timeout)
+        try:
+            wire.client_handshake(sock, self.cluster_key, str(self.address))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @contextmanager
+    def _answered(self, request: dict[str, Any]) -> Iterator[tuple[socket.socket, int]]:
+        """Send `request` and read its answer's header: (the connection, its body length),
+        the body left to the caller. With `kept`, on a kept connection if one is idle, and
+        the connection is kept again once the block ends without an error. A kept one the
+        node closed as it was taken fails before any answer: the request goes again on a
+        new connection, never after an answer began."""
+        key = (str(self.address), self.cluster_key)
+        with self._unavailable():
+            sock = self.kept.take(key) if self.kept else None
+            if sock is not None:
+                sock.settimeout(self.timeout)
+                try:
+                    wire.send_frame(sock, request)
+                    _, body_len = wire.recv_response(sock, str(self.address))
+                except (PeerClosedError, ConnectionError):
+                    sock.close()
+                    sock = None
+                except BaseException:
+                    sock.close()
+                    raise
+            if sock is None:
+                sock = self._connect()
+                try:
+                    wire.send_frame(sock, request)
+                    _, body_len = wire.recv_response(sock, str(self.address))
+                except BaseException:
+                    sock.close()
+                    raise
+            try:
+                yield sock, body_len
+            except BaseException:
+                sock.close()
+                raise
+        if self.kept:
+            self.kept.give(key, sock)
+        else:
+            sock.close()
+
+    @contextmanager
+    def _unavailable(self) -> Iterator[None]:
+        """Network failures inside become NodeUnavailableError."""
         peer = str(self.address)
         try:
-            with wire.connect(
-                self.address.host, self.address.port, timeout or self.timeout
-            ) as sock:
-                wire.client_handshake(sock, self.cluster_key, peer)
-                yield sock
+            yield
         except (TimeoutError, PeerClosedError) as exc:
             raise NodeUnavailableError(
                 f"node {peer} stopped answering ({exc}): check that it is running and not"
@@ -304,9 +429,8 @@ class NodeClient:
         refused before one byte of it is written, and no write goes past out_offset +
         size - skip: an oversized copy cannot spill into the neighbouring shard's range.
         """
-        with self._connection() as sock:
-            wire.send_frame(sock, {"op": "get", "digest": digest, "offset": 0, "length": None})
-            _, body_len = wire.recv_response(sock, str(self.address))
+        request = {"op": "get", "digest": digest, "offset": 0, "length": None}
+        with self._answered(request) as (sock, body_len):
             if size is not None and body_len != size:
                 raise DigestMismatchError(
                     f"blob {digest[:12]} on node {self.address} is {body_len} bytes, not the"
@@ -347,11 +471,8 @@ class NodeClient:
         (or, for a whole blob, than the manifest's `size`) is refused before any byte
         reaches the sink.
         """
-        with self._connection() as sock:
-            wire.send_frame(
-                sock, {"op": "get", "digest": digest, "offset": offset, "length": length}
-            )
-            _, body_len = wire.recv_response(sock, str(self.address))
+        request = {"op": "get", "digest": digest, "offset": offset, "length": length}
+        with self._answered(request) as (sock, body_len):
             expected = size if length is None else length
             if expected is not None and body_len != expected:
                 raise DigestMismatchError(

@@ -4,6 +4,7 @@ back, unchanged tensors never encoded nor sent again, a bad copy read from anoth
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ from coordinator.dataplane.gather_engine import gather_checkpoint
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.plan.safetensors_header import read_header
-from tests.nodeproc import start_node
+from tests.nodeproc import NodeProcess, node_metric, start_node
+
+ACCEPTED = "smoltorrent_node_connections_accepted_total"
 
 
 @pytest.fixture
@@ -25,6 +28,20 @@ def nodes(tmp_path):
     yield started
     for node in started:
         node.kill()
+
+
+@pytest.fixture
+def keyed_nodes(tmp_path):
+    """Four nodes with a cluster key (every connection pays the handshake) that count the
+    connections they accept on /metrics."""
+    env = dict(os.environ, SMOLTORRENT_METRICS_PORT="0")
+    started = [NodeProcess(tmp_path / f"node{i}", KEY, env=env).start() for i in range(4)]
+    yield started
+    for node in started:
+        node.kill()
+
+
+KEY = b"chunk-engine-test-key"
 
 
 def bf16_model(layers: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -49,13 +66,20 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def gather(result, nodes, out: Path, first=None):
-    by_id = {NodeClient(n.address).ping(): n for n in nodes}
+def gather(result, nodes, out: Path, first=None, key=None, threads=None):
+    by_id = {NodeClient(n.address, cluster_key=key).ping(): n for n in nodes}
     sources = []
     for index in range(len(result.manifest.chunks)):
         holders = sorted((by_id[h] for h in result.holders[index]), key=lambda n: n is not first)
-        sources.append([NodeClient(n.address) for n in holders])
-    return gather_checkpoint(result.manifest, sources, out)
+        sources.append([NodeClient(n.address, cluster_key=key) for n in holders])
+    accepted = [node_metric(n, ACCEPTED) for n in nodes] if key else []
+    more = {} if threads is None else {"threads": threads}
+    report = gather_checkpoint(result.manifest, sources, out, **more)
+    if key:
+        report.connections = [
+            node_metric(n, ACCEPTED) - a for n, a in zip(nodes, accepted, strict=True)
+        ]
+    return report
 
 
 def blob_files(nodes) -> dict[str, list[Path]]:
@@ -182,3 +206,30 @@ def test_a_chunk_that_does_not_decode_is_read_from_another_replica(nodes, tmp_pa
     assert sha(out) == sha(src)
     (bad,) = report.bad_copies
     assert bad.shard == chunk.index and "magic" in bad.reason
+
+
+@pytest.mark.parametrize("content", ["encoded", "raw"])
+def test_a_gather_reads_every_chunk_of_a_node_over_as_many_connections_as_threads(
+    keyed_nodes, tmp_path, content
+):
+    """Connections are kept across chunks: a node serving many chunks to 2 threads accepts
+    at most 2 connections (one per chunk before: a connect, a node thread and the key
+    handshake per few MB read)."""
+    src = tmp_path / "model.safetensors"
+    if content == "encoded":
+        save_file(bf16_model(layers=12), src)
+    else:
+        write_checkpoint(src, 40 * 1000 * 1000, hidden=512)  # random bytes: RAW chunks
+    addresses = [n.address for n in keyed_nodes]
+    result = store_chunked(src, addresses, tmp_path / "spool", replicas=2, cluster_key=KEY)
+    chunks = result.manifest.chunks
+    assert len(chunks) >= 20
+    assert any(c.blob_size != codec.HEADER_BYTES + c.data_end - c.data_start for c in chunks) == (
+        content == "encoded"
+    )
+    out = tmp_path / "out.safetensors"
+    report = gather(result, keyed_nodes, out, key=KEY, threads=2)
+    assert sha(out) == sha(src)
+    served = [list(report.served_by.values()).count(str(n.address)) for n in keyed_nodes]
+    assert sum(served) == len(chunks) and max(served) > 2
+    assert all(c <= 2 for c in report.connections), (served, report.connections)

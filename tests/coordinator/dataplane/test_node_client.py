@@ -6,12 +6,14 @@ import hashlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.dataplane import node_client
+from coordinator.dataplane.node_client import KeptConnections, NodeAddress, NodeClient
 from smoltorrent import defaults
 from smoltorrent.errors import (
     AuthenticationError,
@@ -19,7 +21,7 @@ from smoltorrent.errors import (
     NodeUnavailableError,
     SmoltorrentError,
 )
-from tests.nodeproc import NodeProcess, start_node
+from tests.nodeproc import NodeProcess, node_metric, start_node
 from worker_server import protocol, wire
 
 KEY = b"client-test-key"
@@ -183,3 +185,47 @@ def test_put_and_get_through_the_client(keyed_node: NodeProcess, tmp_path: Path)
     with open(tmp_path / "out", "w+b") as out:
         assert client.get_blob_to_file(digest, out.fileno(), 0) == digest
         assert os.pread(out.fileno(), 100, 0) == content
+
+
+@pytest.mark.parametrize("looked", [True, False])
+def test_kept_connections_are_reused_and_replaced_once_the_node_closed_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, looked: bool
+) -> None:
+    """Reads sharing KeptConnections go over one connection; one the node closed while it
+    sat idle (its socket timeout, a restart) is not an error: the read opens another.
+    Whether the close shows when the connection is taken or only once the request is
+    sent (`looked` False: the node closed it just after the look)."""
+    if not looked:
+        monkeypatch.setattr(node_client, "_quiet", lambda sock: True)
+    env = dict(os.environ, SMOLTORRENT_METRICS_PORT="0")
+    node = NodeProcess(tmp_path / "data", KEY, socket_timeout=SHORT_TIMEOUT_S, env=env).start()
+    try:
+        content = os.urandom(3 * defaults.IO_CHUNK_BYTES)
+        digest = hashlib.sha256(content).hexdigest()
+        (tmp_path / "source").write_bytes(content)
+        with open(tmp_path / "source", "rb") as src:
+            node.client().put_blob(digest, b"", src.fileno(), 0, len(content))
+
+        def accepted() -> float:
+            return node_metric(node, "smoltorrent_node_connections_accepted_total")
+
+        with KeptConnections() as kept, open(tmp_path / "out", "w+b") as out:
+            client = node.client().keeping(kept)
+
+            def read_twice() -> None:
+                before = accepted()
+                for _ in range(2):
+                    assert client.get_blob_to_file(digest, out.fileno(), 0) == digest
+                    pieces: list[bytes] = []
+                    client.read_blob(digest, lambda piece, into=pieces: into.append(bytes(piece)))
+                    assert b"".join(pieces) == content
+                assert accepted() - before == 1  # four reads, one connection
+
+            read_twice()
+            time.sleep(SHORT_TIMEOUT_S * 3)  # the node drops the idle connection
+            read_twice()
+            node.restart()  # same port: the kept connection's far end is gone
+            read_twice()
+            assert os.pread(out.fileno(), len(content) + 1, 0) == content
+    finally:
+        node.kill()
