@@ -107,9 +107,8 @@ def _sources(
 ) -> list[list[NodeClient]]:
     """Per shard, clients of its holders in the order to try them (plan/read_order), each
     paced by the gather's meter."""
-    holders = [
-        [n for n in md.blobs.placement(s.blob_sha256) if n in nodes] for s in manifest.entries
-    ]
+    placements = md.blobs.placement_of([s.blob_sha256 for s in manifest.entries])
+    holders = [[n for n in placement if n in nodes] for placement in placements]
     orders = read_order(holders, [s.blob_size for s in manifest.entries], md.nodes.alive(nodes))
     return [[client(nodes[n].address).paced(meter.wire) for n in order] for order in orders]
 
