@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from collections.abc import Callable
 
 from smoltorrent import defaults
@@ -60,6 +61,34 @@ class Trail:
         if end - self._started >= self._chunk:
             start(self._fd, self._started, end - self._started)
             self._started = end
+
+
+class Scattered:
+    """Counts the bytes several threads write anywhere in fd (a chunked gather's chunks,
+    a few MB each, land out of order: no one run grows by WRITEBACK_CHUNK_BYTES) and, each
+    time that many more were written, starts the writeback of the whole file: the kernel
+    takes what is dirty of it, in file order. Thread-safe."""
+
+    def __init__(self, fd: int, chunk: int = defaults.WRITEBACK_CHUNK_BYTES) -> None:
+        self._fd = fd
+        self._chunk = chunk
+        self._pending = 0  # bytes written since the last start
+        self._lock = threading.Lock()
+
+    def wrote(self, n: int) -> None:
+        with self._lock:
+            self._pending += n
+            if self._pending < self._chunk:
+                return
+            self._pending = 0
+        start_all(self._fd)
+
+
+def start_all(fd: int) -> bool:
+    """Begin writing every dirty byte of fd to disk; whether the kernel took the request."""
+    if _sync_file_range is None:
+        return False
+    return _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0  # 0 bytes: to the end
 
 
 def supported() -> bool:

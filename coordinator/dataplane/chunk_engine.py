@@ -63,6 +63,7 @@ from smoltorrent.errors import (
     ProtocolError,
     SmoltorrentError,
 )
+from worker_server import writeback
 
 # raw SHA-256 -> (blob SHA-256, blob size) of chunks already stored
 KnownChunks = Mapping[str, tuple[str, int]]
@@ -344,6 +345,8 @@ def gather_chunks(
     served: dict[int, str] = {}
     fallbacks: list[str] = []
     lock = threading.Lock()
+    # The disk writes the chunks while more arrive: the final fsync finds little left.
+    written = writeback.Scattered(fd)
 
     def one(chunk: ChunkEntry) -> str | None:
         def read(client: NodeClient) -> None:
@@ -370,7 +373,9 @@ def gather_chunks(
             fallbacks.extend(f"chunk {chunk.index} {line}" for line in tried)
             if by is not None:
                 served[chunk.index] = by
-                return None
+        if by is not None:
+            written.wrote(chunk.data_end - chunk.data_start)
+            return None
         where = "; ".join(tried) or "no node holds a copy"
         return f"chunk {chunk.index} ({chunk.blob_sha256[:12]}): {where}"
 

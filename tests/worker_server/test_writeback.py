@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -30,6 +31,23 @@ def test_a_run_of_writes_starts_writeback_once_per_chunk_behind_it(tmp_path, mon
     assert asked == [(100, 5 * MIB), (100 + 5 * MIB, 4 * MIB)]
 
 
+def test_writes_scattered_over_a_file_start_its_writeback_once_per_chunk_written(
+    tmp_path, monkeypatch
+):
+    """A chunked gather's threads write their chunks anywhere in the file: every 4 MiB
+    written in all, wherever, the whole file's writeback is started once."""
+    asked: list[int] = []
+    monkeypatch.setattr(writeback, "start_all", lambda fd: asked.append(fd) or True)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        written = writeback.Scattered(fd, chunk=4 * MIB)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(written.wrote, [MIB // 2] * 20 + [3 * MIB] * 3))  # 19 MiB
+    finally:
+        os.close(fd)
+    assert asked == [fd] * 4  # the last 3 MiB wait for the fsync
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_the_kernel_takes_a_written_range_of_a_real_file(tmp_path):
     assert writeback.supported()
@@ -39,6 +57,7 @@ def test_the_kernel_takes_a_written_range_of_a_real_file(tmp_path):
     try:
         os.write(fd, data)
         assert writeback.start(fd, 0, len(data))
+        assert writeback.start_all(fd)
         os.fsync(fd)
     finally:
         os.close(fd)

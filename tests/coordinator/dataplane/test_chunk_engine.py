@@ -17,7 +17,9 @@ from coordinator.dataplane.gather_engine import gather_checkpoint
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.plan.safetensors_header import read_header
+from smoltorrent import defaults
 from tests.nodeproc import NodeProcess, node_metric, start_node
+from worker_server import writeback
 
 ACCEPTED = "smoltorrent_node_connections_accepted_total"
 
@@ -233,3 +235,22 @@ def test_a_gather_reads_every_chunk_of_a_node_over_as_many_connections_as_thread
     served = [list(report.served_by.values()).count(str(n.address)) for n in keyed_nodes]
     assert sum(served) == len(chunks) and max(served) > 2
     assert all(c <= 2 for c in report.connections), (served, report.connections)
+
+
+def test_a_chunked_gather_starts_the_writeback_of_its_file_as_chunks_land(
+    nodes, tmp_path, monkeypatch
+):
+    """No chunk is the 16 MiB a blob's own receive waits for before its writeback: the
+    gather starts the whole file's, every 16 MiB of chunks (its fsync found 1 GB dirty)."""
+    asked: list[int] = []
+    real = writeback.start_all
+    monkeypatch.setattr(writeback, "start_all", lambda fd: asked.append(fd) or real(fd))
+    src = tmp_path / "model.safetensors"
+    write_checkpoint(src, 40 * 1000 * 1000, hidden=512)
+    result = store_chunked(src, [n.address for n in nodes], tmp_path / "spool", replicas=2)
+    assert max(c.data_end - c.data_start for c in result.manifest.chunks) < 16 * 1024 * 1024
+    out = tmp_path / "out.safetensors"
+    gather(result, nodes, out)
+    assert sha(out) == sha(src)
+    data = read_header(src).data_size
+    assert len(asked) == data // defaults.WRITEBACK_CHUNK_BYTES >= 2
