@@ -40,7 +40,7 @@ from coordinator.dataplane.chunk_source import (
 )
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
-from coordinator.dataplane.replicas import BadCopy, first_intact
+from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
 from coordinator.dataplane.store_engine import hash_blob, probe_nodes, send_shard, write_manifest
 from coordinator.plan.chunks import ChunkPlan, plan_chunks
 from coordinator.plan.manifest import (
@@ -338,10 +338,13 @@ def gather_chunks(
     threads: int = defaults.TRANSFER_THREADS,
     progress: Callable[[int], None] | None = None,
     on_bad_copy: Callable[[BadCopy], None],
+    unanswered: Unanswered | None = None,
 ) -> tuple[dict[int, str], list[str], list[str]]:
     """Write every chunk of a chunked manifest's data section into fd at its offset;
-    sources[i] lists chunk i's replicas in the order to try them. Returns which node
-    served each chunk, one line per replica that failed, one line per chunk none served."""
+    sources[i] lists chunk i's replicas in the order to try them (a node that did not
+    answer an earlier chunk last). Returns which node served each chunk, one line per
+    replica that failed, one line per chunk none served."""
+    unanswered = unanswered or Unanswered()
     served: dict[int, str] = {}
     fallbacks: list[str] = []
     lock = threading.Lock()
@@ -367,7 +370,7 @@ def gather_chunks(
             _read_chunk(client, chunk, fd, at, progress)
 
         by, tried = first_intact(
-            chunk.index, chunk.blob_sha256, sources[chunk.index], read, on_bad_copy
+            chunk.index, chunk.blob_sha256, sources[chunk.index], read, on_bad_copy, unanswered
         )
         with lock:
             fallbacks.extend(f"chunk {chunk.index} {line}" for line in tried)

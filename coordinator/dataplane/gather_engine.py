@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from coordinator.dataplane.chunk_engine import gather_chunks
 from coordinator.dataplane.node_client import KeptConnections, NodeClient
-from coordinator.dataplane.replicas import BadCopy, first_intact
+from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
 from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest, source_prefix
 from smoltorrent import defaults
@@ -92,6 +92,7 @@ def gather_checkpoint(
     # Each thread keeps its connection to a node from one shard or chunk to the next.
     kept = KeptConnections()
     sources = [[client.keeping(kept) for client in replicas] for replicas in sources]
+    unanswered = Unanswered()
     with kept, staged_output(out_path, manifest.source_size, manifest.name) as fd:
         os.pwrite(fd, source_prefix(manifest), 0)
 
@@ -110,7 +111,7 @@ def gather_checkpoint(
                 )
 
             served_by, tried = first_intact(
-                index, shard.blob_sha256, sources[index], read, bad_copy
+                index, shard.blob_sha256, sources[index], read, bad_copy, unanswered
             )
             if served_by is not None:
                 with lock:
@@ -123,7 +124,13 @@ def gather_checkpoint(
 
         if manifest.chunked:
             served, fallbacks, missing = gather_chunks(
-                manifest, sources, fd, threads=threads, progress=progress, on_bad_copy=bad_copy
+                manifest,
+                sources,
+                fd,
+                threads=threads,
+                progress=progress,
+                on_bad_copy=bad_copy,
+                unanswered=unanswered,
             )
             report.served_by.update(served)
             report.fallbacks.extend(fallbacks)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from coordinator.dataplane.chunk_engine import decode_chunk_from
 from coordinator.dataplane.node_client import NodeClient
-from coordinator.dataplane.replicas import BadCopy, first_intact
+from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
 from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest
 from coordinator.plan.selection import Piece, Read, Selection
@@ -114,6 +114,7 @@ def gather_tensors(
         whole_shards=sorted(selection.whole_shards),
     )
     lock = threading.Lock()
+    unanswered = Unanswered()  # a node that did not answer one read is tried last after
 
     def bad_copy(bad: BadCopy) -> None:
         with lock:
@@ -153,7 +154,7 @@ def gather_tensors(
                 sink.check(read, shard.blob_sha256, str(client.address))
 
             served_by, tried = first_intact(
-                read.shard, shard.blob_sha256, sources[read.shard], fetch, bad_copy
+                read.shard, shard.blob_sha256, sources[read.shard], fetch, bad_copy, unanswered
             )
             if served_by is not None:
                 with lock:

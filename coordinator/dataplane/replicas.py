@@ -7,6 +7,7 @@ replica is tried, as it is after a node that does not answer or answers wrongly.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,17 +30,41 @@ class BadCopy:
     reason: str
 
 
+class Unanswered:
+    """The nodes that did not answer one gather (a connect or a read timed out, the
+    connection dropped). Its later shards try them after their other replicas: with a
+    read per chunk, each chunk a lost node was first for would otherwise wait out the
+    same timeout before falling back. Shared by the gather's threads."""
+
+    def __init__(self) -> None:
+        self._addresses: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, address: str) -> None:
+        with self._lock:
+            self._addresses.add(address)
+
+    def last(self, replicas: Sequence[NodeClient]) -> list[NodeClient]:
+        """`replicas` in their order, those that did not answer moved to the end."""
+        with self._lock:
+            silent = set(self._addresses)
+        return sorted(replicas, key=lambda client: str(client.address) in silent)
+
+
 def first_intact(
     shard: int,
     digest: str,
     replicas: Sequence[NodeClient],
     read: Callable[[NodeClient], object],
     on_bad_copy: Callable[[BadCopy], None],
+    unanswered: Unanswered | None = None,
 ) -> tuple[str | None, list[str]]:
     """Run read(client) on each replica in turn until one raises nothing; return that
-    replica's address (None when none did) and one line per replica that failed."""
+    replica's address (None when none did) and one line per replica that failed. With
+    `unanswered`, replicas that did not answer this gather before are tried last, and one
+    that does not answer now is added."""
     tried: list[str] = []
-    for client in replicas:
+    for client in unanswered.last(replicas) if unanswered else replicas:
         try:
             read(client)
         except DigestMismatchError as exc:
@@ -47,6 +72,8 @@ def first_intact(
             on_bad_copy(BadCopy(shard, digest, str(client.address), str(exc)))
         except (NodeUnavailableError, NodeError, ProtocolError) as exc:
             tried.append(f"{client.address}: {exc}")
+            if unanswered is not None and isinstance(exc, NodeUnavailableError):
+                unanswered.add(str(client.address))
         else:
             return str(client.address), tried
     return None, tried

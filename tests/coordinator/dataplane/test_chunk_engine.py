@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,32 @@ def test_a_chunked_gather_starts_the_writeback_of_its_file_as_chunks_land(
     assert sha(out) == sha(src)
     data = read_header(src).data_size
     assert len(asked) == data // defaults.WRITEBACK_CHUNK_BYTES >= 2
+
+
+def test_a_node_that_does_not_answer_one_chunk_is_tried_last_for_the_others(nodes, tmp_path):
+    """A node that stops answering (SIGSTOP: connections open, nothing answers) and is the
+    first replica of half the chunks: the gather falls back for the chunks its threads
+    were reading from it, then reads the rest from the other replicas first. Before, every
+    one of those chunks waited out the read timeout on it."""
+    src = tmp_path / "model.safetensors"
+    write_checkpoint(src, 40 * 1000 * 1000, hidden=512)  # random bytes: RAW chunks
+    result = store_chunked(src, [n.address for n in nodes], tmp_path / "spool", replicas=2)
+    silent = nodes[1]
+    silent_id = NodeClient(silent.address).ping()
+    by_id = {NodeClient(n.address).ping(): n for n in nodes}
+    sources = []
+    for index in range(len(result.manifest.chunks)):
+        holders = sorted((by_id[h] for h in result.holders[index]), key=lambda n: n is not silent)
+        sources.append([NodeClient(n.address, timeout=1.0) for n in holders])
+    first_on_silent = sum(silent_id in result.holders[i] for i in range(len(sources)))
+    assert first_on_silent >= 8, "too few chunks on the node: the test shows nothing"
+    silent.send_signal(signal.SIGSTOP)
+    try:
+        out = tmp_path / "out.safetensors"
+        report = gather_checkpoint(result.manifest, sources, out, threads=2)
+    finally:
+        silent.send_signal(signal.SIGCONT)
+    assert sha(out) == sha(src)
+    assert str(silent.address) not in report.served_by.values()
+    waited = [line for line in report.fallbacks if str(silent.address) in line]
+    assert 1 <= len(waited) <= 2, waited  # the reads under way when it went silent
