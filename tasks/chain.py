@@ -36,7 +36,7 @@ from smoltorrent.errors import (
     SourceChangedError,
 )
 from tasks.app import app
-from tasks.chain_batches import ChainEntry
+from tasks.chain_batches import ChainEntry, chain_entries
 from tasks.context import metadata, node_client
 from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
 from tasks.enqueue import settle
@@ -77,8 +77,16 @@ def chain_transfer(
         return {"how": "version removed", "nodes": {}}
     if v["state"] in (ABORTED, REMOVING, REMOVED):
         return {"how": f"version {v['state']}", "nodes": {}}
-    first = {"shard": shard, "replicas": replicas, "node_ids": node_ids, "digest": digest}
-    entries = [ChainEntry.of(first | {"same": same}), *(ChainEntry.of(e) for e in more)]
+    entries = chain_entries(
+        {
+            "shard": shard,
+            "replicas": replicas,
+            "node_ids": node_ids,
+            "digest": digest,
+            "same": same,
+            "more": more,
+        }
+    )
     if md.blobs.any_deleting(e.digest for e in entries):
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)
     run = _Run(self, md, vkey, name, v, entries)

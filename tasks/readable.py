@@ -20,6 +20,7 @@ from celery.app.amqp import AMQP
 
 from coordinator.plan.safetensors_header import format_bytes
 from smoltorrent import defaults
+from tasks.chain_batches import chain_entries
 
 Readable = tuple[str, str]  # (argsrepr, kwargsrepr)
 
@@ -83,7 +84,7 @@ def describe(task: str, args: Sequence, kwargs: Mapping) -> Readable | None:
                 kwargs.get("blob_size"),
             )
         if task == "smoltorrent.chain":
-            shards = [kwargs["shard"], *(e["shard"] for e in kwargs.get("more") or ())]
+            shards = [entry.shard for entry in chain_entries(kwargs)]
             return chain_repr(kwargs["name"], shards, kwargs["replicas"], kwargs["node_ids"])
         if task == "smoltorrent.store":
             path, name, replicas = args[0], args[1], args[2]
@@ -98,7 +99,7 @@ def describe(task: str, args: Sequence, kwargs: Mapping) -> Readable | None:
             return _cut(kwargs.get("name") or f"version {_short(vkey)}"), f"version {_short(vkey)}"
         if task.startswith("smoltorrent.sweep."):
             return task.rpartition(".")[2], ""
-    except (IndexError, KeyError, TypeError):
+    except (IndexError, KeyError, TypeError, ValueError):
         return None  # a message of another shape (an older release): Celery's repr is fine
     return None
 
