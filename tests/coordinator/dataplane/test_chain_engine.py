@@ -170,10 +170,20 @@ def test_a_holder_heads_the_chain_of_an_encoded_chunk_with_the_encoded_blob(node
     first = store_shard_chain(p.path, p.identity, p.spans[0], [target(nodes[0], 0)], [])
     assert first.bytes_from_source == chunk.blob_size
     span = chunk_span(p.manifest, chunk, "")  # as a later store has it: nothing spooled
+    _replicated_from_the_holder(p, chunk, span, nodes, tmp_path)
+
+
+def _headed_by_the_holder(p, span, nodes, tmp_path):
+    """The chunk's chain to nodes[1] and nodes[2], nodes[0] listed as holding it."""
     targets = [target(n, r) for r, n in enumerate(nodes[1:3], start=1)]
-    out = store_shard_chain(
+    return store_shard_chain(
         p.path, p.identity, span, targets, [nodes[0].client()], spool=str(tmp_path / "again")
     )
+
+
+def _replicated_from_the_holder(p, chunk, span, nodes, tmp_path) -> None:
+    """nodes[0] pushes its copy down that chain: both nodes get it, the source sends nothing."""
+    out = _headed_by_the_holder(p, span, nodes, tmp_path)
     assert out.failed == {} and out.bytes_from_source == 0
     assert {how for _, how in out.placed.values()} == {"replicated"}
     assert held(nodes[1], chunk.blob_sha256) and held(nodes[2], chunk.blob_sha256)
@@ -199,13 +209,7 @@ def test_a_holder_heads_an_encoded_chunk_whose_spool_is_gone_though_the_source_c
     """The holder pushes its own copy: nothing is encoded again from the source, so a
     source rewritten since does not abandon a version whose blob a node still holds."""
     p, chunk, span = _stored_encoded_then_rewritten(nodes, tmp_path)
-    targets = [target(n, r) for r, n in enumerate(nodes[1:3], start=1)]
-    out = store_shard_chain(
-        p.path, p.identity, span, targets, [nodes[0].client()], spool=str(tmp_path / "again")
-    )
-    assert out.failed == {} and out.bytes_from_source == 0
-    assert {how for _, how in out.placed.values()} == {"replicated"}
-    assert held(nodes[1], chunk.blob_sha256) and held(nodes[2], chunk.blob_sha256)
+    _replicated_from_the_holder(p, chunk, span, nodes, tmp_path)
     assert not (tmp_path / "again").exists()  # nothing was encoded
 
 
@@ -216,9 +220,6 @@ def test_a_holder_that_lost_its_copy_falls_back_to_the_source_which_says_it_chan
     the planned blob from a rewritten file, and says so (the version is abandoned)."""
     p, chunk, span = _stored_encoded_then_rewritten(nodes, tmp_path)
     nodes[0].client().delete(chunk.blob_sha256)
-    targets = [target(n, r) for r, n in enumerate(nodes[1:3], start=1)]
     with pytest.raises(SourceChangedError, match="rewritten"):
-        store_shard_chain(
-            p.path, p.identity, span, targets, [nodes[0].client()], spool=str(tmp_path / "again")
-        )
+        _headed_by_the_holder(p, span, nodes, tmp_path)
     assert not held(nodes[1], chunk.blob_sha256) and not held(nodes[2], chunk.blob_sha256)
