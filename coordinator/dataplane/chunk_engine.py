@@ -354,16 +354,17 @@ def gather_chunks(
     def one(chunk: ChunkEntry) -> str | None:
         def read(client: NodeClient) -> None:
             at = manifest.data_start + chunk.data_start
-            if chunk.blob_size == codec.HEADER_BYTES + chunk.data_end - chunk.data_start:
-                # A RAW chunk: its header, then the raw bytes. Received as a shard is (hashed
-                # and written in one loop, the header skipped); the blob's digest covers the
-                # header and every raw byte, so it vouches for the raw digest too.
+            prefix = codec.raw_prefix(chunk.blob_size, chunk.data_end - chunk.data_start)
+            if prefix is not None:
+                # A RAW chunk: the raw bytes (behind its header in older versions). Received
+                # as a shard is (hashed and written in one loop, a header skipped); the
+                # blob's digest covers every raw byte, so it vouches for the raw digest too.
                 client.get_blob_to_file(
                     chunk.blob_sha256,
                     fd,
                     at,
                     size=chunk.blob_size,
-                    skip=codec.HEADER_BYTES,
+                    skip=len(prefix),
                     progress=progress,
                 )
                 return
@@ -417,6 +418,7 @@ def decode_chunk_from(
     raw_size = chunk.data_end - chunk.data_start
     encoded, raw = hashlib.sha256(), hashlib.sha256()
     written = 0
+    prefix = codec.raw_prefix(chunk.blob_size, raw_size)
 
     def out(piece: memoryview) -> None:
         nonlocal written
@@ -426,16 +428,21 @@ def decode_chunk_from(
         write(piece)
         written += len(piece)
 
-    decoder = codec.ChunkDecoder(chunk.blob_size, out)
+    if prefix == b"":  # a bare RAW chunk: its bytes are the raw bytes, its digest the raw one
+        encoded, arrive, finish = raw, out, None
+    else:  # encoded, or RAW behind its header: the decoder reads the header
+        decoder = codec.ChunkDecoder(chunk.blob_size, out)
+        finish = decoder.finish
 
-    def arrive(piece: memoryview) -> None:
-        encoded.update(piece)
-        decoder.feed(piece)
+        def arrive(piece: memoryview) -> None:
+            encoded.update(piece)
+            decoder.feed(piece)
 
     where = f"chunk {chunk.index} ({chunk.blob_sha256[:12]}) from node {client.address}"
     try:
         client.read_blob(chunk.blob_sha256, arrive, size=chunk.blob_size)
-        decoder.finish()
+        if finish is not None:
+            finish()
     except ChunkFormatError as exc:
         raise DigestMismatchError(f"{where}: {exc}") from exc
     if encoded.hexdigest() != chunk.blob_sha256:

@@ -1,6 +1,7 @@
 """Where the bytes of one chunk's blob come from when a transfer sends it.
 
-A RAW chunk is its header followed by the source's own range (sent with sendfile). An
+A RAW chunk is the source's own range (sent with sendfile; a version stored before RAW
+chunks were bare has a chunk header in front, codec.raw_prefix). An
 encoded chunk was written by the store into the spool, one file per chunk under
 spool_dir(root, vkey) on the source's host; when that file is gone (the spool removed
 after the chunk reached its nodes, a replay later, or a chunk the store found stored
@@ -55,23 +56,21 @@ def encode_one(
                 os.unlink(spooled)  # empty: a RAW chunk is sent from the source
     digests = (result.raw_sha256, result.sha256, result.size)
     if result.encoding == codec.RAW:
-        return digests, BlobSpan(
-            plan.index, result.sha256, result.size, codec.raw_header(plan.size), offset, plan.size
-        )
+        return digests, BlobSpan(plan.index, result.sha256, result.size, b"", offset, plan.size)
     return digests, BlobSpan(
         plan.index, result.sha256, result.size, b"", offset, plan.size, spool=spooled
     )
 
 
 def chunk_span(manifest: Manifest, chunk: ChunkEntry, spool: str) -> BlobSpan:
-    """What sending one chunk's blob takes, from the manifest: a RAW chunk is its header
-    then the source's range; an encoded one is the file `spool`/<index>.chunk, encoded
-    again from the source when it is not there ("" : nowhere yet)."""
+    """What sending one chunk's blob takes, from the manifest: a RAW chunk is the source's
+    range (behind its header, in a version stored before RAW chunks were bare); an
+    encoded one is the file `spool`/<index>.chunk, encoded again from the source when it
+    is not there ("" : nowhere yet)."""
     offset = manifest.data_start + chunk.data_start
     length = chunk.data_end - chunk.data_start
-    if chunk.blob_size == codec.HEADER_BYTES + length:
-        # An encoding is kept only when it gains, so only a RAW chunk has this size.
-        prefix = codec.raw_header(length)
+    prefix = codec.raw_prefix(chunk.blob_size, length)
+    if prefix is not None:
         return BlobSpan(chunk.index, chunk.blob_sha256, chunk.blob_size, prefix, offset, length)
     at = os.path.join(spool, f"{chunk.index}.chunk") if spool else ""
     return BlobSpan(chunk.index, chunk.blob_sha256, chunk.blob_size, b"", offset, length, at)

@@ -3,6 +3,7 @@ back, unchanged tensors never encoded nor sent again, a bad copy read from anoth
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -10,14 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from coordinator.dataplane import codec
 from coordinator.dataplane.chunk_engine import store_chunked
 from coordinator.dataplane.gather_engine import gather_checkpoint
 from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.partial_engine import gather_tensors
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.plan.safetensors_header import read_header
+from coordinator.plan.selection import select
 from smoltorrent import defaults
 from tests.nodeproc import NodeProcess, node_metric, start_node
 from worker_server import writeback
@@ -170,8 +173,9 @@ def test_a_store_told_not_to_encode_keeps_raw_chunks_a_later_one_reuses(nodes, t
     save_file(bf16_model(layers=2), src)
     addresses = [n.address for n in nodes]
     plain = store_chunked(src, addresses, tmp_path / "spool", replicas=2, encode=False)
-    for chunk in plain.manifest.chunks:
-        assert chunk.blob_size == codec.HEADER_BYTES + chunk.data_end - chunk.data_start
+    for chunk in plain.manifest.chunks:  # kept as they are, hashed once: one digest
+        assert chunk.blob_size == chunk.data_end - chunk.data_start
+        assert chunk.blob_sha256 == chunk.raw_sha256
     known = {c.raw_sha256: (c.blob_sha256, c.blob_size) for c in plain.manifest.chunks}
     again = store_chunked(src, addresses, tmp_path / "spool", replicas=2, known=known)
     assert again.manifest.version_id == plain.manifest.version_id
@@ -186,7 +190,8 @@ def test_incompressible_chunks_are_stored_raw_and_gather_byte_identical(nodes, t
     write_checkpoint(src, 24 * 1024 * 1024, hidden=512)  # random bytes: nothing to gain
     result = store_chunked(src, [n.address for n in nodes], tmp_path / "spool", replicas=2)
     for chunk in result.manifest.chunks:
-        assert chunk.blob_size == codec.HEADER_BYTES + chunk.data_end - chunk.data_start
+        assert chunk.blob_size == chunk.data_end - chunk.data_start
+        assert chunk.blob_sha256 == chunk.raw_sha256
     out = tmp_path / "out.safetensors"
     gather(result, nodes, out)
     assert sha(out) == sha(src)
@@ -227,7 +232,7 @@ def test_a_gather_reads_every_chunk_of_a_node_over_as_many_connections_as_thread
     result = store_chunked(src, addresses, tmp_path / "spool", replicas=2, cluster_key=KEY)
     chunks = result.manifest.chunks
     assert len(chunks) >= 20
-    assert any(c.blob_size != codec.HEADER_BYTES + c.data_end - c.data_start for c in chunks) == (
+    assert any(c.blob_size != c.data_end - c.data_start for c in chunks) == (
         content == "encoded"
     )
     out = tmp_path / "out.safetensors"
@@ -284,3 +289,40 @@ def test_a_node_that_does_not_answer_one_chunk_is_tried_last_for_the_others(node
     assert str(silent.address) not in report.served_by.values()
     waited = [line for line in report.fallbacks if str(silent.address) in line]
     assert 1 <= len(waited) <= 2, waited  # the reads under way when it went silent
+
+
+def test_a_version_whose_raw_chunks_were_kept_behind_a_header_still_gathers(nodes, tmp_path):
+    """Before RAW chunks were kept bare, a node kept each behind a chunk header (its blob
+    HEADER_BYTES longer than its raw bytes, with a digest of its own). Such a version
+    gathers whole and in part, byte-identical, and the header is never written out."""
+    src = tmp_path / "model.safetensors"
+    save_file(bf16_model(layers=2), src)
+    stored = store_chunked(src, [n.address for n in nodes], tmp_path / "spool", encode=False)
+    header = read_header(src)
+    old_chunks = []
+    with open(src, "rb") as source:
+        for chunk in stored.manifest.chunks:
+            length = chunk.data_end - chunk.data_start
+            source.seek(header.data_start + chunk.data_start)
+            blob = codec.raw_header(length) + source.read(length)
+            digest = hashlib.sha256(blob).hexdigest()
+            scratch = tmp_path / "blob"
+            scratch.write_bytes(blob)
+            with open(scratch, "rb") as f:
+                for node in nodes[:2]:
+                    NodeClient(node.address).put_blob(digest, b"", f.fileno(), 0, len(blob))
+            old_chunks.append(dataclasses.replace(chunk, blob_size=len(blob), blob_sha256=digest))
+    old = dataclasses.replace(stored.manifest, chunks=tuple(old_chunks))
+    sources = [[NodeClient(n.address) for n in nodes[:2]] for _ in old.chunks]
+
+    out = tmp_path / "out.safetensors"
+    report = gather_checkpoint(old, sources, out)
+    assert sha(out) == sha(src) and not report.bad_copies
+
+    part = tmp_path / "part.safetensors"
+    gather_tensors(old, select(old, ["layers.1.*"]), sources, part)
+    expected = bf16_model(layers=2)
+    loaded = load_file(part)
+    assert sorted(loaded) == sorted(n for n in expected if n.startswith("layers.1."))
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, expected[name]), name

@@ -35,12 +35,13 @@ def _bf16(count: int, seed: int = 0) -> bytes:
 
 
 def _encode(data: bytes, layout: codec.Layout, **kw: object) -> tuple[codec.EncodedChunk, bytes]:
-    """The result and the whole encoded chunk (a RAW one is its header and the data)."""
+    """The result and the whole chunk a node keeps (a RAW one is the data as it is)."""
     sink = io.BytesIO()
     result = codec.encode_chunk(io.BytesIO(data), len(data), layout, sink, **kw)
     if result.encoding == codec.RAW:
         assert sink.getvalue() == b""  # the caller sends the source as it is
-        encoded = codec.raw_header(len(data)) + data
+        assert (result.size, result.sha256) == (len(data), result.raw_sha256)
+        encoded = data
     else:
         encoded = sink.getvalue()
     assert (len(encoded), hashlib.sha256(encoded).hexdigest()) == (result.size, result.sha256)
@@ -119,8 +120,8 @@ def test_a_mixed_layout_groups_each_run_by_its_own_width() -> None:
 def test_odd_lengths_round_trip(length: int, width: int) -> None:
     # Compressible (small values), so the frames and their tails are really exercised.
     data = bytes(random.Random(length).choice((0, 1, 2, 255)) for _ in range(length))
-    _, encoded = _encode(data, [(length, width)], frame_bytes=FRAME)
-    assert _decode(encoded) == data
+    result, encoded = _encode(data, [(length, width)], frame_bytes=FRAME)
+    assert (encoded if result.encoding == codec.RAW else _decode(encoded)) == data
 
 
 def test_a_frame_size_no_width_divides_leaves_tails_in_every_frame() -> None:
@@ -132,16 +133,13 @@ def test_a_frame_size_no_width_divides_leaves_tails_in_every_frame() -> None:
 
 def test_empty_chunk_is_raw_and_decodes_to_nothing() -> None:
     result, encoded = _encode(b"", [])
-    assert (result.encoding, result.size, encoded) == (codec.RAW, codec.HEADER_BYTES, encoded)
-    assert _decode(encoded) == b""
+    assert (result.encoding, result.size, encoded) == (codec.RAW, 0, b"")
 
 
 def test_incompressible_data_stays_raw() -> None:
     data = os.urandom(300_000)
     result, encoded = _encode(data, [(len(data), 2)], frame_bytes=FRAME)
-    assert result.encoding == codec.RAW
-    assert encoded[codec.HEADER_BYTES :] == data
-    assert _decode(encoded) == data
+    assert (result.encoding, encoded) == (codec.RAW, data)
 
 
 def test_a_gain_under_the_threshold_stays_raw() -> None:
@@ -338,10 +336,17 @@ def test_a_pushed_decoder_refuses_bytes_past_the_end_and_an_early_finish() -> No
 def test_the_raw_form_without_trying_to_encode() -> None:
     data = _bf16(50_000)  # would compress: raw_chunk does not try
     result = codec.raw_chunk(io.BytesIO(data), len(data))
-    encoded = codec.raw_header(len(data)) + data
-    assert (result.encoding, result.size) == (codec.RAW, len(encoded))
-    assert result.sha256 == hashlib.sha256(encoded).hexdigest()
-    assert result.raw_sha256 == hashlib.sha256(data).hexdigest()
-    assert _decode(encoded) == data
+    # A RAW chunk is kept as its bytes are: one digest names both, so it is hashed once.
+    assert (result.encoding, result.size) == (codec.RAW, len(data))
+    assert result.sha256 == result.raw_sha256 == hashlib.sha256(data).hexdigest()
     with pytest.raises(SourceChangedError):
         codec.raw_chunk(io.BytesIO(data[:-1]), len(data))
+
+
+def test_a_blob_says_by_its_size_whether_it_holds_the_raw_bytes_as_they_are() -> None:
+    """A RAW chunk is kept bare; versions stored before kept it behind a chunk header;
+    an encoded one is smaller than its raw bytes. The manifest's sizes tell which."""
+    assert codec.raw_prefix(1000, 1000) == b""
+    assert codec.raw_prefix(codec.HEADER_BYTES + 1000, 1000) == codec.raw_header(1000)
+    assert codec.raw_prefix(700, 1000) is None
+    assert codec.raw_prefix(0, 0) == b""
