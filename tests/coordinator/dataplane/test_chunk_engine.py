@@ -232,9 +232,7 @@ def test_a_gather_reads_every_chunk_of_a_node_over_as_many_connections_as_thread
     result = store_chunked(src, addresses, tmp_path / "spool", replicas=2, cluster_key=KEY)
     chunks = result.manifest.chunks
     assert len(chunks) >= 20
-    assert any(c.blob_size != c.data_end - c.data_start for c in chunks) == (
-        content == "encoded"
-    )
+    assert any(c.blob_size != c.data_end - c.data_start for c in chunks) == (content == "encoded")
     out = tmp_path / "out.safetensors"
     report = gather(result, keyed_nodes, out, key=KEY, threads=2)
     assert sha(out) == sha(src)
