@@ -132,6 +132,14 @@ class WireMeter:
             return cls(TokenBucket(rate))
         return cls(TokenBucket.shared(rate, directory, key))
 
+    @property
+    def slice_bytes(self) -> int | None:
+        """The most bytes one recv or sendfile of a metered client moves before wire() is
+        told (NodeClient.paced): a limited meter's BWLIMIT_SLICE_BYTES, so its bucket keeps
+        the link's bursts short; None without a limit, each step as large as an unmetered
+        one (a 1 GB gather otherwise made 4 times the recv, hash and pwrite calls)."""
+        return None if self.bucket is None else defaults.BWLIMIT_SLICE_BYTES
+
     def wire(self, n: int) -> None:
         """n bytes went on (or came off) the wire; waits while they are over the limit."""
         with self._lock:

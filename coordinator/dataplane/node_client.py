@@ -153,6 +153,7 @@ class NodeClient:
         timeout: float | None = None,
         pace: Callable[[int], None] | None = None,
         kept: KeptConnections | None = None,
+        slice_bytes: int | None = defaults.BWLIMIT_SLICE_BYTES,
     ) -> None:
         self.address = address
         self.cluster_key = cluster_key or key_from_env()
@@ -160,17 +161,26 @@ class NodeClient:
         # Told of every slice of blob bytes sent or received (a transfer's WireMeter.wire,
         # coordinator/dataplane/bandwidth.py): counts them, and may wait for a limit.
         self.pace = pace
+        # The most bytes a blob read moves before pace is told (WireMeter.slice_bytes);
+        # None: a meter that only counts, each read as large as an unpaced one.
+        self.slice_bytes = slice_bytes
         # Where whole-blob reads take and leave their connections; None: one per read.
         self.kept = kept
 
-    def paced(self, pace: Callable[[int], None] | None) -> NodeClient:
-        """The same node, its blob bytes told to `pace` (a transfer's meter)."""
+    def paced(
+        self,
+        pace: Callable[[int], None] | None,
+        slice_bytes: int | None = defaults.BWLIMIT_SLICE_BYTES,
+    ) -> NodeClient:
+        """The same node, its blob bytes told to `pace` (a transfer's meter) every
+        `slice_bytes` at most as they arrive (the meter's slice_bytes)."""
         return NodeClient(
             self.address,
             cluster_key=self.cluster_key,
             timeout=self.timeout,
             pace=pace,
             kept=self.kept,
+            slice_bytes=slice_bytes,
         )
 
     def keeping(self, kept: KeptConnections) -> NodeClient:
@@ -181,6 +191,7 @@ class NodeClient:
             timeout=self.timeout,
             pace=self.pace,
             kept=kept,
+            slice_bytes=self.slice_bytes,
         )
 
     @contextmanager
@@ -446,6 +457,7 @@ class NodeClient:
                 limit=None if size is None else size - skip,
                 progress=progress,
                 pace=self.pace,
+                slice_bytes=self.slice_bytes,
             )
         if received != digest:
             raise DigestMismatchError(
@@ -479,7 +491,14 @@ class NodeClient:
                     f"blob {digest[:12]} on node {self.address} answered {body_len} bytes, not"
                     f" the {expected} asked for: that copy is corrupt; read another replica"
                 )
-            wire.recv_stream(sock, body_len, sink, digest_covered=True, pace=self.pace)
+            wire.recv_stream(
+                sock,
+                body_len,
+                sink,
+                digest_covered=True,
+                pace=self.pace,
+                slice_bytes=self.slice_bytes,
+            )
         return body_len
 
     def get_range(self, digest: str, offset: int, length: int) -> bytes:

@@ -9,6 +9,7 @@ import pytest
 
 from coordinator import config
 from coordinator.dataplane.bandwidth import TokenBucket, WireBytes, WireMeter
+from smoltorrent import defaults
 from smoltorrent.errors import ConfigError
 
 RATE = 4_000_000  # bytes/s
@@ -49,6 +50,13 @@ def test_a_meter_counts_wire_and_raw_bytes_and_their_ratio():
     assert totals.ratio == round(3 * SLICE / (2 * SLICE + 100), 3)
     assert WireBytes().ratio == 1.0  # nothing moved: no gain, no division by zero
     assert WireMeter.limited(0).bucket is None and WireMeter.limited(None).bucket is None
+
+
+def test_only_a_limited_meter_asks_for_short_slices():
+    """A meter that only counts lets each recv be as large as an unmetered one's; a limited
+    one is told of every BWLIMIT_SLICE_BYTES at most, so its bucket keeps bursts short."""
+    assert WireMeter.limited(None).slice_bytes is None
+    assert WireMeter.limited(RATE).slice_bytes == SLICE == defaults.BWLIMIT_SLICE_BYTES
 
 
 @pytest.mark.parametrize(
