@@ -16,7 +16,7 @@ import pytest
 
 from coordinator import config
 from coordinator.local.chaos import FAKETIME_LIB
-from coordinator.state.versions import COMMITTED, PENDING
+from coordinator.state.versions import COMMITTED
 from tests.beat.test_reconcile import pending_as_left_by_a_crash
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
@@ -63,8 +63,13 @@ def test_a_retry_sent_before_the_workers_clock_stepped_back_waits_its_countdown_
         }
     )
     # The phase: the worker has the retry (unacked, held for its ETA), the version pending.
-    wait_until(lambda: c.md.r.hlen("unacked"), what="the worker to take the retry")
-    assert c.md.versions.version(vkey)["state"] == PENDING
+    # On a loaded machine the worker can start after the countdown is over: it then runs
+    # the retry at once (the CI saw it come and go between two polls), which is the
+    # promise too; a worker holding it for the step would show neither.
+    wait_until(
+        lambda: c.md.r.hlen("unacked") or c.md.versions.version(vkey)["state"] == COMMITTED,
+        what="the worker to take the retry",
+    )
     # It was held STEP_S (an hour): this waited its 120 s and failed.
     wait_until(
         lambda: c.md.versions.version(vkey)["state"] == COMMITTED,
