@@ -59,6 +59,12 @@ def record_dead_letter(
                 "traceback": str(einfo) if einfo else "",
                 "checkpoint": kwargs.get("name"),
                 "shard": kwargs.get("shard"),
+                # A chain task's batch: every chunk it carries, its own first.
+                **(
+                    {"shards": [e.shard for e in chain_entries(kwargs)]}
+                    if sender.name == "smoltorrent.chain"
+                    else {}
+                ),
                 "node": kwargs.get("node_id")
                 or getattr(exception, "node_id", None)
                 or _chain_nodes(kwargs),

@@ -10,7 +10,7 @@ import time
 
 from coordinator import config
 from coordinator.cli.cluster import metadata, node_addresses
-from coordinator.cli.output import console, emit_json, error, table, warn
+from coordinator.cli.output import console, emit_json, error, numbers, table, warn
 from coordinator.state import redis_keys as K
 from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
 
@@ -358,13 +358,18 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         else:
             table(
                 "dead letters",
-                ["task id", "task", "checkpoint", "shard", "node", "error"],
+                ["task id", "task", "checkpoint", "shards", "node", "error"],
                 [
                     (
                         r["task_id"],
                         r["task"],
                         r.get("checkpoint") or "-",
-                        "-" if r.get("shard") is None else r["shard"],
+                        # A chain task carries a batch of chunks: every one of them.
+                        numbers(r["shards"])
+                        if r.get("shards")
+                        else "-"
+                        if r.get("shard") is None
+                        else r["shard"],
                         (r.get("node") or "-")[:12],
                         r["error"],  # whole: a terminal folds it, a pipe keeps it
                     )

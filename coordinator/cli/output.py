@@ -53,6 +53,17 @@ def pieces(count: int, chunked: bool) -> str:
     return f"{count} {word}" + ("" if count == 1 else "s")
 
 
+def numbers(values: Sequence[int]) -> str:
+    """Indexes as runs, "0-5,9,11-12": a batch's chunks in a column that stays short."""
+    runs: list[list[int]] = []
+    for value in sorted(set(values)):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def emit_json(data) -> None:
     # One write: json.dump writes every token on its own (700,000 writes, 1.5 s, for an
     # `ls --json` of 10,000 versions). Indented for a person at a terminal only: an indent

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from coordinator.cli.output import numbers as chunk_ranges
 from coordinator.dataplane.chunk_engine import prepare_chunked_store
 from coordinator.plan.chains import chain_order
 from coordinator.state.versions import COMMITTED
@@ -84,6 +85,11 @@ def test_a_batch_whose_node_is_gone_dead_letters_every_chunk_and_replays(make_cl
     kwargs = [letter["kwargs"] for letter in letters]
     carried = [e["shard"] for k in kwargs for e in [k, *k.get("more", [])]]
     assert len(letters) < 12 and sorted(carried) == list(range(12))  # batches, every chunk
+    # Each letter names every chunk it carries, not just its first (dlq ls's chunks column).
+    assert sorted(n for letter in letters for n in letter["shards"]) == list(range(12))
+    assert all(letter["shard"] == letter["shards"][0] for letter in letters)
+    listed = c.cli("dlq", "ls").stdout
+    assert all(chunk_ranges(letter["shards"]) in listed for letter in letters)
     dead.start()
     c.cli("dlq", "replay", "--all")
     wait_until(

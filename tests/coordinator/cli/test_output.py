@@ -90,3 +90,9 @@ def test_a_bracketed_name_is_stored_listed_and_gathered_on_a_terminal(make_clust
     screen = run_on_a_terminal([*cli, "gather", name, "-o", str(out)], c.env())
     assert f"gathered {name} version" in screen
     assert out.read_bytes() == src.read_bytes()
+
+
+def test_indexes_read_as_runs() -> None:
+    assert output.numbers([5, 0, 1, 2, 9, 11, 12, 1]) == "0-2,5,9,11-12"
+    assert output.numbers([7]) == "7"
+    assert output.numbers([]) == ""
