@@ -24,6 +24,7 @@ from coordinator import config
 from coordinator.dataplane.bandwidth import raw_size
 from coordinator.dataplane.chain_engine import Target, pick_spare, store_shard_chain
 from coordinator.dataplane.chunk_source import release, spool_dir
+from coordinator.dataplane.node_client import KeptConnections
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
 from coordinator.state.transfers import AttemptClock
@@ -104,6 +105,7 @@ def chain_transfer(
             except RETRYABLE as exc:  # this entry's, and the others still go
                 failures.append((None, exc))
     finally:
+        run.kept.close()
         record_wire(md, vkey, run.meter)
     if failures:
         raise _one_error(failures)
@@ -141,6 +143,8 @@ class _Run:
         self.hows: set[str] = set()
         self.nodes: dict[str, str] = {}  # node -> how it got the blobs (moved wins)
         self.moved: Counter[str] = Counter()  # node -> blob bytes moved onto it
+        # The entries' chain puts share a connection to their head node (closed by the task).
+        self.kept = KeptConnections()
 
     def settle(self, entry: ChainEntry, replica: int, node: str, held: bool = False) -> None:
         settle(
@@ -198,7 +202,8 @@ class _Run:
             return found
 
         def target(r: int, n: str) -> Target:
-            return Target(r, n, node_client(n, registered).paced(self.meter.wire))
+            client = node_client(n, registered).keeping(self.kept)
+            return Target(r, n, client.paced(self.meter.wire))
 
         targets, lost = [], []
         for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from smoltorrent import defaults
 from smoltorrent.cluster_key import key_from_env
@@ -33,6 +33,9 @@ from smoltorrent.errors import (
 from worker_server import protocol, wire
 
 ADDRESS_PATTERN = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d+)")
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,10 @@ class ChainReport:
 
 class KeptConnections:
     """Authenticated connections kept open between the blob reads of one run (a gather's
-    chunks, each a few MB): a read otherwise pays a TCP connect, a thread on the node and
-    the key handshake, hundreds of times per gigabyte. A connection is kept only after a
-    read that ended in step; at most one per thread reading from a node is open at once.
+    chunks, each a few MB) or the chain puts of one chain task (its batch of chunks): a
+    call otherwise pays a TCP connect, a thread on the node and the key handshake,
+    hundreds of times per gigabyte. A connection is kept only after a call that ended in
+    step; at most one per thread reading from a node is open at once.
     close() (or the end of a with block) closes the idle ones. Thread-safe."""
 
     def __init__(self) -> None:
@@ -164,7 +168,8 @@ class NodeClient:
         # The most bytes a blob read moves before pace is told (WireMeter.slice_bytes);
         # None: a meter that only counts, each read as large as an unpaced one.
         self.slice_bytes = slice_bytes
-        # Where whole-blob reads take and leave their connections; None: one per read.
+        # Where whole-blob reads and chain puts take and leave their connections; None:
+        # one per call.
         self.kept = kept
 
     def paced(
@@ -213,18 +218,29 @@ class NodeClient:
     @contextmanager
     def _answered(self, request: dict[str, Any]) -> Iterator[tuple[socket.socket, int]]:
         """Send `request` and read its answer's header: (the connection, its body length),
-        the body left to the caller. With `kept`, on a kept connection if one is idle, and
-        the connection is kept again once the block ends without an error. A kept one the
-        node closed as it was taken fails before any answer: the request goes again on a
-        new connection, never after an answer began."""
+        the body left to the caller (see _exchange)."""
+
+        def ask(sock: socket.socket) -> int:
+            wire.send_frame(sock, request)
+            return wire.recv_response(sock, str(self.address))[1]
+
+        with self._exchange(ask) as answered:
+            yield answered
+
+    @contextmanager
+    def _exchange(self, ask: Callable[[socket.socket], T]) -> Iterator[tuple[socket.socket, T]]:
+        """(the connection, what ask(connection) returned: it sends a request and reads the
+        first answer). With `kept`, on a kept connection if one is idle, and the connection
+        is kept again once the block ends without an error. A kept one the node closed as
+        it was taken fails before any answer: the request goes again on a new connection,
+        never after an answer began."""
         key = (str(self.address), self.cluster_key)
         with self._unavailable():
             sock = self.kept.take(key) if self.kept else None
             if sock is not None:
                 sock.settimeout(self.timeout)
                 try:
-                    wire.send_frame(sock, request)
-                    _, body_len = wire.recv_response(sock, str(self.address))
+                    answer = ask(sock)
                 except (PeerClosedError, ConnectionError):
                     sock.close()
                     sock = None
@@ -234,13 +250,12 @@ class NodeClient:
             if sock is None:
                 sock = self._connect()
                 try:
-                    wire.send_frame(sock, request)
-                    _, body_len = wire.recv_response(sock, str(self.address))
+                    answer = ask(sock)
                 except BaseException:
                     sock.close()
                     raise
             try:
-                yield sock, body_len
+                yield sock, answer
             except BaseException:
                 sock.close()
                 raise
@@ -395,16 +410,21 @@ class NodeClient:
         """
         size = len(prefix) + length
         peer = str(self.address)
-        with self._connection() as sock:
-            request = {
-                "op": "chain_put",
-                "digest": digest,
-                "size": size,
-                "forward": [str(a) for a in forward],
-            }
-            # The node checks the blob against its digest, so the body goes untagged (sendfile).
+        request = {
+            "op": "chain_put",
+            "digest": digest,
+            "size": size,
+            "forward": [str(a) for a in forward],
+        }
+
+        def ask(sock: socket.socket) -> dict[str, Any]:
+            # The node checks the blob against its digest, so the body goes untagged
+            # (sendfile).
             wire.send_frame_header(sock, request, size)
-            header, _ = wire.recv_final_response(sock, peer, progress)
+            return wire.recv_final_response(sock, peer, progress)[0]
+
+        # With `kept`, a chain task's entries share one connection to their chain's head.
+        with self._exchange(ask) as (sock, header):
             status = header.get("status")
             if status == "continue" and src_fd is None:
                 # The connection closes unsent: the node drops the put it was waiting on.
