@@ -442,12 +442,16 @@ def send_file_range(
     count: int,
     progress: Callable[[int], None] | None = None,
     pace: Callable[[int], None] | None = None,
+    slice_bytes: int | None = defaults.BWLIMIT_SLICE_BYTES,
 ) -> None:
     """Send `count` bytes of fd from offset with sendfile, waiting at most the socket's timeout
     for each step; progress(bytes sent so far) after each step. With pace, each sendfile
-    moves at most BWLIMIT_SLICE_BYTES and pace(n) is told of the n sent (it may wait)."""
+    moves at most slice_bytes and pace(n) is told of the n sent (it may wait); slice_bytes
+    None: as large as without pace, for a meter that only counts."""
     timeout = sock.gettimeout()
-    step = defaults.SENDFILE_MAX_BYTES if pace is None else defaults.BWLIMIT_SLICE_BYTES
+    step = defaults.SENDFILE_MAX_BYTES
+    if pace is not None and slice_bytes is not None:
+        step = slice_bytes
     sent_total = 0
     with selectors.DefaultSelector() as selector:
         selector.register(sock, selectors.EVENT_WRITE)
@@ -660,11 +664,12 @@ def send_put(
     length: int,
     progress: Callable[[int], None] | None = None,
     pace: Callable[[int], None] | None = None,
+    slice_bytes: int | None = defaults.BWLIMIT_SLICE_BYTES,
 ) -> bool:
     """The client half of a two-phase put; True if stored, False if the node already had it.
 
     progress(n) runs as body bytes leave and as the node reports re-hashing a copy it has;
-    pace(n) as for send_file_range.
+    pace(n) and slice_bytes as for send_file_range.
     """
     size = len(prefix) + length
     # The node checks the blob against its digest, so the body goes untagged (sendfile).
@@ -675,7 +680,7 @@ def send_put(
     if header.get("status") != "continue":
         raise ProtocolError(f"node {peer} answered a put with {header!r}")
     send_prefix(sock, prefix, pace)
-    send_file_range(sock, fd, offset, length, progress, pace)
+    send_file_range(sock, fd, offset, length, progress, pace, slice_bytes)
     header, _ = recv_final_response(sock, peer, progress)
     if header.get("status") != "stored":
         raise ProtocolError(f"node {peer} did not confirm the put: {header!r}")

@@ -165,8 +165,8 @@ class NodeClient:
         # Told of every slice of blob bytes sent or received (a transfer's WireMeter.wire,
         # coordinator/dataplane/bandwidth.py): counts them, and may wait for a limit.
         self.pace = pace
-        # The most bytes a blob read moves before pace is told (WireMeter.slice_bytes);
-        # None: a meter that only counts, each read as large as an unpaced one.
+        # The most bytes a blob read or send moves before pace is told
+        # (WireMeter.slice_bytes); None: a meter that only counts, each as large as unpaced.
         self.slice_bytes = slice_bytes
         # Where whole-blob reads and chain puts take and leave their connections; None:
         # one per call.
@@ -387,6 +387,7 @@ class NodeClient:
                 length,
                 progress,
                 self.pace,
+                self.slice_bytes,
             )
 
     def chain_put(
@@ -431,7 +432,9 @@ class NodeClient:
                 raise NodeError("missing", f"node {peer} does not hold blob {digest}")
             if status == "continue":
                 wire.send_prefix(sock, prefix, self.pace)
-                wire.send_file_range(sock, src_fd, src_offset, length, progress, self.pace)
+                wire.send_file_range(
+                    sock, src_fd, src_offset, length, progress, self.pace, self.slice_bytes
+                )
             elif status != "exists":
                 raise ProtocolError(f"node {peer} answered a chain_put with {header!r}")
             header, _ = wire.recv_final_response(sock, peer, progress)
