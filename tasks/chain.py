@@ -198,12 +198,12 @@ class _Run:
                 digest,
             )
             if found is not None:
-                found.client = found.client.paced(self.meter.wire, self.meter.slice_bytes)
+                found.client = found.client.paced(self.meter)
             return found
 
         def target(r: int, n: str) -> Target:
             client = node_client(n, registered).keeping(self.kept)
-            return Target(r, n, client.paced(self.meter.wire, self.meter.slice_bytes))
+            return Target(r, n, client.paced(self.meter))
 
         targets, lost = [], []
         for r, n in todo:  # in chain order; nodes holding the blob head it (holders below)

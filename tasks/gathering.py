@@ -110,10 +110,7 @@ def _sources(
     placements = md.blobs.placement_of([s.blob_sha256 for s in manifest.entries])
     holders = [[n for n in placement if n in nodes] for placement in placements]
     orders = read_order(holders, [s.blob_size for s in manifest.entries], md.nodes.alive(nodes))
-    return [
-        [client(nodes[n].address).paced(meter.wire, meter.slice_bytes) for n in order]
-        for order in orders
-    ]
+    return [[client(nodes[n].address).paced(meter) for n in order] for order in orders]
 
 
 def _gather_tensors(

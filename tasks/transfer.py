@@ -72,7 +72,7 @@ def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt, same) ->
     shard, digest = span.index, span.digest
     try:
         registered = md.nodes.nodes()
-        target = node_client(node_id, registered).paced(meter.wire, meter.slice_bytes)
+        target = node_client(node_id, registered).paced(meter)
         holders = [
             node_client(h, registered)
             for h in sorted(md.blobs.placement(digest))
@@ -136,7 +136,7 @@ def move_to_spare(md, v, vkey, span, replica, node_id, exc, meter, same=()):
             v["path"],
             SourceIdentity.from_dict(json.loads(v["identity"])),
             span,
-            node_client(spare_id, registered).paced(meter.wire, meter.slice_bytes),
+            node_client(spare_id, registered).paced(meter),
             holders,
             spool=spool_dir(config.spool_root(), vkey),
         )

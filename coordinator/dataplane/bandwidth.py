@@ -112,7 +112,7 @@ class WireBytes:
 
 class WireMeter:
     """One transfer's counter of raw and wire bytes, and its bucket when it is limited.
-    Thread-safe; give `meter.wire` to the clients (NodeClient.paced)."""
+    Thread-safe; give it to the clients (NodeClient.paced)."""
 
     def __init__(self, bucket: TokenBucket | None = None) -> None:
         self.bucket = bucket

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from smoltorrent import defaults
 from smoltorrent.cluster_key import key_from_env
@@ -31,6 +31,9 @@ from smoltorrent.errors import (
     SmoltorrentError,
 )
 from worker_server import protocol, wire
+
+if TYPE_CHECKING:
+    from coordinator.dataplane.bandwidth import WireMeter
 
 ADDRESS_PATTERN = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d+)")
 
@@ -155,37 +158,38 @@ class NodeClient:
         *,
         cluster_key: bytes | None = None,
         timeout: float | None = None,
-        pace: Callable[[int], None] | None = None,
+        meter: WireMeter | None = None,
         kept: KeptConnections | None = None,
-        slice_bytes: int | None = defaults.BWLIMIT_SLICE_BYTES,
     ) -> None:
         self.address = address
         self.cluster_key = cluster_key or key_from_env()
         self.timeout = defaults.SOCKET_TIMEOUT_S if timeout is None else timeout
-        # Told of every slice of blob bytes sent or received (a transfer's WireMeter.wire,
-        # coordinator/dataplane/bandwidth.py): counts them, and may wait for a limit.
-        self.pace = pace
-        # The most bytes a blob read or send moves before pace is told
-        # (WireMeter.slice_bytes); None: a meter that only counts, each as large as unpaced.
-        self.slice_bytes = slice_bytes
+        # Told of every slice of blob bytes sent or received (a transfer's meter,
+        # coordinator/dataplane/bandwidth.py): counts them, and may wait for a limit. The
+        # meter also says how large a slice may be, so no caller can pair the two wrongly.
+        self.meter = meter
         # Where whole-blob reads and chain puts take and leave their connections; None:
         # one per call.
         self.kept = kept
 
-    def paced(
-        self,
-        pace: Callable[[int], None] | None,
-        slice_bytes: int | None = defaults.BWLIMIT_SLICE_BYTES,
-    ) -> NodeClient:
-        """The same node, its blob bytes told to `pace` (a transfer's meter) every
-        `slice_bytes` at most as they arrive (the meter's slice_bytes)."""
+    @property
+    def pace(self) -> Callable[[int], None] | None:
+        return None if self.meter is None else self.meter.wire
+
+    @property
+    def slice_bytes(self) -> int | None:
+        """The most bytes a blob read or send moves before pace is told (None: as large as
+        an unmetered one); irrelevant without a meter."""
+        return None if self.meter is None else self.meter.slice_bytes
+
+    def paced(self, meter: WireMeter | None) -> NodeClient:
+        """The same node, its blob bytes counted (and limited) by `meter`, a transfer's."""
         return NodeClient(
             self.address,
             cluster_key=self.cluster_key,
             timeout=self.timeout,
-            pace=pace,
+            meter=meter,
             kept=self.kept,
-            slice_bytes=slice_bytes,
         )
 
     def keeping(self, kept: KeptConnections) -> NodeClient:
@@ -194,9 +198,8 @@ class NodeClient:
             self.address,
             cluster_key=self.cluster_key,
             timeout=self.timeout,
-            pace=self.pace,
+            meter=self.meter,
             kept=kept,
-            slice_bytes=self.slice_bytes,
         )
 
     @contextmanager

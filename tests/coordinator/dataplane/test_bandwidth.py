@@ -9,6 +9,7 @@ import pytest
 
 from coordinator import config
 from coordinator.dataplane.bandwidth import TokenBucket, WireBytes, WireMeter
+from coordinator.dataplane.node_client import KeptConnections, NodeAddress, NodeClient
 from smoltorrent import defaults
 from smoltorrent.errors import ConfigError
 
@@ -57,6 +58,20 @@ def test_only_a_limited_meter_asks_for_short_slices():
     one is told of every BWLIMIT_SLICE_BYTES at most, so its bucket keeps bursts short."""
     assert WireMeter.limited(None).slice_bytes is None
     assert WireMeter.limited(RATE).slice_bytes == SLICE == defaults.BWLIMIT_SLICE_BYTES
+
+
+def test_a_paced_client_takes_its_slices_from_its_meter():
+    """The client asks its meter for both the pace and the slice size: a caller cannot
+    pass a meter that only counts with the limit's short slices (how the store kept
+    slicing for nothing after the gather stopped)."""
+    client = NodeClient(NodeAddress("127.0.0.1", 1))
+    counting, limited = WireMeter.limited(None), WireMeter.limited(RATE)
+    assert client.paced(counting).slice_bytes is None
+    assert client.paced(limited).slice_bytes == SLICE
+    assert client.paced(limited).keeping(KeptConnections()).slice_bytes == SLICE
+    client.paced(counting).pace(7)
+    assert counting.totals.wire_bytes == 7
+    assert client.pace is None
 
 
 @pytest.mark.parametrize(
