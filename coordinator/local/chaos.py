@@ -126,6 +126,7 @@ GATHER_DIRS_ENV = "SMOLTORRENT_GATHER_DIRS"
 CLI_TIMEOUT_S = 120.0  # an operation still running after this is recorded as timed out
 SETTLE_TIMEOUT_S = 90.0  # after healing: requests closed, nothing pending, R restored
 NAMES = ("run/latest.safetensors", "run/best.safetensors", "eval/model.safetensors")
+GATHER_AT_LEAST_EVERY = 3  # a client's operations between gathers at most, once it stored
 
 
 @dataclass(frozen=True)
@@ -506,12 +507,20 @@ class ChaosRun:
     def _client(self, index: int, stop: threading.Event) -> None:
         rng = random.Random(f"client:{self.seed}:{index}")
         n = 0
+        since_gather = 0
         stored: dict[str, list[Path]] = {}
         while not stop.is_set():
             n += 1
+            since_gather += 1
             roll = rng.random()
             name = rng.choice(NAMES)
-            if roll < 0.45 or not stored.get(name):
+            if since_gather > GATHER_AT_LEAST_EVERY and stored:
+                # A loaded machine runs few operations in the window (11 in 20 s once, none
+                # of them drawn a gather): a client still reads back, so a run proves
+                # something about gathers under the faults however slow the machine is.
+                since_gather = 0
+                self._gather(index, n, name if stored.get(name) else min(stored))
+            elif roll < 0.45 or not stored.get(name):
                 content = rng.choice(self.contents)
                 kind = "store-no-wait" if rng.random() < 0.2 else "store"
                 stored.setdefault(name, []).append(content)
@@ -523,6 +532,7 @@ class ChaosRun:
                 stored[name].append(content)
                 self._store(index, n, name, content, "store")
             elif roll < 0.85:
+                since_gather = 0
                 self._gather(index, n, name)
             else:
                 # A throwaway name stored then removed: its blobs are shared with the
