@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import selectors
+import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -146,9 +146,10 @@ class KeptConnections:
 
 def _quiet(sock: socket.socket) -> bool:
     """Nothing to read on an idle connection: one the node closed reads as its end."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(sock, selectors.EVENT_READ)
-        return not selector.select(0)
+    # One poll(2) call: a selector would create and close an epoll instance per reuse.
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 class NodeClient:
