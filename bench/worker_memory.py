@@ -3,6 +3,7 @@ growing size: it must stay flat (the issue's target: peak under 300 MB, within 1
 1 GB to 16 GB).
 
     .venv/bin/python -m bench.worker_memory --size-gb 1 4 [--nodes 4] [--json]
+        [--worker-env NAME=VALUE ...] [--drop-source]
 
 For each size: a synthetic LLM-like checkpoint (random bytes, written to disk), a fresh
 LocalCluster (Redis, N node processes, one Celery worker with its default pool), then
@@ -12,6 +13,11 @@ it is at each sample) is sampled every 50 ms; the peak of their sum, of their PS
 pool is forked: RSS counts each shared page once per process, PSS once) and of the largest
 process are reported, and the tree's just before the store (the idle worker) for reference.
 The gathered file is checked byte-identical, then every file is removed.
+
+--worker-env sets a variable for the worker alone (MALLOC_ARENA_MAX=1, say: the nodes and
+the CLI keep theirs). --drop-source deletes the source once it is stored (the gathered
+copy is checked against the digest taken before): a 16 GB run at R=2 then needs 48 GB of
+disk at most instead of 64.
 """
 
 from __future__ import annotations
@@ -138,7 +144,13 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def measure(size_gb: float, nodes: int, root: Path) -> dict:
+def measure(
+    size_gb: float,
+    nodes: int,
+    root: Path,
+    worker_env: dict[str, str] | None = None,
+    drop_source: bool = False,
+) -> dict:
     source = root / f"model-{size_gb:g}gb.safetensors"
     log(f"writing a {size_gb:g} GB checkpoint")
     size = write_checkpoint(source, int(size_gb * GB))
@@ -148,7 +160,8 @@ def measure(size_gb: float, nodes: int, root: Path) -> dict:
     cluster = LocalCluster(root / "cluster", nodes=nodes, host_id=f"rss-{os.getpid()}")
     out = cluster.root / "gathered.safetensors"  # the worker gathers under its root only
     try:
-        cluster.start(worker=True)
+        cluster.start(worker=False)
+        cluster.start_worker(worker_env)
         env = cluster.env()
         cli(env, "nodes", "add", *(str(n.address) for n in cluster.node_procs))
         pid = cluster.worker.pid
@@ -158,6 +171,7 @@ def measure(size_gb: float, nodes: int, root: Path) -> dict:
             "idle_tree_rss_mb": round(idle / MB, 1),
             "idle_tree_pss_mb": round(idle_pss / MB, 1),
             "nodes": nodes,
+            "worker_env": worker_env or {},
         }
         for what, argv in (
             ("store", ("store", str(source), "--name", "rss")),
@@ -173,6 +187,8 @@ def measure(size_gb: float, nodes: int, root: Path) -> dict:
                 "peak_tree_pss_mb": round(s.peak_pss / MB, 1),
                 "processes": len(tree(pid)),
             }
+            if what == "store" and drop_source:
+                source.unlink()
         if sha256_file(out) != digest:
             raise RuntimeError("the gathered file differs from the source")
         return row
@@ -188,10 +204,15 @@ def main() -> int:
     parser.add_argument("--size-gb", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker-env", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--drop-source", action="store_true")
     args = parser.parse_args()
+    worker_env = dict(item.split("=", 1) for item in args.worker_env)
     root = Path(tempfile.mkdtemp(prefix="smoltorrent-rss-"))
     try:
-        rows = [measure(size, args.nodes, root) for size in args.size_gb]
+        rows = [
+            measure(size, args.nodes, root, worker_env, args.drop_source) for size in args.size_gb
+        ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
