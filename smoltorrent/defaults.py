@@ -117,6 +117,13 @@ CHUNK_TARGET_BYTES = 16 * 1024 * 1024
 TRANSFER_THREADS = 8  # parallel transfers per store/gather; saturates a few links, not the CPU
 DIGEST_CACHE_ENTRIES = 4096  # files; plan digests kept per source identity (a few KiB each)
 HASH_THREADS = 2  # threads hashing shards at plan time; hashlib releases the GIL, 2 cores here
+# A chunked store whose lookup knows none of this many chunks in a row takes the content
+# for new: it then encodes each chunk at once (one read, its raw digest from the same
+# pass) and looks it up after, instead of hashing every chunk first and encoding what is
+# new (two reads: 0.12 s of 1.2 s before the first byte of 200 MiB on 2 cores). A chunk
+# found stored after all sends the store back to hashing first, so a fine-tune encodes
+# at most a few unchanged chunks for nothing. 2: one chunk could be new by chance.
+CHUNKS_NEW_BEFORE_ONE_PASS = 2
 
 # --bwlimit and SMOLTORRENT_BWLIMIT (coordinator/dataplane/bandwidth.py): a limited transfer
 # moves its bytes in slices of at most BWLIMIT_SLICE_BYTES (a sendfile call, a recv) and

@@ -125,55 +125,18 @@ def prepare_chunked_store(
     key = DigestCache.chunks_key(os.stat(path), plans) if digest_cache else ""
     cached = digest_cache.get(key) if digest_cache else None
     cached_raws = [raw for raw, _ in cached] if cached and len(cached) == len(plans) else None
-    full_pass = False  # every chunk read once before encoding (no cached raw digests)
     os.makedirs(spool, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="store-", dir=spool)
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            hashed: list[tuple[tuple[str, str, int], BlobSpan] | None] = [None] * len(plans)
-            known: KnownChunks = {}
-            if lookup is not None:
-                if cached_raws is not None:  # unchanged since: read only what is new
-                    raws = cached_raws
-                elif encode:  # a pass of raw digests alone: encode only what is new
-                    raws = list(pool.map(lambda p: _raw_digest(path, header, p), plans))
-                    full_pass = True
-                else:  # RAW chunks: both digests in the one pass
-                    hashed = list(pool.map(lambda p: encode_one(path, header, p, None), plans))
-                    raws = [h[0][0] for h in hashed]
-                    full_pass = True
-                known = lookup(raws)
-                # A chunk whose bytes an earlier one of this version repeats (every norm
-                # at ones) is encoded once, as that one: the store sends its blob once.
-                first = {}
-                repeats = {
-                    p.index: first[raws[p.index]]
-                    for p in plans
-                    if first.setdefault(raws[p.index], p.index) != p.index
-                }
+            if lookup is not None and encode and cached_raws is None:
+                # New content, or a rewrite: hashed and encoded as the lookup finds it.
+                encoded = _encode_as_found(path, header, plans, scratch, lookup, pool)
+                full_pass = True
             else:
-                repeats = {}
-
-            def one(plan: ChunkPlan) -> tuple[tuple[str, str, int], BlobSpan | None] | None:
-                done = hashed[plan.index]
-                raw = done[0][0] if done else None
-                if raw is None and lookup is not None:
-                    raw = raws[plan.index]
-                if raw in known:
-                    blob, size = known[raw]
-                    return (raw, blob, size), None
-                if done is not None:
-                    return done
-                if plan.index in repeats:
-                    return None  # its first chunk's blob, filled in below
-                digests, span = encode_one(path, header, plan, scratch if encode else None)
-                if raw is not None and digests[0] != raw:
-                    source_changed(path, plan.index)
-                return digests, span
-
-            encoded = list(pool.map(one, plans))
-            for index, earlier in repeats.items():
-                encoded[index] = encoded[index] or (encoded[earlier][0], None)
+                encoded, full_pass = _encode_known(
+                    path, header, plans, scratch, lookup, encode, cached_raws, pool
+                )
         identity.check(path)
         digests = [digest for digest, _ in encoded]
         if digest_cache and DigestCache.chunks_key(os.stat(path), plans) == key:
@@ -217,6 +180,152 @@ def prepare_chunked_store(
         known=frozenset(i for i, (_, s) in enumerate(encoded) if s is None),
         hashed_bytes=header.data_size if full_pass else encoded_raw_bytes,
     )
+
+
+def _encode_known(
+    path: str,
+    header: CheckpointHeader,
+    plans: Sequence[ChunkPlan],
+    scratch: str,
+    lookup: Lookup | None,
+    encode: bool,
+    cached_raws: list[str] | None,
+    pool: ThreadPoolExecutor,
+) -> tuple[list[tuple[tuple[str, str, int], BlobSpan | None]], bool]:
+    """Every chunk's digests and span (None: stored already, or an earlier chunk's bytes)
+    when the raw digests come first: cached, every chunk RAW (both digests in one pass),
+    or no lookup at all; and whether every chunk was read (no cached raw digests)."""
+    full_pass = False
+    hashed: list[tuple[tuple[str, str, int], BlobSpan] | None] = [None] * len(plans)
+    known: KnownChunks = {}
+    if lookup is not None:
+        if cached_raws is not None:  # unchanged since: read only what is new
+            raws = cached_raws
+        else:  # RAW chunks (not encode): both digests in the one pass
+            hashed = list(pool.map(lambda p: encode_one(path, header, p, None), plans))
+            raws = [h[0][0] for h in hashed]
+            full_pass = True
+        known = lookup(raws)
+        # A chunk whose bytes an earlier one of this version repeats (every norm
+        # at ones) is encoded once, as that one: the store sends its blob once.
+        first = {}
+        repeats = {
+            p.index: first[raws[p.index]]
+            for p in plans
+            if first.setdefault(raws[p.index], p.index) != p.index
+        }
+    else:
+        repeats = {}
+
+    def one(plan: ChunkPlan) -> tuple[tuple[str, str, int], BlobSpan | None] | None:
+        done = hashed[plan.index]
+        raw = done[0][0] if done else None
+        if raw is None and lookup is not None:
+            raw = raws[plan.index]
+        if raw in known:
+            blob, size = known[raw]
+            return (raw, blob, size), None
+        if done is not None:
+            return done
+        if plan.index in repeats:
+            return None  # its first chunk's blob, filled in below
+        digests, span = encode_one(path, header, plan, scratch if encode else None)
+        if raw is not None and digests[0] != raw:
+            source_changed(path, plan.index)
+        return digests, span
+
+    encoded = list(pool.map(one, plans))
+    for index, earlier in repeats.items():
+        encoded[index] = encoded[index] or (encoded[earlier][0], None)
+    return encoded, full_pass
+
+
+class _Seen:
+    """What the chunks hashed so far say of the content, shared by _encode_as_found's threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.new_in_a_row = 0  # chunks in a row the lookup did not know
+        self.first: dict[str, int] = {}  # raw digest -> the lowest chunk index seen with it
+
+    def one_pass(self) -> bool:
+        with self.lock:
+            return self.new_in_a_row >= defaults.CHUNKS_NEW_BEFORE_ONE_PASS
+
+    def found(self, known: bool) -> None:
+        with self.lock:
+            self.new_in_a_row = 0 if known else self.new_in_a_row + 1
+
+    def claim(self, raw: str, index: int) -> bool:
+        """Whether an earlier chunk has these bytes (this one is then not encoded)."""
+        with self.lock:
+            earlier = self.first.get(raw, index)
+            self.first[raw] = min(earlier, index)
+            return earlier < index
+
+
+def _encode_as_found(
+    path: str,
+    header: CheckpointHeader,
+    plans: Sequence[ChunkPlan],
+    scratch: str,
+    lookup: Lookup,
+    pool: ThreadPoolExecutor,
+) -> list[tuple[tuple[str, str, int], BlobSpan | None]]:
+    """Every chunk's digests and span (None: stored already, or the same bytes as an
+    earlier chunk, which keeps the one spooled copy), asking `lookup` chunk by chunk.
+
+    A chunk is hashed first and encoded only if the lookup does not know it, until
+    CHUNKS_NEW_BEFORE_ONE_PASS chunks in a row were new: the content is new, and the next
+    chunks are encoded at once and looked up after, each read once, its bytes in cache
+    for both digests. One found stored after all (its encoding dropped) goes back to
+    hashing first."""
+    seen = _Seen()
+
+    def one(plan: ChunkPlan) -> tuple[str, tuple[tuple[str, str, int], BlobSpan | None] | None]:
+        if seen.one_pass():
+            digests, span = encode_one(path, header, plan, scratch)
+            raw = digests[0]
+            known = lookup([raw])
+            seen.found(raw in known)
+            if raw in known:
+                _drop(span)
+                return raw, ((raw, *known[raw]), None)
+            seen.claim(raw, plan.index)
+            return raw, (digests, span)
+        raw = _raw_digest(path, header, plan)
+        known = lookup([raw])
+        seen.found(raw in known)
+        if raw in known:
+            return raw, ((raw, *known[raw]), None)
+        if seen.claim(raw, plan.index):
+            return raw, None  # an earlier chunk's bytes: it is encoded there
+        digests, span = encode_one(path, header, plan, scratch)
+        if digests[0] != raw:
+            source_changed(path, plan.index)
+        return raw, (digests, span)
+
+    done = list(pool.map(one, plans))
+    # Chunks of one content encoded each (found at once by two threads, or in one pass):
+    # the lowest index keeps its copy, which it always has (a chunk skips encoding only
+    # for a lower one), and the others name its blob.
+    first = {}
+    out: list[tuple[tuple[str, str, int], BlobSpan | None]] = []
+    for index, (raw, result) in enumerate(done):
+        keeper = first.setdefault(raw, index)
+        if keeper == index:
+            out.append(result)
+            continue
+        if result is not None:
+            _drop(result[1])
+        out.append((done[keeper][1][0], None))
+    return out
+
+
+def _drop(span: BlobSpan | None) -> None:
+    """Remove a chunk's spooled encoding that will not be sent."""
+    if span is not None and span.spool:
+        os.unlink(span.spool)
 
 
 @dataclass

@@ -48,6 +48,7 @@ def keyed_nodes(tmp_path):
 
 
 KEY = b"chunk-engine-test-key"
+FREE = {"a": 1 << 40, "b": 1 << 40}  # two nodes with room for anything
 
 
 def bf16_model(layers: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -324,3 +325,92 @@ def test_a_version_whose_raw_chunks_were_kept_behind_a_header_still_gathers(node
     assert sorted(loaded) == sorted(n for n in expected if n.startswith("layers.1."))
     for name, tensor in loaded.items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def _counting_reads(monkeypatch) -> list[int]:
+    """The chunk indexes prepare_chunked_store reads (a hash pass or an encode), in order."""
+    from coordinator.dataplane import chunk_engine
+
+    reads: list[int] = []
+    raw_digest, encode_one = chunk_engine._raw_digest, chunk_engine.encode_one
+
+    def hashing(path, header, plan):
+        reads.append(plan.index)
+        return raw_digest(path, header, plan)
+
+    def encoding(path, header, plan, spool):
+        reads.append(plan.index)
+        return encode_one(path, header, plan, spool)
+
+    monkeypatch.setattr(chunk_engine, "_raw_digest", hashing)
+    monkeypatch.setattr(chunk_engine, "encode_one", encoding)
+    return reads
+
+
+def test_a_first_store_of_new_content_reads_each_chunk_once(tmp_path, monkeypatch):
+    """Content the lookup knows none of is hashed and encoded in one pass per chunk: only
+    the first chunks, hashed alone until CHUNKS_NEW_BEFORE_ONE_PASS of them in a row were
+    found new, are read twice. A fine-tune's store still encodes only what changed."""
+    from coordinator.dataplane.chunk_engine import prepare_chunked_store
+
+    tensors = bf16_model(layers=10)
+    first, second = tmp_path / "step1.safetensors", tmp_path / "step2.safetensors"
+    save_file(tensors, first)
+    stored: dict[str, tuple[str, int]] = {}
+    asked: list[str] = []
+
+    def lookup(raws):
+        asked.extend(raws)
+        return {r: stored[r] for r in raws if r in stored}
+
+    def prepare(src):
+        p = prepare_chunked_store(src, src.name, FREE, tmp_path / "spool", lookup=lookup)
+        stored.update({c.raw_sha256: (c.blob_sha256, c.blob_size) for c in p.manifest.chunks})
+        return p
+
+    reads = _counting_reads(monkeypatch)
+    v1 = prepare(first)
+    chunks = v1.manifest.chunks
+    assert len(chunks) >= 20 and not v1.known
+    twice = [i for i in set(reads) if reads.count(i) > 1]
+    assert sorted(set(reads)) == list(range(len(chunks)))
+    assert len(twice) <= defaults.CHUNKS_NEW_BEFORE_ONE_PASS + defaults.HASH_THREADS - 1
+    assert all(i < len(twice) + defaults.HASH_THREADS for i in twice)  # the first ones only
+    assert set(asked) == {c.raw_sha256 for c in chunks}  # every new chunk looked up
+    assert v1.hashed_bytes == read_header(first).data_size
+
+    changed = [n for n in tensors if n.endswith("up_proj.weight")]
+    for name in changed:
+        tensors[name] = tensors[name] + torch.full_like(tensors[name], 0.001)
+    save_file(tensors, second)
+    v2 = prepare(second)
+    header = read_header(second)
+    changed_bytes = sum(t.size for t in header.tensors if t.name in changed)
+    new = [c.index for c in v2.manifest.chunks if c.index not in v2.known]
+    assert sum(v2.manifest.chunks[i].data_end - v2.manifest.chunks[i].data_start for i in new) == (
+        changed_bytes
+    )
+    assert v2.encoded_raw_bytes == changed_bytes
+    assert {os.path.basename(s.spool) for s in v2.spans if s.spool} == {f"{i}.chunk" for i in new}
+    assert sorted(os.listdir(v2.spool)) == sorted(f"{i}.chunk" for i in new)
+    # The same blobs as a store that hashed every chunk first would name.
+    monkeypatch.undo()
+    stored.clear()
+    again = prepare(second)
+    assert again.manifest.chunks == v2.manifest.chunks
+
+
+def test_byte_identical_chunks_of_new_content_are_spooled_once(tmp_path):
+    """Every norm at ones: their chunks have one raw digest, and the store keeps one
+    encoded copy, the first one's, whether it hashed them first or encoded them at once."""
+    from coordinator.dataplane.chunk_engine import prepare_chunked_store
+
+    tensors = {f"n{i}.weight": torch.ones(1 << 19, dtype=torch.float32) for i in range(8)}
+    src = tmp_path / "norms.safetensors"
+    save_file(tensors, src)
+    p = prepare_chunked_store(src, src.name, FREE, tmp_path / "spool", lookup=lambda raws: {})
+    raws = {c.raw_sha256 for c in p.manifest.chunks}
+    assert len(p.manifest.chunks) == 8 and len(raws) == 1
+    assert len({c.blob_sha256 for c in p.manifest.chunks}) == 1
+    assert os.listdir(p.spool) == ["0.chunk"]
+    assert p.known == frozenset(range(1, 8))
