@@ -12,12 +12,19 @@ one that breaks off mid-blob is reported, and once this node holds its own
 verified copy it pushes that copy to the nodes the broken link cut off. Nothing
 here ever fails the upstream because of a downstream node: the sender always
 gets a report.
+
+A link that ended in step (the next node's report read, every byte it asked for
+sent) is kept by the session for the next chain_put on the same connection: a
+chain task sends its whole batch of chunks over one connection to the head, and
+a new link per chunk cost the next node a TCP accept, the key handshake and a
+thread each time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -102,6 +109,49 @@ class Keepalive:
                 return  # the sender is gone; the main thread finds out on its next read
 
 
+class KeptLinks:
+    """The idle link a session keeps to the next node of its chains, for its next
+    chain_put; at most one, so a session holds no more than one connection downstream,
+    idle or busy. Used by the session's own thread only."""
+
+    def __init__(self) -> None:
+        self._idle: tuple[Hop, socket.socket, str] | None = None
+
+    def take(self, hop: Hop) -> tuple[socket.socket, str] | None:
+        """(the kept connection to hop, the node id its handshake proved), or None."""
+        idle, self._idle = self._idle, None
+        if idle is None:
+            return None
+        kept_hop, sock, node_id = idle
+        if kept_hop == hop and _quiet(sock):
+            return sock, node_id
+        # Another next node, or one that closed it while it sat idle (its timeout, a restart).
+        _close(sock)
+        return None
+
+    def give(self, hop: Hop, sock: socket.socket, node_id: str) -> None:
+        self.close()
+        self._idle = (hop, sock, node_id)
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            _close(idle[1])
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """Nothing to read on an idle connection: one the peer closed reads as its end."""
+    # One poll(2) call: a selector would create and close an epoll instance per reuse.
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
 def unreached(hops: list[Hop], why: str) -> list[dict[str, Any]]:
     return [
         protocol.chain_entry(protocol.CHAIN_FAILED, None, "peer_unavailable", why) for _ in hops
@@ -123,6 +173,7 @@ class Link:
         self.streaming = streaming
         self.broken: str | None = None  # why the body stopped reaching it
         self.sent = 0
+        self._kept = False  # handed to a KeptLinks: no longer ours to close
 
     def send(self, chunk: memoryview) -> None:
         """Pass a chunk on; a failure only marks the link broken (our own copy goes on)."""
@@ -149,12 +200,15 @@ class Link:
         self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        if not self._kept:
+            _close(self.sock)
 
-    def finish(self, tick: Tick, timeout: float) -> tuple[list[dict[str, Any]], int | None]:
+    def finish(
+        self, tick: Tick, timeout: float, kept: KeptLinks | None = None
+    ) -> tuple[list[dict[str, Any]], int | None]:
         """(one entry per hop of this link, the index in self.hops from which nodes were cut
-        off by a broken link and may still take our copy, or None)."""
+        off by a broken link and may still take our copy, or None). With `kept`, a link
+        whose report came back whole is left there for the next chain_put."""
         if self.broken is not None:
             entry = protocol.chain_entry(
                 protocol.CHAIN_FAILED, self.node_id, "peer_unavailable", self.broken
@@ -169,8 +223,13 @@ class Link:
             why = f"{self.peer} sent no chain report ({exc})"
             log.warning("chain: %s", why)
             entry = protocol.chain_entry(protocol.CHAIN_FAILED, self.node_id, error_code(exc), why)
+            self.close()
             return [entry, *unreached(self.hops[1:], why)], 1
-        finally:
+        # In step: it read every byte it asked for before it reported.
+        if kept is not None:
+            kept.give(self.hops[0], self.sock, self.node_id)
+            self._kept = True
+        else:
             self.close()
         own = {**report["self"], "node_id": self.node_id}  # the id its handshake proved
         return [own, *report["forward"]], None
@@ -183,29 +242,42 @@ def open_link(
     cluster_key: bytes | None,
     timeout: float,
     tick: Tick,
+    kept: KeptLinks | None = None,
 ) -> tuple[list[dict[str, Any]], Link | None]:
     """Ask hops in turn to take the blob until one answers; (entries of the hops that did
-    not, the link to the one that did, which serves every hop after it, or None)."""
+    not, the link to the one that did, which serves every hop after it, or None). A link
+    `kept` to the hop asked is used before a new one is opened."""
     skipped: list[dict[str, Any]] = []
     for index, (host, port) in enumerate(hops):
         peer = protocol.peer_text(host, port)
         rest = hops[index + 1 :]
         sock: socket.socket | None = None
         node_id: str | None = None
+        request = {
+            "op": "chain_put",
+            "digest": digest,
+            "size": size,
+            "forward": [protocol.peer_text(h, p) for h, p in rest],
+        }
         try:
-            # A next node that does not answer is given up sooner than our sender would give
-            # up on us, though our keepalive frames keep it waiting anyway.
-            sock = wire.connect(host, port, timeout * defaults.CHAIN_DOWNSTREAM_TIMEOUT_SHARE)
-            # The next node checks us like any client: the same key, the same proofs.
-            node_id = wire.client_handshake(sock, cluster_key, peer)
-            request = {
-                "op": "chain_put",
-                "digest": digest,
-                "size": size,
-                "forward": [protocol.peer_text(h, p) for h, p in rest],
-            }
-            wire.send_frame_header(sock, request, size)
-            header, _ = wire.recv_final_response(sock, peer, tick)
+            header: dict[str, Any] | None = None
+            reused = kept.take((host, port)) if kept is not None else None
+            if reused is not None:
+                sock, node_id = reused
+                try:
+                    header = _ask(sock, request, peer, tick)
+                except (PeerClosedError, ConnectionError):
+                    # Closed as it was taken (the next node's timeout, a restart): nothing
+                    # was answered, so the request goes again on a new connection.
+                    _close(sock)
+                    sock, node_id = None, None
+            if header is None:
+                # A next node that does not answer is given up sooner than our sender would
+                # give up on us, though our keepalive frames keep it waiting anyway.
+                sock = wire.connect(host, port, timeout * defaults.CHAIN_DOWNSTREAM_TIMEOUT_SHARE)
+                # The next node checks us like any client: the same key, the same proofs.
+                node_id = wire.client_handshake(sock, cluster_key, peer)
+                header = _ask(sock, request, peer, tick)
             status = header.get("status")
             if status not in ("continue", "exists"):
                 raise ProtocolError(f"node {peer} answered a chain_put with {header!r}")
@@ -221,6 +293,12 @@ def open_link(
                 )
             )
     return skipped, None
+
+
+def _ask(sock: socket.socket, request: dict[str, Any], peer: str, tick: Tick) -> dict[str, Any]:
+    """Send a chain_put's header; the next node's first answer after its progress frames."""
+    wire.send_frame_header(sock, request, request["size"])
+    return wire.recv_final_response(sock, peer, tick)[0]
 
 
 def push_copy(

@@ -89,6 +89,7 @@ class Session:
         self.cluster_key = cluster_key
         self.socket_timeout = socket_timeout
         self._unread_body = 0  # bytes of the current request's body not read yet
+        self.links = chain.KeptLinks()  # to the next node of this connection's chain_puts
 
     def run(self) -> None:
         try:
@@ -114,6 +115,7 @@ class Session:
             log.exception("internal error while serving %s", self.peer)
             self._send_error_then_close("internal", "the node hit an internal error; see its log")
         finally:
+            self.links.close()
             self.sock.close()
 
     def _handshake(self) -> None:
@@ -298,7 +300,7 @@ class Session:
             # The next node is asked before our sender is told to go, so the body passes
             # through in one go; its "continue" or refusal is known before the first byte.
             forward, link = chain.open_link(
-                hops, digest, size, self.cluster_key, self.socket_timeout, tick
+                hops, digest, size, self.cluster_key, self.socket_timeout, tick, self.links
             )
             try:
                 keepalive.send({"ok": True, "status": "continue"})
@@ -317,7 +319,7 @@ class Session:
                 self._unread_body = 0
                 own = self._commit_chain_copy(incoming, digest, size)
                 if link is not None:
-                    reached, cut_from = link.finish(tick, self.socket_timeout)
+                    reached, cut_from = link.finish(tick, self.socket_timeout, self.links)
                     self.metrics.sent(link.sent)
                     cut = [] if cut_from is None else link.hops[cut_from:]
                     forward += reached[: len(reached) - len(cut)]
