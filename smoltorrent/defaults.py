@@ -238,12 +238,6 @@ MAX_TRANSFER_TIME_S = 12 * 3600  # seconds; cap so the visibility timeout stays 
 # whole backoff series, or a slow transfer would run twice at once.
 VISIBILITY_TIMEOUT_S = MAX_TRANSFER_TIME_S + 2 * RETRY_BACKOFF_MAX_S * 7
 WORKER_CONCURRENCY = 4  # prefork children per worker; transfers are I/O bound
-# glibc malloc arenas in each worker process (main and pool children, set before the pool
-# forks): glibc gives every new thread an arena of its own, up to 8 per core, and keeps
-# the memory freed in each; a gather's 8 threads left their chunk buffers behind in 8
-# arenas, so the one pool child that gathers grew with every thread that ever ran. Our
-# threads allocate holding the GIL, so they seldom contend for an arena.
-WORKER_MALLOC_ARENAS = 2
 # A chunked version's chunks whose chains go to the same nodes in the same order share a
 # chain task (tasks/chain_batches.py): a task per chunk spent more in Celery dispatch and
 # Redis reads than its chunk took to move (1 GB, 282 chunks: 57 ms a task for 3.5 MB).

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import gc
 import os
 import sys
 
 from coordinator import config
-from smoltorrent import defaults
 
 # macOS: the Objective-C runtime kills a forked child that touches a class whose
 # +initialize another thread of the parent was running at the fork ("may have been in
@@ -31,25 +29,8 @@ def _restart_without_objc_fork_check() -> None:
         os.execve(sys.executable, sys.orig_argv, {**os.environ, OBJC_FORK_SAFETY_ENV: "YES"})
 
 
-# mallopt's parameter for the most arenas (glibc's malloc.h)
-_M_ARENA_MAX = -8
-
-
-def limit_malloc_arenas(arenas: int) -> bool:
-    """At most `arenas` glibc malloc arenas in this process and the children it forks from
-    now on; whether it took (False without glibc: macOS, musl). glibc fixes the limit when
-    it first needs more arenas than 8, so call it before threads start."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return mallopt(_M_ARENA_MAX, arenas) == 1
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     _restart_without_objc_fork_check()  # before Celery, or anything, is imported
-    # Before any thread, so it holds for the main process and every pool child it forks.
-    limit_malloc_arenas(defaults.WORKER_MALLOC_ARENAS)
     _say_starting()
     from celery.signals import worker_init
 

@@ -4,16 +4,12 @@ a copy of the worker, so whatever the worker imports, each child carries too."""
 from __future__ import annotations
 
 import os
-import platform
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from coordinator.local.synthetic import write_checkpoint
-from smoltorrent import defaults
 from tests.tasks.conftest import wait_until
 
 RENDERING = (
@@ -129,89 +125,3 @@ def test_the_worker_on_macos_runs_its_prefork_pool_with_the_objc_fork_check_off(
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         log.close()
-
-
-# glibc's per-thread malloc arenas: a thread's first allocation takes an arena of its own
-# while fewer than the limit exist. Eight threads each allocate, hold, and report the
-# arenas malloc_info counts ("<heap nr=" per arena, the main one included).
-ARENA_PROBE = """
-import ctypes, sys, tempfile, threading
-from coordinator.cli.services import limit_malloc_arenas
-if sys.argv[1] != "none":
-    assert limit_malloc_arenas(int(sys.argv[1]))
-held = threading.Barrier(9)
-def allocate():
-    kept = [bytearray(200_000) for _ in range(4)]
-    held.wait()
-    held.wait()
-threads = [threading.Thread(target=allocate) for _ in range(8)]
-for t in threads:
-    t.start()
-held.wait()
-libc = ctypes.CDLL(None)
-libc.fopen.restype = ctypes.c_void_p
-with tempfile.NamedTemporaryFile() as f:
-    out = ctypes.c_void_p(libc.fopen(f.name.encode(), b"w"))
-    libc.malloc_info(0, out)
-    libc.fclose(out)
-    print(open(f.name).read().count("<heap nr="))
-held.wait()
-"""
-
-glibc_only = pytest.mark.skipif(
-    platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's"
-)
-
-
-@glibc_only
-def test_limit_malloc_arenas_keeps_threads_to_that_many_arenas():
-    def arenas(limit: str) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", ARENA_PROBE, limit], capture_output=True, text=True, check=True
-        )
-        return int(out.stdout)
-
-    assert arenas("none") > 2  # glibc's default: an arena per thread here
-    assert arenas("2") == 2
-
-
-HEAP_BYTES = 64 * 1024 * 1024  # a glibc thread arena's heap on 64-bit: reserved, aligned
-
-
-def _arena_heaps(pid: int) -> int:
-    """Thread arenas of a process, from its memory map: an anonymous mapping aligned to
-    64 MiB whose anonymous run (used part, then the reserved rest) spans exactly 64 MiB."""
-    spans = []
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) == 5:  # no path: anonymous
-            low, high = (int(x, 16) for x in fields[0].split("-"))
-            spans.append((low, high))
-    heaps = 0
-    for i, (low, high) in enumerate(spans):
-        if low % HEAP_BYTES == 0:
-            end = high
-            for next_low, next_high in spans[i + 1 :]:
-                if next_low != end or end - low >= HEAP_BYTES:
-                    break
-                end = next_high
-            heaps += end - low == HEAP_BYTES
-    return heaps
-
-
-@glibc_only
-def test_the_worker_processes_keep_to_the_malloc_arena_limit(make_cluster, tmp_path: Path):
-    """The pool child that gathers runs 8 threads; with the limit it has at most
-    WORKER_MALLOC_ARENAS - 1 thread arenas (the main arena is not a heap), so the memory
-    those threads free does not stay behind in one arena per thread."""
-    cluster = make_cluster(concurrency=2)
-    src = tmp_path / "m.safetensors"
-    write_checkpoint(src, 64 * 1024 * 1024, hidden=512)
-    cluster.cli("store", str(src))
-    out = cluster.root / "out.safetensors"
-    cluster.cli("gather", "m.safetensors", "-o", str(out))
-    assert out.read_bytes() == src.read_bytes()
-    pool = _children(cluster.worker.pid)
-    assert len(pool) == 2
-    heaps = {pid: _arena_heaps(pid) for pid in [cluster.worker.pid, *pool]}
-    assert max(heaps.values()) <= defaults.WORKER_MALLOC_ARENAS - 1, heaps
