@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import socket
 import threading
 from collections.abc import Callable
@@ -123,7 +122,7 @@ class KeptLinks:
         if idle is None:
             return None
         kept_hop, sock, node_id = idle
-        if kept_hop == hop and _quiet(sock):
+        if kept_hop == hop and wire.quiet(sock):
             return sock, node_id
         # Another next node, or one that closed it while it sat idle (its timeout, a restart).
         _close(sock)
@@ -137,14 +136,6 @@ class KeptLinks:
         idle, self._idle = self._idle, None
         if idle is not None:
             _close(idle[1])
-
-
-def _quiet(sock: socket.socket) -> bool:
-    """Nothing to read on an idle connection: one the peer closed reads as its end."""
-    # One poll(2) call: a selector would create and close an epoll instance per reuse.
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return not poller.poll(0)
 
 
 def _close(sock: socket.socket) -> None:

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -123,6 +124,15 @@ def deadline(sock: SessionSocket, seconds: float) -> Iterator[None]:
     finally:
         sock.deadline = None
         sock.settimeout(timeout)
+
+
+def quiet(sock: socket.socket) -> bool:
+    """Nothing to read on an idle kept connection: one the peer closed (its idle timeout, a
+    restart) reads as its end, and is not to be reused."""
+    # One poll(2) call: a selector would create and close an epoll instance per reuse.
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 def session_socket(sock: socket.socket) -> SessionSocket:

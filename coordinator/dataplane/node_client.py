@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -118,7 +117,7 @@ class KeptConnections:
                 if not idle:
                     return None
                 sock = idle.pop()
-            if _quiet(sock):
+            if wire.quiet(sock):
                 return sock
             sock.close()  # the node closed it while it sat idle (its timeout, a restart)
 
@@ -142,14 +141,6 @@ class KeptConnections:
 
     def __exit__(self, *_) -> None:
         self.close()
-
-
-def _quiet(sock: socket.socket) -> bool:
-    """Nothing to read on an idle connection: one the node closed reads as its end."""
-    # One poll(2) call: a selector would create and close an epoll instance per reuse.
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return not poller.poll(0)
 
 
 class NodeClient:

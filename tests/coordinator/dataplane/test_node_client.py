@@ -196,7 +196,7 @@ def test_kept_connections_are_reused_and_replaced_once_the_node_closed_them(
     Whether the close shows when the connection is taken or only once the request is
     sent (`looked` False: the node closed it just after the look)."""
     if not looked:
-        monkeypatch.setattr(node_client, "_quiet", lambda sock: True)
+        monkeypatch.setattr(node_client.wire, "quiet", lambda sock: True)
     env = dict(os.environ, SMOLTORRENT_METRICS_PORT="0")
     node = NodeProcess(tmp_path / "data", KEY, socket_timeout=SHORT_TIMEOUT_S, env=env).start()
     try:
