@@ -275,8 +275,7 @@ def open_link(
             return skipped, Link(sock, peer, node_id, hops[index:], status == "continue")
         except (OSError, SmoltorrentError) as exc:
             if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.close()
+                _close(sock)
             log.warning("chain: skipping %s for blob %s: %s", peer, digest[:12], exc)
             skipped.append(
                 protocol.chain_entry(
