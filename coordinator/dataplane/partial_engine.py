@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.dataplane.chunk_engine import decode_chunk_from
-from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.node_client import KeptConnections, NodeClient
 from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
 from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest
@@ -115,6 +115,10 @@ def gather_tensors(
     )
     lock = threading.Lock()
     unanswered = Unanswered()  # a node that did not answer one read is tried last after
+    # Each thread keeps its connection to a node from one read to the next (a partial load
+    # of a chunked version reads many chunks of a few MB, as a whole gather does).
+    kept = KeptConnections()
+    sources = [[client.keeping(kept) for client in replicas] for replicas in sources]
 
     def bad_copy(bad: BadCopy) -> None:
         with lock:
@@ -122,7 +126,7 @@ def gather_tensors(
         if on_bad_copy:
             on_bad_copy(bad)
 
-    with staged_output(out_path, selection.size, f"tensors of {manifest.name}") as fd:
+    with kept, staged_output(out_path, selection.size, f"tensors of {manifest.name}") as fd:
         os.pwrite(fd, selection.prefix, 0)
 
         def one_read(read: Read) -> str | None:

@@ -242,6 +242,33 @@ def test_a_gather_reads_every_chunk_of_a_node_over_as_many_connections_as_thread
     assert all(c <= 2 for c in report.connections), (served, report.connections)
 
 
+def test_a_partial_gather_of_many_chunks_keeps_its_connections(keyed_nodes, tmp_path):
+    """A partial load of tensors spread over many chunks reads them over kept connections,
+    as a whole gather does: at most one per thread a node serves, not one per chunk."""
+    src = tmp_path / "model.safetensors"
+    save_file(bf16_model(layers=12), src)
+    addresses = [n.address for n in keyed_nodes]
+    result = store_chunked(src, addresses, tmp_path / "spool", replicas=2, cluster_key=KEY)
+    manifest = result.manifest
+    selection = select(manifest, ["layers.*.q_proj.weight", "layers.*.up_proj.weight"])
+    assert len(selection.reads) >= 12
+    by_id = {NodeClient(n.address, cluster_key=KEY).ping(): n for n in keyed_nodes}
+    sources = [
+        [NodeClient(by_id[h].address, cluster_key=KEY) for h in result.holders[index]]
+        for index in range(len(manifest.chunks))
+    ]
+    accepted = [node_metric(n, ACCEPTED) for n in keyed_nodes]
+    part = tmp_path / "part.safetensors"
+    gather_tensors(manifest, selection, sources, part, threads=2)
+    connections = [node_metric(n, ACCEPTED) - a for n, a in zip(keyed_nodes, accepted, strict=True)]
+    expected = bf16_model(layers=12)
+    loaded = load_file(part)
+    assert sorted(loaded) == sorted(n for n in expected if "proj" in n)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert all(c <= 2 for c in connections), connections
+
+
 def test_a_chunked_gather_starts_the_writeback_of_its_file_as_chunks_land(
     nodes, tmp_path, monkeypatch
 ):
