@@ -1,4 +1,5 @@
-"""Blobs to all their nodes by chain replication: the default for R >= 2.
+"""Blobs to all their nodes by chain replication: the default for R >= 2, and for the
+chunks of a version stored at R=1 (each a chain of one node, batched as chains are).
 
 The source sends each blob once, to the head of its chain, and the nodes pass it on to
 each other (coordinator/dataplane/chain_engine.py). A task delivers one entry (a shard,

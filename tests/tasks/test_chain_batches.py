@@ -68,6 +68,27 @@ def test_a_chunked_store_sends_a_chain_task_per_batch_of_chunks(make_cluster, tm
     assert sha(out) == sha(src)
 
 
+def test_a_one_copy_store_sends_its_chunks_in_batches_too(make_cluster, tmp_path):
+    """R=1: each chunk's chain is its one node, and the chunks going to the same node share
+    a task as chains do (a transfer task per chunk cost more in dispatch than its chunk
+    took to move)."""
+    c = make_cluster(4)
+    src = many_chunks(tmp_path / "one.safetensors", 48)
+    row = c.cli_json("store", str(src), "--replicas", "1")
+    assert row["state"] == COMMITTED and row["min_copies"] == 1
+    log = c.worker_log()
+    assert "Task smoltorrent.transfer[" not in log
+    tasks = chain_task_ids(c)
+    assert defaults.CHAIN_BATCH_MIN_TASKS <= len(tasks) <= 48 // 2, tasks
+    assert c.md.transfers.settled(row["vkey"]) == {f"{i}:0" for i in range(48)}
+    manifest = c.md.versions.manifest(row["vkey"])
+    for chunk in manifest.chunks:
+        assert len(c.md.blobs.placement(chunk.blob_sha256)) == 1
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "one.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
 def test_a_batch_whose_node_is_gone_dead_letters_every_chunk_and_replays(make_cluster, tmp_path):
     """Two nodes, R=2, one dead: no chunk's second copy has anywhere to go, so each batch
     retries, then dead-letters with every chunk it carries; each of those chunks settles as

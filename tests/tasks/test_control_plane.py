@@ -165,7 +165,7 @@ def test_dead_letter_then_replay_completes_the_checkpoint(make_cluster, tmp_path
     letters = c.cli_json("dlq", "ls")
     assert len(letters) >= 1
     rec = letters[0]
-    assert rec["task"] == "smoltorrent.transfer" and rec["checkpoint"] == "d.safetensors"
+    assert rec["task"] == "smoltorrent.chain" and rec["checkpoint"] == "d.safetensors"
     assert rec["shard"] == 0 and rec["node"] and "NodeUnavailableError" in rec["error"]
     assert rec["traceback"] and rec["at"] > 0
     assert c.md.versions.current("d.safetensors") is None  # nothing gatherable yet
