@@ -1,5 +1,6 @@
-"""Blobs to all their nodes by chain replication: the default for R >= 2, and for the
-chunks of a version stored at R=1 (each a chain of one node, batched as chains are).
+"""Blobs to all their nodes by chain replication: the default for R >= 2. The chunks of a
+version stored at R=1, or with SMOLTORRENT_CHAIN=0, come here too: each copy a chain of
+one node, batched as chains are.
 
 The source sends each blob once, to the head of its chain, and the nodes pass it on to
 each other (coordinator/dataplane/chain_engine.py). A task delivers one entry (a shard,
@@ -227,10 +228,14 @@ class _Run:
             for index in [shard, *entry.same]:
                 md.transfers.replace_target(vkey, index, r, n, replacement.node_id)
             targets.append(replacement)
+        # A node holding the blob heads the chain and pushes its own copy, unless every
+        # copy is to come from here (SMOLTORRENT_CHAIN=0: nodes that may not reach each other).
         holders = [
             node_client(h, registered)
             for h in sorted(holding)
-            if h in registered and h not in {t.node_id for t in targets}
+            if config.chain_replication()
+            and h in registered
+            and h not in {t.node_id for t in targets}
         ]
         base = {"shard": shard, "attempt": self.task.request.retries, "chain": True}
         try:

@@ -36,9 +36,10 @@ def send_transfers(
 ) -> int:
     """The tasks that put every (shard, replica) not in `skip` on its node, deterministic
     ids; returns how many replicas they cover. With chain replication (the default) the
-    unsettled replicas of a shard go by chain when there are two or more of them, and a
-    chunk's one copy at R=1 as a chain of one node (the chunks of one chain batched into
-    a task: tasks/chain_batches.py); otherwise one transfer task per (shard, replica).
+    unsettled replicas of a shard go by chain when there are two or more of them. A chunk's
+    one copy at R=1, and each copy of a chunk without chain replication, is a chain of
+    one node. The chunks of one chain are batched into a task (tasks/chain_batches.py).
+    Otherwise (a whole shard) one transfer task per (shard, replica).
 
     A blob several entries use (byte-identical chunks) is delivered once, as its first
     entry, whose targets the others share (tasks/store.py): its tasks carry the later
@@ -54,11 +55,16 @@ def send_transfers(
         same = repeats.get(index, [])
         extra = {"same": same} if same else {}
         todo = [r for r in range(len(nodes)) if any(f"{i}:{r}" not in skip for i in [index, *same])]
-        # One copy of a chunk is a chain of one node: its chunks batch as chains do.
-        alone = manifest.chunked and len(nodes) == 1
-        if config.chain_replication() and (len(todo) >= 2 or (alone and todo)):
+        if config.chain_replication() and len(todo) >= 2:
             chain = tuple(nodes[r] for r in todo)
             chains.append(ChainEntry(index, tuple(todo), chain, shard.blob_sha256, tuple(same)))
+            sent += len(todo) * (1 + len(same))
+            continue
+        if manifest.chunked and (len(nodes) == 1 or not config.chain_replication()):
+            # A chunk's one copy (R=1), or each copy sent from here (SMOLTORRENT_CHAIN=0): a
+            # chain of one node, so a node's chunks share tasks as chains do.
+            for r in todo:
+                chains.append(ChainEntry(index, (r,), (nodes[r],), shard.blob_sha256, tuple(same)))
             sent += len(todo) * (1 + len(same))
             continue
         limit = transfer_time_limit(shard.blob_size)

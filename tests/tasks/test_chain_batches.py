@@ -89,6 +89,30 @@ def test_a_one_copy_store_sends_its_chunks_in_batches_too(make_cluster, tmp_path
     assert sha(out) == sha(src)
 
 
+def test_without_chain_replication_every_copy_comes_from_the_source_in_batches(
+    make_cluster, tmp_path
+):
+    """SMOLTORRENT_CHAIN=0 (nodes that cannot reach each other): every copy of a chunk is
+    sent from the coordinator, as a chain of its one node, and a node's copies share
+    tasks (one transfer task per chunk and replica before)."""
+    c = make_cluster(4, SMOLTORRENT_CHAIN="0")
+    src = many_chunks(tmp_path / "direct.safetensors", 24)
+    row = c.cli_json("store", str(src))
+    assert row["state"] == COMMITTED and row["min_copies"] == 2
+    assert "Task smoltorrent.transfer[" not in c.worker_log()
+    assert len(chain_task_ids(c)) <= 24
+    settled = {f"{i}:{r}" for i in range(24) for r in (0, 1)}
+    assert c.md.transfers.settled(row["vkey"]) == settled
+    attempts = [a for a in c.md.transfers.attempts(row["vkey"]) if "result" in a]
+    assert sorted((a["shard"], a["replica"]) for a in attempts) == sorted(
+        (i, r) for i in range(24) for r in (0, 1)
+    )
+    assert {a["result"] for a in attempts} == {"sent"}  # none passed on by a node
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "direct.safetensors", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
 def test_a_batch_whose_node_is_gone_dead_letters_every_chunk_and_replays(make_cluster, tmp_path):
     """Two nodes, R=2, one dead: no chunk's second copy has anywhere to go, so each batch
     retries, then dead-letters with every chunk it carries; each of those chunks settles as
