@@ -90,6 +90,8 @@ class Session:
         self.socket_timeout = socket_timeout
         self._unread_body = 0  # bytes of the current request's body not read yet
         self.links = chain.KeptLinks()  # to the next node of this connection's chain_puts
+        interval = min(defaults.PROGRESS_INTERVAL_S, socket_timeout / 4)
+        self.keepalive = chain.Keepalive(self.sock, interval)  # for every chain_put here
 
     def run(self) -> None:
         try:
@@ -115,6 +117,7 @@ class Session:
             log.exception("internal error while serving %s", self.peer)
             self._send_error_then_close("internal", "the node hit an internal error; see its log")
         finally:
+            self.keepalive.close()
             self.links.close()
             self.sock.close()
 
@@ -273,8 +276,7 @@ class Session:
         "continue", then, after progress frames, {"status": "done", "self": our fate,
         "forward": one entry per forward node}. Our own failure is in the report, not an
         error frame, so the sender still learns what became of every other copy."""
-        interval = min(defaults.PROGRESS_INTERVAL_S, self.socket_timeout / 4)
-        with chain.Keepalive(self.sock, interval) as keepalive:
+        with self.keepalive.running() as keepalive:
             own, forward = self._chain_put(request, keepalive)
         self._send_chain_report(request["digest"], own, forward)
 
