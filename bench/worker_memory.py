@@ -104,6 +104,9 @@ class Sampler:
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak_sum, self.peak_one, self.peak_pss = pid, 0, 0, 0
+        # Peak PSS of each process on its own (parent first, then the pool children by pid):
+        # which one grows with the checkpoint size, not only the tree's sum.
+        self.peak_by_pid: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -112,6 +115,8 @@ class Sampler:
             total, largest, pss = tree_rss(self.pid)
             self.peak_sum, self.peak_one = max(self.peak_sum, total), max(self.peak_one, largest)
             self.peak_pss = max(self.peak_pss, pss)
+            for p in tree(self.pid):
+                self.peak_by_pid[p] = max(self.peak_by_pid.get(p, 0), _pss(p))
             self._stop.wait(SAMPLE_S)
 
     def __enter__(self) -> Sampler:
@@ -186,6 +191,10 @@ def measure(
                 "peak_process_rss_mb": round(s.peak_one / MB, 1),
                 "peak_tree_pss_mb": round(s.peak_pss / MB, 1),
                 "processes": len(tree(pid)),
+                "peak_pss_mb_by_process": {
+                    ("parent" if p == pid else f"child-{p}"): round(v / MB, 1)
+                    for p, v in sorted(s.peak_by_pid.items(), key=lambda kv: kv[0] != pid)
+                },
             }
             if what == "store" and drop_source:
                 source.unlink()
