@@ -230,12 +230,11 @@ class _Run:
             targets.append(replacement)
         # A node holding the blob heads the chain and pushes its own copy, unless every
         # copy is to come from here (SMOLTORRENT_CHAIN=0: nodes that may not reach each other).
+        pushers = holding if config.chain_replication() else set()
         holders = [
             node_client(h, registered)
-            for h in sorted(holding)
-            if config.chain_replication()
-            and h in registered
-            and h not in {t.node_id for t in targets}
+            for h in sorted(pushers)
+            if h in registered and h not in {t.node_id for t in targets}
         ]
         base = {"shard": shard, "attempt": self.task.request.retries, "chain": True}
         try:

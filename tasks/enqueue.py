@@ -55,16 +55,19 @@ def send_transfers(
         same = repeats.get(index, [])
         extra = {"same": same} if same else {}
         todo = [r for r in range(len(nodes)) if any(f"{i}:{r}" not in skip for i in [index, *same])]
-        if config.chain_replication() and len(todo) >= 2:
-            chain = tuple(nodes[r] for r in todo)
-            chains.append(ChainEntry(index, tuple(todo), chain, shard.blob_sha256, tuple(same)))
-            sent += len(todo) * (1 + len(same))
-            continue
-        if manifest.chunked and (len(nodes) == 1 or not config.chain_replication()):
+        chained = config.chain_replication()
+        if chained and len(todo) >= 2:
+            runs = [tuple(todo)]  # one chain through every unsettled replica
+        elif manifest.chunked and (len(nodes) == 1 or not chained):
             # A chunk's one copy (R=1), or each copy sent from here (SMOLTORRENT_CHAIN=0): a
             # chain of one node, so a node's chunks share tasks as chains do.
-            for r in todo:
-                chains.append(ChainEntry(index, (r,), (nodes[r],), shard.blob_sha256, tuple(same)))
+            runs = [(r,) for r in todo]
+        else:
+            runs = None  # a whole shard's copies: a transfer task each, below
+        if runs is not None:
+            for run in runs:
+                chain = tuple(nodes[r] for r in run)
+                chains.append(ChainEntry(index, run, chain, shard.blob_sha256, tuple(same)))
             sent += len(todo) * (1 + len(same))
             continue
         limit = transfer_time_limit(shard.blob_size)
