@@ -62,7 +62,14 @@ def _gather(spec: dict) -> dict:
 def _raw_store(spec: dict) -> dict:
     from bench.raw_reference import raw_store
 
-    return {"bytes": raw_store(spec["source"], spec["ranges"], spec["targets"], spec["ports"])}
+    moved = raw_store(
+        spec["source"],
+        spec["ranges"],
+        spec["targets"],
+        spec["ports"],
+        hashed=spec.get("hashed", False),
+    )
+    return {"bytes": moved}
 
 
 def _raw_gather(spec: dict) -> dict:
@@ -76,6 +83,7 @@ def _raw_gather(spec: dict) -> dict:
         spec["ranges"],
         spec["served_by"],
         spec["ports"],
+        hashed=spec.get("hashed", False),
     )
 
 

@@ -62,6 +62,10 @@ def _celery(runs: list[dict], direct: dict, size: int) -> dict:
         }
     for op in ("store", "gather"):
         out[op]["vs_raw"] = round(out[op]["seconds"] / direct[f"raw_{op}"]["seconds"], 2)
+    for op, raw in (("store", "store"), ("gather", "gather"), ("reader_gather", "gather")):
+        if op in out and f"raw_hashed_{raw}" in direct:
+            hashed = direct[f"raw_hashed_{raw}"]["seconds"]
+            out[op]["vs_raw_hashed"] = round(out[op]["seconds"] / hashed, 2)
     return out
 
 
@@ -80,6 +84,14 @@ def summarize(rows: list[dict], args, command: str) -> dict:
             ratios = [run[op]["seconds"] / run[f"raw_{op}"]["seconds"] for run in runs]
             entry[f"{op}_vs_raw"] = round(statistics.median(ratios), 2)
             entry[f"{op}_vs_raw_runs"] = [round(x, 2) for x in ratios]
+            if f"raw_hashed_{op}" in runs[0]:
+                entry[f"raw_hashed_{op}"] = _op([run[f"raw_hashed_{op}"] for run in runs], size)
+                hashed = [run[op]["seconds"] / run[f"raw_hashed_{op}"]["seconds"] for run in runs]
+                entry[f"{op}_vs_raw_hashed"] = round(statistics.median(hashed), 2)
+                floor = [
+                    run[f"raw_hashed_{op}"]["seconds"] / run[f"raw_{op}"]["seconds"] for run in runs
+                ]
+                entry[f"raw_hashed_{op}_vs_raw"] = round(statistics.median(floor), 2)
         for op in ("gather", "raw_gather"):
             entry[f"{op}_cold"] = _op([run[f"{op}_cold"] for run in runs], size)
         entry["raw_gather_cold"]["steps_s"] = {
@@ -170,16 +182,24 @@ def table(summary: dict) -> str:
             if op == "store":
                 line(size, "  of which plan + hash", s["plan"], "")
             line(size, f"{op} (raw sendfile)", s[f"raw_{op}"], "1.00")
+            if f"raw_hashed_{op}" in s:
+                hashed = s[f"raw_hashed_{op}_vs_raw"]
+                line(size, f"{op} (raw + SHA-256)", s[f"raw_hashed_{op}"], f"{hashed:.2f}")
             if op == "gather":
                 line(size, "  gather (engine), cold", s["gather_cold"], "")
                 line(size, "  gather (raw), cold", s["raw_gather_cold"], "")
             if "celery" in s:
                 c = s["celery"][op]
                 ratio = f"{c['vs_raw']:.2f} ({c['vs_direct']:.2f} x engine)"
+                if "vs_raw_hashed" in c:
+                    ratio += f", {c['vs_raw_hashed']:.2f} x hashed"
                 line(size, f"{op} (Celery + CLI)", c, ratio, False)
                 if op == "gather" and "reader_gather" in s["celery"]:
                     c = s["celery"]["reader_gather"]
-                    line(size, "gather (CLI, own process)", c, f"{c['vs_raw']:.2f}", False)
+                    ratio = f"{c['vs_raw']:.2f}"
+                    if "vs_raw_hashed" in c:
+                        ratio += f" ({c['vs_raw_hashed']:.2f} x hashed)"
+                    line(size, "gather (CLI, own process)", c, ratio, False)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = " | ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
     out = [fmt.format(*head), "-+-".join("-" * w for w in widths)]

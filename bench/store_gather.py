@@ -11,6 +11,8 @@ peak RSS, the child's VmHWM, is the coordinator's alone):
   gather  gather_checkpoint (pull, hash, pwrite, fsync, rename)
   raw     the same ranges x replicas moved by plain sendfile into N raw socket
           servers that write and fsync (bench/raw_reference.py), and back.
+  hashed raw  the same plus SHA-256 once at the source, at each node and at the
+          gatherer: the floor for anything that verifies what it moves.
 With --celery, the same store and gather through a LocalCluster and the CLI.
 
 Honesty notes: the source file was just written, so every read of it comes
@@ -243,6 +245,24 @@ def measure_direct(source: Path, digest: str, args, root: Path, timeout: float) 
         out["raw_gather_cold"], out["raw_gather"] = twice(
             "raw reference gather (sendfile -> recv, pwrite)", spec, raw_out, digest, root, timeout
         )
+        # The same again with the one check smoltorrent cannot drop, SHA-256 at the source,
+        # at every node and at the gatherer: what hashing alone costs on this machine.
+        phase("hashed raw reference store (+ SHA-256 at the source and every node)")
+        out["raw_hashed_store"] = run_child(
+            {
+                "op": "raw_store",
+                "source": str(source),
+                "ranges": ranges,
+                "targets": holders,
+                "ports": ports,
+                "hashed": True,
+            },
+            root,
+            timeout,
+        )
+        phase("hashed raw reference gather (+ SHA-256 of what arrives)")
+        out["raw_hashed_gather"] = run_child({**spec, "hashed": True}, root, timeout)
+        check_same(raw_out, digest, "hashed raw gather")
         out["shards"] = len(manifest.shards)
     finally:
         stop([p for p, _ in raw])
