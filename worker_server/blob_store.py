@@ -2,7 +2,8 @@
 
 Layout under the data dir:
     node_id                 uuid4 hex, generated once and kept forever
-    blobs/<2 hex>/<64 hex>  complete, verified blobs named by their SHA-256
+    blobs/<2 hex>/<64 hex>  complete, verified blobs named by their SHA-256 (all 256
+                            buckets made when the store opens)
     tmp/                    incoming data; anything here at start is a crash leftover
     manifests/<key>.json    manifests, as the coordinator sent them
     quarantine/<64 hex>     copies that hashed wrong at rest: out of every read, kept until
@@ -42,6 +43,9 @@ from worker_server import protocol, writeback
 log = logging.getLogger(__name__)
 
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+# Fan-out buckets under blobs/, one per first byte of the digest (its first 2 hex digits).
+BUCKETS = 16**2
 
 
 def write_file_atomically(path: Path, data: bytes, tmp_dir: Path) -> None:
@@ -97,6 +101,7 @@ class BlobStore:
         ):
             directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock_data_dir()
+        self._make_buckets()
         # Puts in flight, each holding the space it has yet to write: the disk has room
         # for a new put only beyond what they still need (statvfs sees only what is written).
         self._incoming: set[IncomingBlob] = set()
@@ -122,6 +127,21 @@ class BlobStore:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def _make_buckets(self) -> None:
+        # Every fan-out bucket made once, here, with one fsync of blobs/ for all: else a
+        # put into a new bucket pays a mkdir and that fsync, and on a fresh node nearly
+        # every blob of a first store lands in a new bucket (~141 blobs a node per GB
+        # over 256 buckets). _publish still makes a bucket removed by hand.
+        made = False
+        for first in range(BUCKETS):
+            try:
+                (self.blobs_dir / f"{first:02x}").mkdir()
+                made = True
+            except FileExistsError:
+                pass
+        if made:
+            durable.sync_path(self.blobs_dir)
 
     def _remove_stale_tmp_files(self) -> None:
         # Nothing else runs yet, so whatever is here was left by a crash mid-transfer.
@@ -245,6 +265,7 @@ class BlobStore:
     def _publish(self, tmp_path: Path, digest: str) -> None:
         target = self.blob_path(digest)
         try:
+            # Made when the store opened; this is for a bucket removed since.
             target.parent.mkdir()
             durable.sync_path(self.blobs_dir)
         except FileExistsError:

@@ -140,3 +140,36 @@ def test_stat_counts_blobs_and_space(store: BlobStore) -> None:
     assert 0 < stat["free_bytes"] <= stat["total_bytes"]
     assert stat["node_id"] == store.node_id
     assert os.path.samefile(store.root, store.blobs_dir.parent)
+
+
+def test_a_new_store_has_every_fan_out_bucket_so_a_put_makes_no_directory(
+    store: BlobStore,
+) -> None:
+    # A put into a bucket not made yet pays a mkdir and an fsync of blobs/; on a fresh
+    # node nearly every blob of a first store would land in a new bucket.
+    buckets = sorted(p.name for p in store.blobs_dir.iterdir())
+    assert buckets == [f"{i:02x}" for i in range(256)]
+    assert all((store.blobs_dir / name).is_dir() for name in buckets)
+    assert store.inventory() == {}
+    assert store.inventory_page(None, 10) == ({}, False)
+
+
+def test_reopening_a_store_keeps_its_blobs_and_buckets(tmp_path: Path) -> None:
+    first = BlobStore(tmp_path / "data")
+    digest = store_blob(first, b"kept")
+    first.close()
+    again = BlobStore(tmp_path / "data")
+    try:
+        assert again.inventory() == {digest: 4}
+        assert len(list(again.blobs_dir.iterdir())) == 256
+    finally:
+        again.close()
+
+
+def test_a_put_into_a_bucket_removed_by_hand_makes_it_again(store: BlobStore) -> None:
+    data = b"after an operator's rm -r"
+    bucket = store.blobs_dir / hashlib.sha256(data).hexdigest()[:2]
+    bucket.rmdir()
+    digest = store_blob(store, data)
+    assert (bucket / digest).read_bytes() == data
+    assert store.inventory() == {digest: len(data)}
