@@ -104,5 +104,8 @@ app.conf.update(
 # Its signals connected before the worker sets up its logs (one of them formats them).
 import tasks.event_log  # noqa: E402, F401
 
+# After every task, malloc's free pages go back to the system (tasks/malloc_trim.py).
+import tasks.malloc_trim  # noqa: E402, F401
+
 # At every reconnection to the broker: send again what the lost connection dropped.
 app.steps["consumer"].add("beat.reconnect:Redrive")
