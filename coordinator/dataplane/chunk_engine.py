@@ -40,6 +40,7 @@ from coordinator.dataplane.chunk_source import (
 )
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
+from coordinator.dataplane.ordered_map import ordered_map
 from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
 from coordinator.dataplane.store_engine import hash_blob, probe_nodes, send_shard, write_manifest
 from coordinator.plan.chunks import ChunkPlan, plan_chunks
@@ -202,7 +203,7 @@ def _encode_known(
         if cached_raws is not None:  # unchanged since: read only what is new
             raws = cached_raws
         else:  # RAW chunks (not encode): both digests in the one pass
-            hashed = list(pool.map(lambda p: encode_one(path, header, p, None), plans))
+            hashed = list(ordered_map(pool, lambda p: encode_one(path, header, p, None), plans))
             raws = [h[0][0] for h in hashed]
             full_pass = True
         known = lookup(raws)
@@ -234,7 +235,7 @@ def _encode_known(
             source_changed(path, plan.index)
         return digests, span
 
-    encoded = list(pool.map(one, plans))
+    encoded = list(ordered_map(pool, one, plans))
     for index, earlier in repeats.items():
         encoded[index] = encoded[index] or (encoded[earlier][0], None)
     return encoded, full_pass
@@ -305,7 +306,7 @@ def _encode_as_found(
             source_changed(path, plan.index)
         return raw, (digests, span)
 
-    done = list(pool.map(one, plans))
+    done = list(ordered_map(pool, one, plans))
     # Chunks of one content encoded each (found at once by two threads, or in one pass):
     # the lowest index keeps its copy, which it always has (a chunk skips encoding only
     # for a lower one), and the others name its blob.
