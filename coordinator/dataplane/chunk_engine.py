@@ -494,7 +494,7 @@ def gather_chunks(
         return f"chunk {chunk.index} ({chunk.blob_sha256[:12]}): {where}"
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        missing = [m for m in pool.map(one, manifest.chunks) if m]
+        missing = [m for m in ordered_map(pool, one, manifest.chunks) if m]
     return served, fallbacks, missing
 
 
