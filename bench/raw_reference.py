@@ -85,21 +85,6 @@ def _recv_into_fd(
         offset, count = offset + n, count - n
 
 
-def _hash_range(path: str, offset: int, length: int) -> str:
-    hasher = hashlib.sha256()
-    buf = bytearray(BUFFER_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        while length:
-            n = f.readinto(view[: min(length, len(buf))])
-            if not n:
-                raise ConnectionError("source file ended early")
-            hasher.update(view[:n])
-            length -= n
-    return hasher.hexdigest()
-
-
 # --- the raw node process ------------------------------------------------------
 
 
@@ -156,8 +141,11 @@ def raw_store(
     source, like store_checkpoint's default (no chain); returns the bytes moved. `hashed`:
     every range hashed once at the source first, and at every node as it arrives."""
     if hashed:
+        # The store's own read-and-hash pass (imported here: a raw node never needs it).
+        from coordinator.dataplane.store_engine import hash_blob
+
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            list(pool.map(lambda r: _hash_range(source, *r), ranges))
+            list(pool.map(lambda i: hash_blob(source, i, b"", *ranges[i]), range(len(ranges))))
 
     def one_copy(job: tuple[int, int]) -> int:
         index, node = job

@@ -92,11 +92,12 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def tree_rss(pid: int) -> tuple[int, int, int]:
-    """(RSS sum, largest RSS, PSS sum) in bytes of a process and all its descendants now."""
+def tree_rss(pid: int) -> tuple[int, int, dict[int, int]]:
+    """(RSS sum, largest RSS, PSS of each process by pid) in bytes of a process and all its
+    descendants now."""
     procs = tree(pid)
     sizes = [_rss(p) for p in procs]
-    return sum(sizes), max(sizes, default=0), sum(_pss(p) for p in procs)
+    return sum(sizes), max(sizes, default=0), {p: _pss(p) for p in procs}
 
 
 class Sampler:
@@ -114,9 +115,9 @@ class Sampler:
         while not self._stop.is_set():
             total, largest, pss = tree_rss(self.pid)
             self.peak_sum, self.peak_one = max(self.peak_sum, total), max(self.peak_one, largest)
-            self.peak_pss = max(self.peak_pss, pss)
-            for p in tree(self.pid):
-                self.peak_by_pid[p] = max(self.peak_by_pid.get(p, 0), _pss(p))
+            self.peak_pss = max(self.peak_pss, sum(pss.values()))
+            for p, size in pss.items():
+                self.peak_by_pid[p] = max(self.peak_by_pid.get(p, 0), size)
             self._stop.wait(SAMPLE_S)
 
     def __enter__(self) -> Sampler:
@@ -170,7 +171,8 @@ def measure(
         env = cluster.env()
         cli(env, "nodes", "add", *(str(n.address) for n in cluster.node_procs))
         pid = cluster.worker.pid
-        idle, _, idle_pss = tree_rss(pid)
+        idle, _, idle_pss_by_pid = tree_rss(pid)
+        idle_pss = sum(idle_pss_by_pid.values())
         row = {
             "size_bytes": size,
             "idle_tree_rss_mb": round(idle / MB, 1),
