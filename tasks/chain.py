@@ -29,7 +29,7 @@ from coordinator.dataplane.chunk_source import release, spool_dir
 from coordinator.dataplane.node_client import KeptConnections
 from coordinator.plan.source_file import SourceIdentity
 from coordinator.state import trim_marks
-from coordinator.state.transfers import AttemptClock
+from coordinator.state.transfers import AttemptClock, Settle
 from coordinator.state.versions import ABORTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -42,7 +42,7 @@ from tasks.app import app
 from tasks.chain_batches import ChainEntry, chain_entries
 from tasks.context import metadata, node_client
 from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
-from tasks.enqueue import settle
+from tasks.enqueue import settle_all
 from tasks.sent_progress import SentRecorder, delivery_meter, record_wire
 
 log = get_task_logger(__name__)
@@ -148,17 +148,22 @@ class _Run:
         # The entries' chain puts share a connection to their head node (closed by the task).
         self.kept = KeptConnections()
 
-    def settle(self, entry: ChainEntry, replica: int, node: str, held: bool = False) -> None:
-        settle(
+    def settle(
+        self,
+        entry: ChainEntry,
+        placed: list[tuple[int, str]],
+        held: bool = False,
+        attempts: list[dict] = (),
+    ) -> None:
+        """Settle `placed` (replica, node) of `entry`, after its `attempts`: one round trip."""
+        settle_all(
             self.vkey,
-            entry.shard,
-            replica,
-            node,
-            entry.digest,
+            [Settle(entry.shard, r, node, entry.digest, held) for r, node in placed],
             self.name,
-            held=held,
             same=entry.same,
             counts=self.counts,
+            attempts=attempts,
+            at=self.clock.now() if attempts else 0.0,
         )
 
     def deliver(self, entry: ChainEntry) -> list[tuple[str, Exception]]:
@@ -171,24 +176,25 @@ class _Run:
             (r, plan[r] if r < len(plan) else n)
             for r, n in zip(entry.replicas, entry.node_ids, strict=True)
         ]
-        holding, marked = trim_marks.placement_marked(md, digest, (n for _, n in planned))
+        registered = self.registered
+        # Nodes another transfer (or an earlier entry) just could not reach: neither a
+        # target nor a spare while another node can take the copy, so this entry does not
+        # wait out the same timeout. Read per entry (another task may have found one), with
+        # the placement and the trim marks: one round trip.
+        holding, marked, unreachable = trim_marks.placement_marked(
+            md, digest, (n for _, n in planned), registered
+        )
         # A replica is done when its node holds a verified copy (settled is not enough: a
         # dead letter settles too, and its replay must still place the copy).
         todo = [(r, n) for r, n in planned if n not in holding]
         if marked & {n for _, n in todo}:
             raise _Trimming
-        for r, node in planned:
-            if node in holding:  # placed by an earlier try that died before settling it
-                # held: refused if a trim took it out of the placement since the read above
-                self.settle(entry, r, node, held=True)
+        # Placed by an earlier try that died before settling them. held: refused if a trim
+        # took the node out of the placement since the read above.
+        self.settle(entry, [(r, n) for r, n in planned if n in holding], held=True)
         if not todo:
             self.hows.add("exists")
             return []
-        registered = self.registered
-        # Nodes another transfer (or an earlier entry) just could not reach: neither a
-        # target nor a spare while another node can take the copy, so this entry does not
-        # wait out the same timeout. Read per entry: another task may have found one.
-        unreachable = md.nodes.unreachable(registered)
         keep_off = set(plan) | holding | {n for _, n in todo}
 
         def spare(seen: set[str]) -> Target | None:
@@ -282,11 +288,11 @@ class _Run:
             {**base, "replica": r, "node": node, "error": str(exc)}
             for r, (node, exc) in sorted(outcome.failed.items())
         ]
-        # One round trip for the entry's attempts, before its settles: whoever sees the
+        # One round trip for the entry's attempts and then its settles: whoever sees the
         # version commit sees them.
-        md.transfers.record_attempts(vkey, attempts, self.clock.now())
-        for r, (node, how) in sorted(outcome.placed.items()):
-            self.settle(entry, r, node)
+        placed = sorted(outcome.placed.items())
+        self.settle(entry, [(r, node) for r, (node, _) in placed], attempts=attempts)
+        for _, (node, how) in placed:
             self.hows.add(how)
             if how in MOVED:
                 self.nodes[node] = how

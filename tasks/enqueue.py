@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from coordinator import config
 from coordinator.plan.manifest import Manifest
 from coordinator.state import redis_keys as K
+from coordinator.state.transfers import Settle, being_trimmed
 from smoltorrent import defaults
 from tasks.app import app
 from tasks.chain_batches import ChainEntry, batches, chain_message, chain_task_id
@@ -254,11 +255,34 @@ def settle(
     blob; the one that completes the set enqueues the commit and only then marks it
     enqueued (a crash in between is found by the reconcile sweep). `held`: counted from
     the placement, not sent; `counts`: as Transfers.settle takes them."""
+    settle_all(vkey, [Settle(shard, replica, node_id, digest, held)], name, same, counts)
+
+
+def settle_all(
+    vkey: str,
+    settles: Sequence[Settle],
+    name: str | None = None,
+    same: Sequence[int] = (),
+    counts: tuple[str, str] | None = None,
+    attempts: Sequence[dict] = (),
+    at: float = 0.0,
+) -> None:
+    """settle for each of `settles` (and for each the later entries `same` with its blob),
+    after appending `attempts` stamped `at`, in one round trip (Transfers.settle_many): the
+    attempts land before the settles. If one completes the set the commit is enqueued,
+    then marked enqueued; a refused one (its copy being trimmed) raises
+    CopyBeingTrimmedError after the others have settled."""
+    every = [s._replace(shard=i) for s in settles for i in [s.shard, *same]]
+    if not every and not attempts:
+        return
     md = metadata()
-    for index in [shard, *same]:
-        if md.transfers.settle(vkey, index, replica, node_id, digest, held, counts):
-            send_commit(vkey, name)
-            md.transfers.mark_commit_enqueued(vkey)
+    answers = md.transfers.settle_many(vkey, every, counts, attempts, at)
+    if 1 in answers:
+        send_commit(vkey, name)
+        md.transfers.mark_commit_enqueued(vkey)
+    refused = [s for s, answer in zip(every, answers, strict=True) if answer == -1]
+    if refused:
+        raise being_trimmed(refused[0].digest, refused[0].node_id)
 
 
 def send_remove(vkey: str, name: str | None = None) -> None:

@@ -60,6 +60,7 @@ class SentRecorder:
         if now - self._last < defaults.STORE_PROGRESS_INTERVAL_S:
             return
         self._last = now
-        with contextlib.suppress(*REDIS_TRANSIENT):
-            for replica in replicas:
-                self._md.transfers.record_sent(self._vkey, shard, replica, sent)
+        with contextlib.suppress(*REDIS_TRANSIENT):  # a chain's replicas in one round trip
+            self._md.transfers.record_sent(
+                self._vkey, {f"{shard}:{replica}": sent for replica in replicas}
+            )

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import redis
 
@@ -17,6 +18,46 @@ from coordinator.state.sweeps import redis_clock
 from coordinator.state.versions import Versions
 from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, NotFoundError
+
+
+class Settle(NamedTuple):
+    """One replica to record in the commit barrier (Transfers.settle's arguments)."""
+
+    shard: int
+    replica: int
+    node_id: str | None  # None: the transfer failed for good
+    digest: str
+    held: bool = False  # counted from the placement, not sent
+
+
+def _settle_call(vkey: str, s: Settle, counts: Sequence) -> tuple[list[str], list]:
+    """The keys and arguments of lua/versions/settle.lua for `s`."""
+    node = s.node_id or ""
+    keys = [
+        K.SETTLED.format(vkey=vkey),
+        K.READY.format(vkey=vkey),
+        K.VERSION.format(vkey=vkey),
+        K.PLACEMENT.format(digest=s.digest),
+        K.TRIM_MARK.format(digest=s.digest, node_id=node),
+        K.PLACEMENTS_LISTED,
+    ]
+    args = [
+        f"{s.shard}:{s.replica}",
+        "" if s.node_id is None else str(s.shard),
+        node,
+        counts[0] or 0,
+        counts[1] or 0,
+        "1" if s.held else "",
+        s.digest,
+    ]
+    return keys, args
+
+
+def being_trimmed(digest: str, node_id: str | None) -> CopyBeingTrimmedError:
+    return CopyBeingTrimmedError(
+        f"the copy of {digest} on node {node_id} is being trimmed (or was, since it"
+        " was counted): it is sent there again"
+    )
 
 
 class AttemptClock:
@@ -139,32 +180,50 @@ class Transfers:
         without sending. CopyBeingTrimmedError if the replica cannot count (see
         lua/versions/settle.lua). `counts`: the version's "transfers" and "shards" fields
         if the caller has read its record (they never change once it is created)."""
-        v = counts or self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
-        done = self._settle(
-            keys=[
-                K.SETTLED.format(vkey=vkey),
-                K.READY.format(vkey=vkey),
-                K.VERSION.format(vkey=vkey),
-                K.PLACEMENT.format(digest=digest),
-                K.TRIM_MARK.format(digest=digest, node_id=node_id or ""),
-                K.PLACEMENTS_LISTED,
-            ],
-            args=[
-                f"{shard}:{replica}",
-                "" if node_id is None else str(shard),
-                node_id or "",
-                v[0] or 0,
-                v[1] or 0,
-                "1" if held else "",
-                digest,
-            ],
-        )
+        (done,) = self.settle_many(vkey, [Settle(shard, replica, node_id, digest, held)], counts)
         if done == -1:
-            raise CopyBeingTrimmedError(
-                f"the copy of {digest} on node {node_id} is being trimmed (or was, since it"
-                " was counted): it is sent there again"
-            )
+            raise being_trimmed(digest, node_id)
         return bool(done)
+
+    def settle_many(
+        self,
+        vkey: str,
+        settles: Sequence[Settle],
+        counts: tuple[str, str] | None = None,
+        attempts: Sequence[dict] = (),
+        at: float = 0.0,
+    ) -> list[int]:
+        """Append `attempts` (stamped `at`, as record_attempts) to the attempt log, then
+        settle each of `settles` in order (as settle does), in one round trip: the server
+        runs them in that order, so whoever sees a settle, and so the commit, sees the
+        attempts. Each settle's answer from lua/versions/settle.lua: 1 the set is complete
+        and no commit was enqueued yet, 0 otherwise, -1 refused (the copy is being
+        trimmed); the caller enqueues the commit and raises for a refusal."""
+        v = counts or self.r.hmget(K.VERSION.format(vkey=vkey), "transfers", "shards")
+        calls = [_settle_call(vkey, s, v) for s in settles]
+        with self.r.pipeline(transaction=False) as p:
+            if attempts:
+                key = K.ATTEMPTS.format(vkey=vkey)
+                p.rpush(key, *(json.dumps({**entry, "at": at}) for entry in attempts))
+                p.ltrim(key, -defaults.ATTEMPTS_KEPT, -1)
+            for keys, args in calls:
+                self._settle.queue_loaded(p, keys, args)
+            found = p.execute(raise_on_error=False)
+        answers = found[2 if attempts else 0 :]
+        for error in found[: len(found) - len(answers)]:
+            if isinstance(error, Exception):
+                raise error
+        out = []
+        for (keys, args), answer in zip(calls, answers, strict=True):
+            if isinstance(answer, redis.exceptions.NoScriptError):
+                # The server does not have the script yet (this client's first settle, or a
+                # Redis restart since): sent again the usual way, which loads it. In order:
+                # each one came after the attempts, and a refused one changed nothing.
+                answer = self._settle(keys=keys, args=args)
+            elif isinstance(answer, Exception):
+                raise answer
+            out.append(int(answer))
+        return out
 
     def mark_commit_enqueued(self, vkey: str) -> None:
         """Record that the commit is queued (only after it is: see lua/versions/settle.lua)."""
@@ -211,11 +270,14 @@ class Transfers:
     def settled(self, vkey: str) -> set[str]:
         return set(self.r.smembers(K.SETTLED.format(vkey=vkey)))
 
-    def record_sent(self, vkey: str, shard: int, replica: int, sent: int) -> None:
-        """How far the running transfer of (shard, replica) has got, in bytes."""
+    def record_sent(self, vkey: str, sent: Mapping[str, int]) -> None:
+        """How far the running transfers of "shard:replica" (a chain feeds all its
+        replicas) have got, in bytes, in one round trip."""
+        if not sent:
+            return
         key = K.SENT.format(vkey=vkey)
-        with self.r.pipeline() as p:
-            p.hset(key, f"{shard}:{replica}", sent)
+        with self.r.pipeline(transaction=False) as p:
+            p.hset(key, mapping=dict(sent))
             p.expire(key, defaults.SENT_PROGRESS_TTL_S)
             p.execute()
 

@@ -79,15 +79,23 @@ def marked(md: Metadata, digest: str, node_ids: Iterable[str]) -> set[str]:
 
 
 def placement_marked(
-    md: Metadata, digest: str, node_ids: Iterable[str]
-) -> tuple[set[str], set[str]]:
-    """The nodes holding a verified copy of `digest`, and those of `node_ids` whose copy a
-    trim is deleting right now, in one round trip (what a delivery reads before a put)."""
-    ids = list(node_ids)
+    md: Metadata, digest: str, node_ids: Iterable[str], unreachable_of: Iterable[str] = ()
+) -> tuple[set[str], set[str], set[str]]:
+    """What a delivery reads before a put, in one round trip: the nodes holding a verified
+    copy of `digest`, those of `node_ids` whose copy a trim is deleting right now, and
+    those of `unreachable_of` a transfer lately could not reach (Nodes.unreachable)."""
+    ids, others = list(node_ids), list(unreachable_of)
     with md.r.pipeline(transaction=False) as p:
         p.smembers(K.PLACEMENT.format(digest=digest))
         if ids:
             p.mget([K.TRIM_MARK.format(digest=digest, node_id=n) for n in ids])
+        if others:
+            p.mget([K.NODE_UNREACHABLE.format(node_id=n) for n in others])
         found = p.execute()
     marks = found[1] if ids else []
-    return set(found[0]), {n for n, v in zip(ids, marks, strict=True) if v is not None}
+    gone = found[-1] if others else []
+    return (
+        set(found[0]),
+        {n for n, v in zip(ids, marks, strict=True) if v is not None},
+        {n for n, v in zip(others, gone, strict=True) if v},
+    )
