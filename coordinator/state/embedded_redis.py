@@ -40,6 +40,16 @@ from coordinator import config
 from smoltorrent import defaults
 from smoltorrent.errors import MetadataError
 
+# No CLIENT SETINFO on a new connection: redis-py would send two (LIB-NAME, LIB-VER) and,
+# for the version, read its own package metadata (importlib.metadata, ~7 ms a client;
+# the CLI makes two or three before a gather's first byte). Nothing here reads it back.
+# redis-py 7.1+ says so with driver_info=None, older ones with lib_name/lib_version=None.
+NO_CLIENT_INFO = (
+    {"driver_info": None}
+    if hasattr(redis, "DriverInfo")
+    else {"lib_name": None, "lib_version": None}
+)
+
 
 def redis_server_binary() -> str:
     try:
@@ -158,7 +168,7 @@ def start_redis(directory: Path, port: int | None = None) -> tuple[int, int]:
 def _serves(port: int, directory: Path) -> bool:
     """Whether the Redis on port is ours: it answers and keeps its data in `directory`."""
     client = redis.Redis.from_url(
-        url_for(directory, port), socket_connect_timeout=0.5, socket_timeout=2
+        url_for(directory, port), socket_connect_timeout=0.5, socket_timeout=2, **NO_CLIENT_INFO
     )
     try:
         return client.config_get("dir").get("dir") == str(directory)

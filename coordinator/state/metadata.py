@@ -24,6 +24,7 @@ from coordinator import config
 from coordinator.state.blobs import Blobs
 from coordinator.state.chunks import Chunks
 from coordinator.state.dead_letters import DeadLetters
+from coordinator.state.embedded_redis import NO_CLIENT_INFO
 from coordinator.state.listing import Listing
 from coordinator.state.nodes import Nodes
 from coordinator.state.removals import Removals
@@ -45,6 +46,7 @@ class Metadata:
             decode_responses=True,
             socket_timeout=defaults.REDIS_TIMEOUT_S,
             socket_connect_timeout=defaults.REDIS_TIMEOUT_S,
+            **NO_CLIENT_INFO,
         )
         self.versions = Versions(self.r)
         self.transfers = Transfers(self.r, self.versions)
