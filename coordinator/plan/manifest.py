@@ -27,12 +27,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
 import json
 import math
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any, NoReturn
 
 from coordinator.plan.chunks import ChunkPlan
@@ -173,58 +175,92 @@ class Manifest:
         return storage_key(self.name, self.version_id)
 
     def to_json(self) -> bytes:
-        document = {
+        """The canonical JSON (sorted keys, no spaces, ASCII), written a field and a chunk
+        at a time: the same bytes as json.dumps of the whole document (tests say so), but
+        a store or a commit of thousands of chunks never holds a dict per chunk, nor the
+        JSON twice (as text, then as bytes), at once."""
+        fields: dict[str, Any] = {
             "schema_version": self.schema_version,
             "name": self.name,
             "version_id": self.version_id,
             "source_size": self.source_size,
-            "header_bytes": base64.b64encode(self.header_bytes).decode("ascii"),
             "replicas": self.replicas,
             "created_at": self.created_at,
         }
         if self.seq:
-            document["seq"] = self.seq
+            fields["seq"] = self.seq
         if self.marks_seq:
-            document["marks"] = {
+            fields["marks"] = {
                 "seq": self.marks_seq,
                 "pinned": self.pinned,
                 "labels": list(self.labels),
             }
-        if self.chunked:
-            document["chunks"] = [
-                {
-                    "data_start": chunk.data_start,
-                    "data_end": chunk.data_end,
-                    "raw_sha256": chunk.raw_sha256,
-                    "blob_size": chunk.blob_size,
-                    "blob_sha256": chunk.blob_sha256,
-                }
-                for chunk in self.chunks
-            ]
-        else:
-            document["shards"] = [
-                {
-                    "index": shard.index,
-                    "data_start": shard.data_start,
-                    "data_end": shard.data_end,
-                    "tensors": list(shard.tensors),
-                    "blob_size": shard.blob_size,
-                    "blob_sha256": shard.blob_sha256,
-                    "blob_data_offset": shard.blob_data_offset,
-                }
-                | (
-                    {}
-                    if shard.tensor_sha256 is None
-                    else {"tensor_sha256": list(shard.tensor_sha256)}
+        out = io.BytesIO()
+        for position, key in enumerate(sorted([*fields, "header_bytes", self._entries_key])):
+            out.write(b"{" if position == 0 else b",")
+            out.write(_json(key))
+            out.write(b":")
+            if key == "header_bytes":
+                # Base64's alphabet holds nothing JSON escapes: the bytes go in as they are.
+                out.write(b'"' + base64.b64encode(self.header_bytes) + b'"')
+            elif key == self._entries_key:
+                self._write_entries(out)
+            else:
+                out.write(_json(fields[key]))
+        out.write(b"}")
+        return out.getvalue()
+
+    @property
+    def _entries_key(self) -> str:
+        return "chunks" if self.chunked else "shards"
+
+    def _write_entries(self, out: io.BytesIO) -> None:
+        """The chunks (or shards) list of to_json, one entry encoded at a time."""
+        out.write(b"[")
+        for position, entry in enumerate(self.entries):
+            if position:
+                out.write(b",")
+            if isinstance(entry, ChunkEntry):
+                out.write(
+                    b'{"blob_sha256":%s,"blob_size":%s,"data_end":%s,"data_start":%s,"raw_sha256":%s}'
+                    % (
+                        _json(entry.blob_sha256),
+                        _json(entry.blob_size),
+                        _json(entry.data_end),
+                        _json(entry.data_start),
+                        _json(entry.raw_sha256),
+                    )
                 )
-                for shard in self.shards
-            ]
-        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("ascii")
+            else:
+                out.write(_json(_shard_document(entry)))
+        out.write(b"]")
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
         """Parse and validate; ManifestError names the first problem found."""
         return _parse_manifest(data)
+
+
+def _json(value: Any) -> bytes:
+    """One value as Manifest.to_json writes it: canonical JSON (sorted keys, no spaces,
+    ASCII). Strings and plain ints, the bulk of a manifest, skip json.dumps."""
+    if type(value) is str:
+        return encode_basestring_ascii(value).encode("ascii")
+    if type(value) is int:
+        return int.__repr__(value).encode("ascii")
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def _shard_document(shard: ShardEntry) -> dict[str, Any]:
+    return {
+        "index": shard.index,
+        "data_start": shard.data_start,
+        "data_end": shard.data_end,
+        "tensors": list(shard.tensors),
+        "blob_size": shard.blob_size,
+        "blob_sha256": shard.blob_sha256,
+        "blob_data_offset": shard.blob_data_offset,
+    } | ({} if shard.tensor_sha256 is None else {"tensor_sha256": list(shard.tensor_sha256)})
 
 
 def check_name(name: str) -> str:
@@ -580,15 +616,27 @@ def _parse_manifest(data: bytes | str) -> Manifest:
         shards=tuple(_parse_shard(shard, schema) for shard in fields.get("shards", ())),
         created_at=float(created_at),
         schema_version=schema,
-        chunks=tuple(_parse_chunk(c, i) for i, c in enumerate(fields.get("chunks", ()))),
+        chunks=tuple(_parse_chunk(c, i) for i, c in _consumed(fields.get("chunks", []))),
         seq=_count(fields, "seq", "manifest") if "seq" in fields else 0,
         **(_parse_marks(fields["marks"]) if "marks" in fields else {}),
     )
+    # The JSON document goes before the header is parsed to check the entries against it:
+    # the two at once were most of a commit's or a gather's peak for thousands of chunks.
+    del document, fields
     if manifest.chunked:
         _check_chunks(manifest)
     else:
         _check_against_header(manifest)
     return manifest
+
+
+def _consumed(items: list[Any]) -> Iterator[tuple[int, Any]]:
+    """enumerate(items), each item dropped from the list once the next is asked for: a
+    chunk's JSON object is freed as soon as its entry is built, so the parse never holds
+    both for every chunk."""
+    for index in range(len(items)):
+        item, items[index] = items[index], None
+        yield index, item
 
 
 def _parse_chunk(document: Any, index: int) -> ChunkEntry:

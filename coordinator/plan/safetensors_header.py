@@ -126,8 +126,11 @@ def parse_header(
         )
     entries = _decode_json(header_bytes, source)
     metadata = _check_metadata(entries.pop(METADATA_KEY, None), source)
+    # Each tensor's JSON object is dropped once its TensorInfo is built (in the header's
+    # order, so the first bad tensor is still the one named): thousands of tensors are
+    # never held twice, as JSON and as TensorInfo.
     tensors = sorted(
-        (_check_tensor(name, entry, source) for name, entry in entries.items()),
+        (_check_tensor(name, entries.pop(name), source) for name in list(entries)),
         key=lambda tensor: (tensor.start, tensor.end, tensor.name),
     )
     data_size = file_size - LENGTH_PREFIX_BYTES - header_length

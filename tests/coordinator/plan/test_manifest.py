@@ -432,3 +432,80 @@ def test_a_manifest_holds_shards_or_chunks_as_its_schema_says(stored, chunked):
     with pytest.raises(ValueError, match="2 chunk plans but 1 digests"):
         chunk_entries(plan_chunks(read_header(stored[0]), 4096, 1024)[:2], [("0" * 64,) * 2 + (1,)])
     assert isinstance(chunk_manifest.chunks[0], ChunkEntry)
+
+
+def whole_document_json(manifest: Manifest) -> bytes:
+    """Manifest.to_json as it was before it streamed: the whole document built, then
+    dumped at once (the canonical form every stored manifest has)."""
+    document = {
+        "schema_version": manifest.schema_version,
+        "name": manifest.name,
+        "version_id": manifest.version_id,
+        "source_size": manifest.source_size,
+        "header_bytes": base64.b64encode(manifest.header_bytes).decode("ascii"),
+        "replicas": manifest.replicas,
+        "created_at": manifest.created_at,
+    }
+    if manifest.seq:
+        document["seq"] = manifest.seq
+    if manifest.marks_seq:
+        document["marks"] = {
+            "seq": manifest.marks_seq,
+            "pinned": manifest.pinned,
+            "labels": list(manifest.labels),
+        }
+    if manifest.chunked:
+        document["chunks"] = [
+            {
+                "data_start": c.data_start,
+                "data_end": c.data_end,
+                "raw_sha256": c.raw_sha256,
+                "blob_size": c.blob_size,
+                "blob_sha256": c.blob_sha256,
+            }
+            for c in manifest.chunks
+        ]
+    else:
+        document["shards"] = [
+            {
+                "index": s.index,
+                "data_start": s.data_start,
+                "data_end": s.data_end,
+                "tensors": list(s.tensors),
+                "blob_size": s.blob_size,
+                "blob_sha256": s.blob_sha256,
+                "blob_data_offset": s.blob_data_offset,
+            }
+            | ({} if s.tensor_sha256 is None else {"tensor_sha256": list(s.tensor_sha256)})
+            for s in manifest.shards
+        ]
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"seq": 41},
+        {"marks_seq": 7, "pinned": True, "labels": ("best", 'ünïcode "q" \\ /', "")},
+        {"marks_seq": 3, "pinned": False, "labels": ()},
+        {"name": 'ståck/naïve\u2028"quoted"\ttab.safetensors', "created_at": 0.1 + 0.2},
+        {"created_at": 1_700_000_000, "replicas": 5},
+        {"header_bytes": b""},
+    ],
+)
+def test_to_json_streams_the_same_bytes_as_the_whole_document(stored, chunked, change):
+    """to_json writes a chunk at a time (a worker's memory stays flat with the chunk
+    count); its bytes are exactly those of the whole document dumped at once."""
+    _, sharded, _, _ = stored
+    _, chunked = chunked
+    schema_1 = dataclasses.replace(
+        sharded,
+        schema_version=1,
+        shards=tuple(dataclasses.replace(s, tensor_sha256=None) for s in sharded.shards),
+    )
+    for manifest in (chunked, sharded, schema_1):
+        changed = dataclasses.replace(manifest, **change)
+        assert changed.to_json() == whole_document_json(changed)
+    empty = dataclasses.replace(chunked, chunks=())
+    assert empty.to_json() == whole_document_json(empty)
