@@ -140,7 +140,7 @@ def _store(
         targets = chain_order(targets, [s.blob_size for s in manifest.entries])
     # Entries with one blob (byte-identical chunks) share its first entry's nodes: it is
     # delivered once there and settles them all (tasks/enqueue.py send_transfers).
-    targets = [targets[first] for first in manifest.first_uses()]
+    targets = shared_targets(targets[first] for first in manifest.first_uses())
     host = config.host_id()
     found = md.versions.create_pending(
         manifest,
@@ -155,6 +155,7 @@ def _store(
         | ({} if bwlimit is None else {"bwlimit": bwlimit}),
         targets,
         seq,
+        tensors=prepared.tensor_count,
     )
     if found == REMOVING:
         # The same bytes are being removed right now: store them afresh once that is done.
@@ -211,3 +212,11 @@ def prefer_holders(targets, manifest, md, live: set[str]) -> list[tuple[str, ...
         rest = [n for n in planned if n not in holders]
         out.append(tuple(holders + rest[: len(planned) - len(holders)]))
     return out
+
+
+def shared_targets(targets) -> list[tuple[str, ...]]:
+    """Each entry's nodes as a tuple, entries with the same nodes in the same order sharing
+    one: a few node orders for thousands of chunks, held through the whole store task (and
+    only read: the version's plan, the transfers)."""
+    shared: dict[tuple[str, ...], tuple[str, ...]] = {}
+    return [shared.setdefault(t, t) for t in map(tuple, targets)]

@@ -20,6 +20,7 @@ whole store for scripts, tests and benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -86,6 +87,9 @@ class PreparedChunks:
     encoded_raw_bytes: int = 0  # raw bytes this store encoded or hashed RAW (not known)
     known: frozenset[int] = frozenset()  # chunks already stored: never encoded here
     hashed_bytes: int = 0  # source bytes read at plan time (0: cached digests, all stored)
+    # Tensors in the source's header, counted at plan time: the version's listing row says
+    # it, and parsing the header again for it was the largest part of a store's peak.
+    tensor_count: int = 0
 
     @property
     def vkey(self) -> str:
@@ -123,6 +127,10 @@ def prepare_chunked_store(
     header = read_header(path)
     identity.check(path)
     plans = plan_chunks(header)
+    tensor_count = len(header.tensors)
+    # Planned: from here on only the header's bytes and offsets are read. Its thousands of
+    # tensors go now instead of staying through the encoding and the task after it.
+    header = dataclasses.replace(header, tensors=())
     key = DigestCache.chunks_key(os.stat(path), plans) if digest_cache else ""
     cached = digest_cache.get(key) if digest_cache else None
     cached_raws = [raw for raw, _ in cached] if cached and len(cached) == len(plans) else None
@@ -180,6 +188,7 @@ def prepare_chunked_store(
         encoded_raw_bytes=encoded_raw_bytes,
         known=frozenset(i for i, (_, s) in enumerate(encoded) if s is None),
         hashed_bytes=header.data_size if full_pass else encoded_raw_bytes,
+        tensor_count=tensor_count,
     )
 
 

@@ -65,6 +65,10 @@ class PreparedStore:
     def spans(self) -> tuple[BlobSpan, ...]:
         return blob_spans(self.manifest, self.prefixes)
 
+    @property
+    def tensor_count(self) -> int:
+        return self.manifest.tensor_count()  # a shard manifest names its tensors
+
 
 @dataclass
 class StoreResult:

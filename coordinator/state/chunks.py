@@ -12,12 +12,14 @@ from the source (chunk_engine.sendable).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 import redis
 
 from coordinator.plan.manifest import ChunkEntry
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
+from smoltorrent import defaults
 
 
 class Chunks:
@@ -26,9 +28,12 @@ class Chunks:
         self._forget = load(r, "chunks/forget")
 
     def record(self, chunks: Iterable[ChunkEntry]) -> None:
-        """Remember which blob holds each chunk (a store about to send them)."""
-        mapping = {c.raw_sha256: f"{c.blob_sha256} {c.blob_size}" for c in chunks}
-        if mapping:
+        """Remember which blob holds each chunk (a store about to send them), a batch of
+        CHUNK_RECORD_BATCH at a time: one command for thousands of chunks was megabytes
+        of arguments at once in the store's worker. Each entry is a hint on its own, so
+        a store that stops between two batches leaves nothing wrong."""
+        for batch in batched(chunks, defaults.CHUNK_RECORD_BATCH):
+            mapping = {c.raw_sha256: f"{c.blob_sha256} {c.blob_size}" for c in batch}
             self.r.hset(K.CHUNKS, mapping=mapping)
 
     def stored(self, raws: Sequence[str]) -> dict[str, tuple[str, int]]:
@@ -61,3 +66,10 @@ class Chunks:
         another blob for that raw digest since."""
         args = [x for pair in deleted for x in pair]
         return int(self._forget(keys=[K.CHUNKS], args=args)) if args else 0
+
+
+def batched(items: Iterable, size: int) -> Iterable[list]:
+    """`items` in lists of `size` (the last one shorter; none if there are none)."""
+    it = iter(items)
+    while batch := list(islice(it, size)):
+        yield batch

@@ -45,16 +45,18 @@ def digests(manifest: Manifest) -> list[str]:
     return list(dict.fromkeys(s.blob_sha256 for s in manifest.entries))
 
 
-def listing_row(manifest: Manifest, transfers: int) -> str:
+def listing_row(manifest: Manifest, transfers: int, tensors: int | None = None) -> str:
     """The fields `ls` shows of a version that never change once it is recorded (JSON, name
-    first and digests last: lua/listing/slice.lua finds them there without decoding it)."""
+    first and digests last: lua/listing/slice.lua finds them there without decoding it).
+    `tensors`: manifest.tensor_count() when the caller has it (a chunked manifest's count
+    parses its whole header)."""
     return json.dumps(
         {
             "name": manifest.name,
             "version_id": manifest.version_id,
             "size": manifest.source_size,
             "shards": len(manifest.entries),
-            "tensors": manifest.tensor_count(),
+            "tensors": manifest.tensor_count() if tensors is None else tensors,
             "replicas": manifest.replicas,
             "transfers": transfers,
             "created_at": manifest.created_at,
@@ -82,12 +84,15 @@ class Versions:
         fields: dict,
         plan: list[tuple[str, ...]],
         seq: int | None = None,
+        tensors: int | None = None,
     ) -> str:
         """Record the version a store request asks for, ordered by the request's sequence
         number (a fresh one if not given). Returns "created" for a new pending version
         (also over an aborted or removed one), else the state of the existing version it
         joined: "pending", "committed" (made current again if this request is the latest
-        for the name) or "removing" (the caller waits for the remove to finish)."""
+        for the name) or "removing" (the caller waits for the remove to finish).
+        `tensors`: the source's tensor count when the caller has it (the store counted it
+        at plan time), for the listing row."""
         if seq is None:
             seq = next_seq(self.r)
         transfers = sum(len(t) for t in plan)
@@ -122,7 +127,7 @@ class Versions:
                 ),
                 manifest.to_json(),
                 json.dumps([json.dumps(list(t)) for t in plan]),
-                listing_row(manifest, transfers),
+                listing_row(manifest, transfers, tensors),
             ],
         )
 

@@ -8,7 +8,7 @@ from coordinator.plan.manifest import VersionBlobs, storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state.repair_plan import wanted_blobs
 from coordinator.state.versions import COMMITTED
-from tests.coordinator.state.stores import pending, prepared, settle_all
+from tests.coordinator.state.stores import FREE, pending, prepared, settle_all
 
 
 def test_an_older_version_committing_late_does_not_become_current(md, tmp_path):
@@ -155,3 +155,23 @@ def test_the_repair_sweep_parses_a_committed_manifest_once_while_its_commit_stan
     assert len(again) == len(first) + len(md.versions.manifest(new).entries) - len(
         md.versions.manifest(vkeys[2]).entries
     )
+
+
+def test_a_store_records_the_tensor_count_it_planned_with(md, tmp_path):
+    """The store task passes the tensor count it read at plan time (a chunked manifest's
+    own count parses its whole header again: the largest part of a store's peak memory);
+    the listing row is the one the manifest alone gives."""
+    from coordinator.dataplane.chunk_engine import prepare_chunked_store
+    from coordinator.local.synthetic import write_checkpoint
+    from coordinator.state.versions import listing_row
+
+    path = tmp_path / "chunked.safetensors"
+    write_checkpoint(path, 300_000, hidden=32)
+    p = prepare_chunked_store(path, "chunked", FREE, tmp_path / "spool")
+    assert p.tensor_count == p.manifest.tensor_count() > 0
+    targets = list(p.targets)
+    assert md.versions.create_pending(p.manifest, p.vkey, {}, targets, tensors=p.tensor_count)
+    row = md.r.hget(K.VERSION_ROWS, p.vkey)
+    assert row == listing_row(p.manifest, sum(len(t) for t in targets))
+    shards = prepared(tmp_path, "sharded", 1)
+    assert shards.tensor_count == shards.manifest.tensor_count() > 0
