@@ -53,12 +53,16 @@ def commit(self, vkey: str) -> str:
         keep = {f"{i}:{r}" for i, t in enumerate(plan) for r in range(len(t)) if i not in lost}
         send_transfers(vkey, manifest, plan, v["host"], skip=keep)
         return f"shards {lost} had no copy left; sent again"
+    name = manifest.name
+    # Read again below with its marks: the two parsed at once (thousands of chunks) made
+    # most of a commit's peak memory.
+    del manifest
     # The nodes' copies carry the version's request order, so a rebuild orders by it.
     seq = int(v.get("seq") or 0)
     # With its pin and labels too (a version removed and stored again may have kept them).
     ordered = dataclasses.replace(node_manifest(md, vkey), seq=seq)
     write_manifest_durably(md, ordered, set().union(*holders.values()), registered)
-    md.versions.commit(vkey, manifest.name)
+    md.versions.commit(vkey, name)
     if int(md.versions.version(vkey).get("seq") or 0) > seq:
         record_request_order(md, vkey)  # a later request joined it while it committed
     return COMMITTED
@@ -111,14 +115,15 @@ def write_manifest_durably(md, manifest, holders: set[str], registered) -> None:
         )
 
 
-def confirm_holders(md, manifest, registered) -> dict[str, set[str]]:
+def confirm_holders(md, manifest, registered) -> dict[str, frozenset[str]]:
     """Digest -> the registered nodes that answer `has` for it now. A node that says no
-    leaves the placement; one that does not answer is not counted."""
+    leaves the placement; one that does not answer is not counted. Digests held by the
+    same nodes share one set: a few node sets for thousands of chunks."""
     asked: dict[str, set[str]] = {}
     for shard in manifest.entries:
         for node_id in md.blobs.placement(shard.blob_sha256) & set(registered):
             asked.setdefault(node_id, set()).add(shard.blob_sha256)
-    out: dict[str, set[str]] = {}
+    by_digest: dict[str, tuple[str, ...]] = {}
     for node_id, digests in asked.items():
         try:
             present = node_client(node_id, registered).has(sorted(digests))
@@ -126,7 +131,8 @@ def confirm_holders(md, manifest, registered) -> dict[str, set[str]]:
             continue
         for digest in digests:
             if digest in present:
-                out.setdefault(digest, set()).add(node_id)
+                by_digest[digest] = (*by_digest.get(digest, ()), node_id)
             else:
                 md.blobs.remove_placement(digest, node_id)
-    return out
+    shared: dict[tuple[str, ...], frozenset[str]] = {}
+    return {d: shared.setdefault(n, frozenset(n)) for d, n in by_digest.items()}
