@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from coordinator.dataplane.chunk_engine import gather_chunks
 from coordinator.dataplane.node_client import KeptConnections, NodeClient
-from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
+from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact, keeping
 from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest, source_prefix
 from smoltorrent import defaults
@@ -91,7 +91,7 @@ def gather_checkpoint(
 
     # Each thread keeps its connection to a node from one shard or chunk to the next.
     kept = KeptConnections()
-    sources = [[client.keeping(kept) for client in replicas] for replicas in sources]
+    sources = keeping(sources, kept)
     unanswered = Unanswered()
     with kept, staged_output(out_path, manifest.source_size, manifest.name) as fd:
         os.pwrite(fd, source_prefix(manifest), 0)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from coordinator.dataplane.chunk_engine import decode_chunk_from
 from coordinator.dataplane.node_client import KeptConnections, NodeClient
-from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
+from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact, keeping
 from coordinator.dataplane.staged_output import staged_output
 from coordinator.plan.manifest import Manifest
 from coordinator.plan.selection import Piece, Read, Selection
@@ -118,7 +118,7 @@ def gather_tensors(
     # Each thread keeps its connection to a node from one read to the next (a partial load
     # of a chunked version reads many chunks of a few MB, as a whole gather does).
     kept = KeptConnections()
-    sources = [[client.keeping(kept) for client in replicas] for replicas in sources]
+    sources = keeping(sources, kept)
 
     def bad_copy(bad: BadCopy) -> None:
         with lock:

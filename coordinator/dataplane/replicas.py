@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.node_client import KeptConnections, NodeClient
 from smoltorrent.errors import (
     DigestMismatchError,
     NodeError,
@@ -77,3 +77,22 @@ def first_intact(
         else:
             return str(client.address), tried
     return None, tried
+
+
+def keeping(
+    sources: Sequence[Sequence[NodeClient]], kept: KeptConnections
+) -> list[Sequence[NodeClient]]:
+    """Each shard's replicas, each client over `kept`'s connections (a gather's threads
+    keep them from one shard or chunk to the next). A client, or a list of them, the
+    caller shares between shards is shared here too: one per node and one per read order
+    for thousands of chunks (tasks/gathering.py), where a copy each grew a gather's memory
+    with the chunk count. The gathers only read them."""
+    clients: dict[int, NodeClient] = {}
+    lists: dict[int, list[NodeClient]] = {}
+    for replicas in sources:
+        if id(replicas) not in lists:
+            for c in replicas:
+                if id(c) not in clients:
+                    clients[id(c)] = c.keeping(kept)
+            lists[id(replicas)] = [clients[id(c)] for c in replicas]
+    return [lists[id(replicas)] for replicas in sources]
