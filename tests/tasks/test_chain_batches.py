@@ -16,6 +16,7 @@ from pathlib import Path
 from coordinator.cli.output import numbers as chunk_ranges
 from coordinator.dataplane.chunk_engine import prepare_chunked_store
 from coordinator.plan.chains import chain_order
+from coordinator.plan.manifest import Manifest
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults
 from tests.nodeproc import node_metric
@@ -40,6 +41,20 @@ def many_chunks(path: Path, chunks: int) -> Path:
     past = time.time() - 60
     os.utime(path, (past, past))
     return path
+
+
+def pending_version(c, tmp_path, chunks: int) -> tuple[str, list, Manifest]:
+    """A pending chunked version of `chunks` 1 MiB chunks, as a store task leaves it."""
+    src = many_chunks(tmp_path / "pending.safetensors", chunks)
+    free = {n: 10**12 for n in c.md.nodes.nodes()}
+    prepared = prepare_chunked_store(src, src.name, free, tmp_path / "spool", encode=False)
+    manifest, vkey = prepared.manifest, prepared.vkey
+    targets = chain_order(list(prepared.targets), [e.blob_size for e in manifest.entries])
+    identity = json.dumps(prepared.identity.to_dict())
+    fields = {"path": str(src), "host": c.host_id, "identity": identity}
+    assert c.md.versions.create_pending(manifest, vkey, fields, targets) == "created"
+    c.md.transfers.keep_spans(vkey, prepared.spans)
+    return vkey, targets, manifest
 
 
 def chain_task_ids(cluster) -> set[str]:
@@ -177,15 +192,7 @@ def test_reconcile_resends_only_the_unsettled_chunks_of_a_batch_and_holds_them(
     the rest again, batched, and only the replicas still unsettled; a queued batch holds
     every chunk it carries, so the next pass does not send them a second time."""
     c = make_cluster(4, worker=False)
-    src = many_chunks(tmp_path / "crash.safetensors", 40)
-    free = {n: 10**12 for n in c.md.nodes.nodes()}
-    prepared = prepare_chunked_store(src, src.name, free, tmp_path / "spool", encode=False)
-    manifest, vkey = prepared.manifest, prepared.vkey
-    targets = chain_order(list(prepared.targets), [e.blob_size for e in manifest.entries])
-    identity = json.dumps(prepared.identity.to_dict())
-    fields = {"path": str(src), "host": c.host_id, "identity": identity}
-    assert c.md.versions.create_pending(manifest, vkey, fields, targets) == "created"
-    c.md.transfers.keep_spans(vkey, prepared.spans)
+    vkey, targets, manifest = pending_version(c, tmp_path, 40)
     for i in range(10):
         for r, node in enumerate(targets[i]):
             c.md.transfers.settle(vkey, i, r, node, manifest.entries[i].blob_sha256)

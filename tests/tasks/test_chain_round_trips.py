@@ -8,9 +8,7 @@ import json
 import subprocess
 import sys
 
-from coordinator.dataplane.chunk_engine import prepare_chunked_store
-from coordinator.plan.chains import chain_order
-from tests.tasks.test_chain_batches import many_chunks
+from tests.tasks.test_chain_batches import pending_version
 
 # Run with the cluster's environment: chain tasks over the given chunks of one pending
 # version, each counted: round trips this process made to Redis (one per command or per
@@ -76,20 +74,6 @@ print(json.dumps(out))
 """
 
 
-def pending_version(c, tmp_path, chunks: int) -> tuple[str, list]:
-    """A pending chunked version of `chunks` 1 MiB chunks, as a store task leaves it."""
-    src = many_chunks(tmp_path / "rt.safetensors", chunks)
-    free = {n: 10**12 for n in c.md.nodes.nodes()}
-    prepared = prepare_chunked_store(src, src.name, free, tmp_path / "spool", encode=False)
-    manifest, vkey = prepared.manifest, prepared.vkey
-    targets = chain_order(list(prepared.targets), [e.blob_size for e in manifest.entries])
-    identity = json.dumps(prepared.identity.to_dict())
-    fields = {"path": str(src), "host": c.host_id, "identity": identity}
-    assert c.md.versions.create_pending(manifest, vkey, fields, targets) == "created"
-    c.md.transfers.keep_spans(vkey, prepared.spans)
-    return vkey, targets
-
-
 def run_tasks(c, job: dict) -> list[dict]:
     done = subprocess.run(
         [sys.executable, "-c", RUN, json.dumps({**job, "url": c.redis_url})],
@@ -108,7 +92,7 @@ def test_a_chain_task_makes_few_redis_round_trips_per_chunk(make_cluster, tmp_pa
     after a first task that loads the scripts; the version's last chunks left unsent, so
     neither completes the barrier (and enqueues the commit)."""
     c = make_cluster(4, worker=False)
-    vkey, _ = pending_version(c, tmp_path, 28)
+    vkey, _, _ = pending_version(c, tmp_path, 28)
     tasks = [list(range(20, 24)), list(range(4)), list(range(4, 20))]
     _, small, big = run_tasks(c, {"vkey": vkey, "tasks": tasks})
     assert small["state"] == big["state"] == "SUCCESS", (small, big)
@@ -128,7 +112,7 @@ def test_a_failed_entry_leaves_the_others_settled_and_is_alone_retried(make_clus
     """One chunk of a task fails on one node: every other chunk of it settles on the first
     try; the retry moves only that chunk's missing replica, and the barrier completes."""
     c = make_cluster(4, worker=False)
-    vkey, targets = pending_version(c, tmp_path, 8)
+    vkey, targets, _ = pending_version(c, tmp_path, 8)
     (run,) = run_tasks(c, {"vkey": vkey, "tasks": [list(range(8))], "fail": 5})
     assert run["state"] == "SUCCESS", run
     attempts = c.md.transfers.attempts(vkey)
