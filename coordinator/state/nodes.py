@@ -17,6 +17,17 @@ from smoltorrent import defaults
 from smoltorrent.errors import UsageError
 
 
+def unreachable_keys(node_ids: list[str]) -> list[str]:
+    """The marks mark_unreachable sets, to read with MGET (alone, or in a caller's
+    pipeline beside its other reads: trim_marks.placement_marked)."""
+    return [K.NODE_UNREACHABLE.format(node_id=n) for n in node_ids]
+
+
+def marked_unreachable(node_ids: list[str], marks: list) -> set[str]:
+    """Those of `node_ids` whose mark (unreachable_keys, in the same order) is set."""
+    return {n for n, mark in zip(node_ids, marks, strict=True) if mark}
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     node_id: str
@@ -115,8 +126,7 @@ class Nodes:
         ids = list(node_ids)
         if not ids:
             return set()
-        marks = self.r.mget([K.NODE_UNREACHABLE.format(node_id=n) for n in ids])
-        return {n for n, mark in zip(ids, marks, strict=True) if mark}
+        return marked_unreachable(ids, self.r.mget(unreachable_keys(ids)))
 
     def alive(self, node_ids: Iterable[str]) -> dict[str, dict]:
         """Last stat of every node heard from within NODE_ALIVE_TTL_S."""

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 from coordinator.state import redis_keys as K
 from coordinator.state.metadata import Metadata
+from coordinator.state.nodes import marked_unreachable, unreachable_keys
 from coordinator.state.scripts import load
 from smoltorrent import defaults
 from smoltorrent.errors import MetadataError
@@ -90,12 +91,12 @@ def placement_marked(
         if ids:
             p.mget([K.TRIM_MARK.format(digest=digest, node_id=n) for n in ids])
         if others:
-            p.mget([K.NODE_UNREACHABLE.format(node_id=n) for n in others])
+            p.mget(unreachable_keys(others))
         found = p.execute()
     marks = found[1] if ids else []
     gone = found[-1] if others else []
     return (
         set(found[0]),
         {n for n, v in zip(ids, marks, strict=True) if v is not None},
-        {n for n, v in zip(others, gone, strict=True) if v},
+        marked_unreachable(others, gone),
     )
