@@ -275,6 +275,13 @@ STORE_PROGRESS_INTERVAL_S = 0.5  # seconds between a transfer's writes of its by
 # flight for progress bars, so it goes by itself once nothing moves
 SENT_PROGRESS_TTL_S = 3600
 CLI_POLL_INTERVAL_S = 0.1  # seconds between CLI polls of a task's progress
+# seconds a wake-up (coordinator/state/wakeups.py) waits for its waiter: one blocks on it
+# within milliseconds of its last poll, so this only covers a waiter held up between the two
+# (a Redis hiccup, a slow machine); past it a waiter still learns the end at its next poll
+WAKE_TTL_S = 30
+# seconds one BLPOP of a waiter blocks at most: below REDIS_TIMEOUT_S, the client's socket
+# timeout, which a longer block would trip (a poll interval set longer waits in slices)
+WAKE_BLOCK_SLICE_S = 5.0
 # seconds a CLI or API call that is waiting on an operation goes on trying an unreachable
 # Redis (metadata and broker) before saying the outcome is unknown: a restart from its
 # AOF takes seconds, and a wait cut short by one would report a failure that then succeeds

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from coordinator import config
 from coordinator.dataplane.store_engine import write_manifest
 from coordinator.state.marks import node_manifest
+from coordinator.state.redis_keys import VERSION_WAKE
 from coordinator.state.versions import COMMITTED, PENDING
+from coordinator.state.wakeups import wake
 from smoltorrent import defaults
 from smoltorrent.errors import (
     ManifestNotDurableError,
@@ -63,6 +66,9 @@ def commit(self, vkey: str) -> str:
     ordered = dataclasses.replace(node_manifest(md, vkey), seq=seq)
     write_manifest_durably(md, ordered, set().union(*holders.values()), registered)
     md.versions.commit(vkey, name)
+    # Its CLI store learns it now, not at its next poll; a hint, so a lost one is no failure.
+    with contextlib.suppress(*REDIS_TRANSIENT):
+        wake(md.r, VERSION_WAKE.format(vkey=vkey))
     if int(md.versions.version(vkey).get("seq") or 0) > seq:
         record_request_order(md, vkey)  # a later request joined it while it committed
     return COMMITTED

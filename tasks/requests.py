@@ -25,6 +25,8 @@ from coordinator.dataplane.gather_engine import check_destination
 from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.selection import select
+from coordinator.state import redis_keys as K
+from coordinator.state import wakeups
 from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE, FAILED, IN_PROCESS_GATHER
 from coordinator.state.versions import ABORTED, COMMITTED, REMOVED, REMOVING
@@ -32,6 +34,7 @@ from smoltorrent import defaults
 from smoltorrent.errors import (
     DestinationNotAllowedError,
     MetadataError,
+    NotFoundError,
     OutcomeUnknownError,
     SmoltorrentError,
 )
@@ -64,8 +67,20 @@ def ctrl_c_stops_waiting() -> Iterator[None]:
         _CTRL_C.clear()
 
 
-def _pause() -> None:
-    """The wait between two polls of a request; KeyboardInterrupt on a noted Ctrl-C."""
+def _pause(wake: str | None = None) -> None:
+    """The wait between two polls of a request, cut short by a wake-up pushed to `wake`
+    (coordinator/state/wakeups.py: whoever ends the request pushes one); KeyboardInterrupt
+    on a noted Ctrl-C. Without a wake-up it lasts the poll interval, as it always did: the
+    caller's next poll, not the wake-up, says what happened."""
+    if wake is not None and not _CTRL_C.is_set():
+        try:
+            wakeups.wait(metadata().r, wake, defaults.CLI_POLL_INTERVAL_S)
+        except REDIS_TRANSIENT:
+            pass  # Redis away: the pause below, then the next poll rides the outage out
+        else:
+            if _CTRL_C.is_set():
+                raise KeyboardInterrupt
+            return
     if _CTRL_C.wait(defaults.CLI_POLL_INTERVAL_S):
         raise KeyboardInterrupt
 
@@ -251,7 +266,7 @@ def wait_store(
         record = ride_out(lambda: md.requests.request(request.task_id), what)
         if record["state"] in (DONE, FAILED):
             break
-        _pause()
+        _pause(K.REQUEST_WAKE.format(rid=request.task_id))
     if record["state"] == FAILED:
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
     vkey = record["vkey"]
@@ -319,7 +334,7 @@ def _wait_commit(
                 f" `smoltorrent wait {request.task_id}`, or send it now with"
                 f" `smoltorrent dlq replay commit-{vkey}`."
             )
-        _pause()
+        _pause(K.VERSION_WAKE.format(vkey=vkey))  # the commit pushes it
 
 
 def submit_gather(
@@ -449,24 +464,32 @@ def wait_gather(
         return _gather_here(request, on_progress)
     from tasks.app import app
 
+    md = metadata()
     res = app.AsyncResult(request.task_id)
     what = f"waiting for the gather of {request.name} (request {request.task_id})"
 
-    def look() -> bool:
+    def look() -> dict | None:
+        """The gather's report once it is done, else None."""
+        # Its record says done (and the task wakes this wait) a moment before Celery
+        # stores the task's result: read it first.
+        with contextlib.suppress(NotFoundError):
+            record = md.requests.request(request.task_id)
+            if record["state"] == DONE and "result" in record:
+                return json.loads(record["result"])
         if res.ready():
-            return True
+            if res.failed():
+                raise SmoltorrentError(
+                    f"gather of {request.name} failed: {error_text(res.result)}. Nothing was"
+                    f" written at {request.out}."
+                )
+            return res.result
         if on_progress and res.state == "PROGRESS" and isinstance(res.info, dict):
             on_progress(res.info.get("done", 0), request.size)
-        return False
+        return None
 
-    while not ride_out(look, what):
-        _pause()
-    if res.failed():
-        raise SmoltorrentError(
-            f"gather of {request.name} failed: {error_text(res.result)}. Nothing was written"
-            f" at {request.out}."
-        )
-    return res.result
+    while (report := ride_out(look, what)) is None:
+        _pause(K.REQUEST_WAKE.format(rid=request.task_id))
+    return report
 
 
 def follow(rid: str) -> tuple[StoreRequest | GatherRequest, dict]:
@@ -490,7 +513,7 @@ def follow(rid: str) -> tuple[StoreRequest | GatherRequest, dict]:
     what = f"waiting for the gather of {gather.name} (request {rid})"
     while record["state"] not in (DONE, FAILED):
         _check_gathering_process(rid, record)
-        _pause()
+        _pause(K.REQUEST_WAKE.format(rid=rid))
         record = ride_out(lambda: md.requests.request(rid), what)
     if record["state"] == FAILED:
         raise SmoltorrentError(f"gather of {gather.name} failed: {record.get('error')}")

@@ -72,6 +72,12 @@ SEQ = PREFIX + "seq"
 REQUEST = PREFIX + "request:{rid}"
 # zset of request ids not yet done or failed, scored by sequence number
 REQUESTS_OPEN = PREFIX + "requests:open"
+# lists a waiter blocks on (BLPOP) for the end of a request (pushed when it is closed) and
+# for a version's commit: the CLI learns it at once instead of at its next poll. A hint
+# only (coordinator/state/wakeups.py), so they expire; outside "request:" and "version:",
+# whose keys are hashes and strings that scans read as such
+REQUEST_WAKE = PREFIX + "wake:request:{rid}"
+VERSION_WAKE = PREFIX + "wake:version:{vkey}"
 
 # hash: name, version_id, state, seq, path, host, sizes, source identity, times
 # (a removed version keeps only name, state and removed_at, until it expires)

@@ -19,6 +19,7 @@ import redis
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
 from coordinator.state.sweeps import redis_clock
+from coordinator.state.wakeups import queue_wake
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError
 
@@ -124,7 +125,7 @@ class Requests:
 
     def finish_request(self, rid: str, state: str, **fields) -> None:
         """Close a request as done or failed, with what its caller needs to know; it stays
-        readable for REQUEST_TTL_S."""
+        readable for REQUEST_TTL_S. Its waiter, if any, is woken (wakeups.py)."""
         with self.r.pipeline() as p:
             p.hset(
                 K.REQUEST.format(rid=rid),
@@ -132,6 +133,7 @@ class Requests:
             )
             p.expire(K.REQUEST.format(rid=rid), defaults.REQUEST_TTL_S)
             p.zrem(K.REQUESTS_OPEN, rid)
+            queue_wake(p, K.REQUEST_WAKE.format(rid=rid))
             p.execute()
 
     def open_requests(self) -> list[tuple[str, dict[str, str]]]:
