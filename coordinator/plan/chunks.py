@@ -38,7 +38,7 @@ def grouping_width(dtype: str) -> int:
     return bits // 8 if bits in (16, 32, 64) else 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkPlan:
     index: int
     data_start: int  # relative to the source's data section

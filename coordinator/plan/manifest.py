@@ -70,7 +70,7 @@ class ShardEntry:
     tensor_sha256: tuple[str, ...] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkEntry:
     index: int  # its position in the manifest's chunks (not written: the order says it)
     data_start: int  # relative to the source's data section
@@ -238,7 +238,15 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
         """Parse and validate; ManifestError names the first problem found."""
-        return _parse_manifest(data)
+        return _parse_manifest([data])
+
+    @classmethod
+    def from_json_taken(cls, held: list[bytes | str]) -> Manifest:
+        """from_json of the one JSON text in `held`, taken out of it once decoded: with no
+        other reference to it (a reply just read from Redis), the text (megabytes for
+        thousands of chunks) is freed before the entries are built and checked against
+        the header, instead of lasting through the whole parse."""
+        return _parse_manifest(held)
 
 
 def _json(value: Any) -> bytes:
@@ -366,7 +374,7 @@ def blob_prefixes(manifest: Manifest) -> tuple[bytes, ...]:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlobSpan:
     """What sending one shard's blob from its source takes, and nothing more: its digest and
     size, its own header (prefix) and the byte range of the source after it. A transfer task
@@ -573,11 +581,42 @@ def _parse_marks(marks: Any) -> dict[str, Any]:
     return {"marks_seq": seq, "pinned": marks["pinned"], "labels": tuple(labels)}
 
 
-def _parse_manifest(data: bytes | str) -> Manifest:
+def _checked_object(pairs: list[tuple[str, Any]]) -> dict[str, Any] | tuple:
+    """A JSON object of a manifest as the decoder builds it: a chunk's object that
+    _parse_chunk accepts becomes (data_start, data_end, raw_sha256, blob_size, blob_sha256)
+    at once, a tuple no JSON value can be, so thousands of chunks are never held as a dict
+    each; anything else stays a dict and is checked (and named) as before."""
+    document = _reject_duplicate_keys(pairs)
+    if document.keys() != _CHUNK_FIELDS:
+        return document
+    start, end, size = document["data_start"], document["data_end"], document["blob_size"]
+    raw, blob = document["raw_sha256"], document["blob_sha256"]
+    if not (
+        type(start) is int
+        and type(end) is int
+        and type(size) is int
+        and start >= 0
+        and end >= 0
+        and size >= 1
+        and type(raw) is str
+        and type(blob) is str
+        and _SHA256_HEX.fullmatch(raw)
+        and _SHA256_HEX.fullmatch(blob)
+    ):
+        return document
+    return (start, end, raw, size, blob)
+
+
+def _parse_manifest(held: list[bytes | str]) -> Manifest:
+    """Manifest.from_json_taken."""
+    data = held.pop()
     try:
-        document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
+        document = json.loads(data, object_pairs_hook=_checked_object)
+        if type(document) is tuple:  # the whole document is one chunk's object
+            document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         _fail(f"not JSON ({error})")
+    del data
     if not isinstance(document, dict):
         _fail("the top level is not a JSON object")
     schema = document.get("schema_version")
@@ -640,6 +679,9 @@ def _consumed(items: list[Any]) -> Iterator[tuple[int, Any]]:
 
 
 def _parse_chunk(document: Any, index: int) -> ChunkEntry:
+    if type(document) is tuple:  # checked as it was decoded (_checked_object)
+        start, end, raw, size, blob = document
+        return ChunkEntry(index, start, end, raw, size, blob)
     what = f"chunk {index}"
     fields = _fields(document, _CHUNK_FIELDS, f"a {what}")
     return ChunkEntry(

@@ -62,7 +62,7 @@ _LOOKALIKES = (
 _SAVE_HINT = "save checkpoints with safetensors (e.g. safetensors.torch.save_file)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     name: str
     dtype: str
@@ -202,6 +202,34 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+# dtype -> the one str of it: every tensor checked at parse time names its dtype with it
+_DTYPES = {dtype: dtype for dtype in DTYPE_BITS}
+
+
+def _checked_entry(pairs: list[tuple[str, Any]]) -> dict[str, Any] | tuple:
+    """A JSON object of the header as the decoder builds it: a tensor's object that
+    _check_tensor accepts becomes (dtype, shape, start, end) at once, a tuple no JSON value
+    can be, so thousands of tensors are never held as a dict, two lists and their own dtype
+    strings each; anything else stays a dict and is checked (and named) as before."""
+    entry = _reject_duplicate_keys(pairs)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if (
+        type(dtype) is not str
+        or dtype not in DTYPE_BITS
+        or type(shape) is not list
+        or not all(_is_count(dim) for dim in shape)
+        or type(offsets) is not list
+        or len(offsets) != 2
+        or not all(_is_count(offset) for offset in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        return entry
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+        return entry
+    return (_DTYPES[dtype], tuple(shape), offsets[0], offsets[1])
+
+
 def _decode_json(header_bytes: bytes, source: str) -> dict[str, Any]:
     bad_header = "not a safetensors file: the header is not"
     try:
@@ -209,7 +237,9 @@ def _decode_json(header_bytes: bytes, source: str) -> dict[str, Any]:
     except UnicodeDecodeError as error:
         _fail(source, f"{bad_header} UTF-8 ({error.reason} at byte {error.start})", _SAVE_HINT)
     try:
-        entries = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        entries = json.loads(text, object_pairs_hook=_checked_entry)
+        if type(entries) is tuple:  # the whole header is one tensor's object: not a header
+            entries = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except _DuplicateKey as duplicate:
         _fail(
             source,
@@ -243,6 +273,8 @@ def _is_count(value: Any) -> bool:
 
 
 def _check_tensor(name: str, entry: Any, source: str) -> TensorInfo:
+    if type(entry) is tuple:  # checked as it was decoded (_checked_entry)
+        return TensorInfo(name, *entry)
     resave = "re-save the checkpoint with a safetensors writer"
 
     def fail(problem: str) -> NoReturn:

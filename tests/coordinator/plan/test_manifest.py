@@ -509,3 +509,39 @@ def test_to_json_streams_the_same_bytes_as_the_whole_document(stored, chunked, c
         assert changed.to_json() == whole_document_json(changed)
     empty = dataclasses.replace(chunked, chunks=())
     assert empty.to_json() == whole_document_json(empty)
+
+
+def one_chunk_object(document):
+    """The whole document replaced by one chunk's object."""
+    document.clear()
+    document.update(data_start=0, data_end=2, raw_sha256="a" * 64, blob_size=3)
+    document.update(blob_sha256="b" * 64)
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (chunk_setter("data_start", True), "chunk 0 data_start is True, not an integer >= 0"),
+        (chunk_setter("data_end", -1, 1), "chunk 1 data_end is -1, not an integer >= 0"),
+        (chunk_setter("blob_size", 2.0, 2), "chunk 2 blob_size is 2.0, not an integer >= 1"),
+        (chunk_setter("blob_sha256", None, 1), "chunk 1 blob_sha256 is None, not 64 lowercase"),
+        (chunk_setter("raw_sha256", "a" * 63), "chunk 0 raw_sha256 is 'a{63}', not 64"),
+        (one_chunk_object, "unknown manifest schema_version None"),  # not a manifest
+    ],
+)
+def test_a_chunk_not_checked_at_decode_time_is_named_as_before(chunked, edit, words):
+    """A chunk's JSON object becomes a compact tuple as soon as the decoder builds it (a
+    manifest of thousands is never held as a dict per chunk); one that does not pass is
+    kept as it was and refused with the same sentence."""
+    _, manifest = chunked
+    with pytest.raises(ManifestError, match=words):
+        Manifest.from_json(edited(manifest, edit))
+
+
+def test_a_manifest_taken_from_its_holder_parses_the_same(chunked):
+    """Versions.manifest hands the reply over, so the text is freed once decoded."""
+    _, manifest = chunked
+    for text in (manifest.to_json(), manifest.to_json().decode()):
+        held = [text]
+        assert Manifest.from_json_taken(held) == manifest
+        assert held == []

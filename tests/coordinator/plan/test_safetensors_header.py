@@ -6,6 +6,7 @@ the validator neither refuses what it loads nor accepts what it refuses.
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from coordinator.plan.safetensors_header import (
     DTYPE_BITS,
     CheckpointHeader,
+    TensorInfo,
     format_bytes,
     parse_header,
     read_header,
@@ -313,3 +315,50 @@ def test_parse_header_is_pure_and_names_its_source():
 )
 def test_format_bytes(count, text):
     assert format_bytes(count) == text
+
+
+def _parsed(entries: dict, data_size: int):
+    raw = json.dumps(entries).encode()
+    return parse_header(struct.pack("<Q", len(raw)), raw, 8 + len(raw) + data_size)
+
+
+def test_tensors_checked_as_they_are_decoded_parse_as_before():
+    """Each tensor's JSON object becomes a compact tuple as soon as the decoder builds it
+    (thousands of tensors are never held as dicts and lists): the header parses to the
+    same TensorInfos, extra keys ignored, every dtype's one string shared."""
+    header = _parsed(
+        {
+            "__metadata__": {"format": "pt"},
+            "b": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [2, 14], "extra": [1]},
+            "a": {"data_offsets": [0, 2], "shape": [], "dtype": "F16"},
+            "c": {"dtype": "BF16", "shape": [0], "data_offsets": [14, 14]},
+        },
+        14,
+    )
+    assert header.metadata == {"format": "pt"}
+    assert header.tensors == (
+        TensorInfo("a", "F16", (), 0, 2),
+        TensorInfo("b", "BF16", (2, 3), 2, 14),
+        TensorInfo("c", "BF16", (0,), 14, 14),
+    )
+    assert header.tensors[1].dtype is header.tensors[2].dtype
+
+
+@pytest.mark.parametrize(
+    ("entries", "data_size", "words"),
+    [
+        # A header that is itself one tensor's object names its keys as tensors, as before.
+        ({"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, 2, "tensor 'dtype' is not a"),
+        (
+            {"__metadata__": u8(0, 2), "a": u8(0, 2)},
+            2,
+            "__metadata__ must map strings to strings",
+        ),
+        ({"a": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}, 1, "shape \\[True\\]"),
+        ({"a": u8(0, 2), "b": {**u8(2, 4), "dtype": "X"}}, 4, "tensor 'b' has unknown dtype"),
+        ({"a": {**u8(0, 2), "shape": [3]}}, 2, "tensor 'a' of dtype U8 and shape \\[3\\] needs"),
+    ],
+)
+def test_a_tensor_not_checked_at_decode_time_is_named_as_before(entries, data_size, words):
+    with pytest.raises(CheckpointFormatError, match=words):
+        _parsed(entries, data_size)
