@@ -133,8 +133,15 @@ CHUNKS_NEW_BEFORE_ONE_PASS = 2
 # Chunks a store records in Redis's chunks room per command (coordinator/state/chunks.py):
 # entries, ~0.4 KB of arguments each. One command for a 16 GB checkpoint's 4,629 chunks
 # held 1.8 MB of arguments at once in the store's pool child; 256 keep it at ~0.1 MB for
-# 19 round trips (under a millisecond each beside a store of seconds).
+# 19 round trips (under a millisecond each beside a store of seconds). The store keeps
+# its chunks' blob spans (~0.25 KB of JSON each) for its transfers as many a command too.
 CHUNK_RECORD_BATCH = 256
+
+# Blobs whose placement a gather reads per round trip (coordinator/state/blobs.py
+# placement_of): a pipeline of a 16 GB checkpoint's 4,629 chunks held a command and a
+# reply per chunk at once, ~5 MB of the gather's peak in Python objects; 512 keep it
+# under 1 MB for 10 round trips (about a millisecond each before the first byte).
+PLACEMENT_BATCH_DIGESTS = 512
 
 # --bwlimit and SMOLTORRENT_BWLIMIT (coordinator/dataplane/bandwidth.py): a limited transfer
 # moves its bytes in slices of at most BWLIMIT_SLICE_BYTES (a sendfile call, a recv) and

@@ -26,6 +26,7 @@ from tasks.enqueue import send_transfers
 @app.task(
     name="smoltorrent.commit",
     bind=True,
+    trail=False,  # nothing reads the chain tasks a commit re-sends as its children
     autoretry_for=(NodeUnavailableError, NodeError, ManifestNotDurableError, *REDIS_TRANSIENT),
     retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
     retry_backoff_max=defaults.RETRY_BACKOFF_MAX_S,

@@ -19,7 +19,7 @@ from tasks.gathering import run_gather
 from tasks.requests import ride_out
 
 
-@app.task(name="smoltorrent.gather", bind=True)
+@app.task(name="smoltorrent.gather", bind=True, trail=False)  # no children: tasks/store.py
 def gather(
     self,
     vkey: str,

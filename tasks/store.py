@@ -21,6 +21,7 @@ from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.plan.chains import chain_order
 from coordinator.plan.encoding import should_encode
+from coordinator.state.chunks import batched
 from coordinator.state.liveness import probe_registered
 from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE
@@ -39,6 +40,9 @@ log = get_task_logger(__name__)
 @app.task(
     name="smoltorrent.store",
     bind=True,
+    # No AsyncResult kept per chain task it sends (hundreds at 16 GB), nor their ids in
+    # its result: nothing reads a store's children.
+    trail=False,
     max_retries=defaults.STABLE_RETRIES,
     autoretry_for=REDIS_TRANSIENT,
     retry_backoff=defaults.RETRY_BACKOFF_BASE_S,
@@ -133,8 +137,13 @@ def _store(
             digest_cache=DigestCache(config.home() / "digest-cache"),
         )
         spans, hashed_bytes = prepared.spans(), prepared.hashed_bytes
-    manifest, vkey = prepared.manifest, prepared.vkey
-    targets = prefer_holders(prepared.targets, manifest, md, set(live))
+    manifest, vkey, planned = prepared.manifest, prepared.vkey, prepared.targets
+    identity, tensors = json.dumps(prepared.identity.to_dict()), prepared.tensor_count
+    # What it planned is held from here on in these names alone, each dropped once used:
+    # a span, an entry and targets per chunk, thousands of them at 16 GB.
+    del prepared
+    targets = prefer_holders(planned, manifest, md, set(live))
+    del planned
     if config.chain_replication():
         # Heads and tails spread so every node's outbound link carries its share.
         targets = chain_order(targets, [s.blob_size for s in manifest.entries])
@@ -150,12 +159,12 @@ def _store(
             "host": host,
             "request_id": request_id or self.request.id,
             "requested_shards": shards or 0,
-            "identity": json.dumps(prepared.identity.to_dict()),
+            "identity": identity,
         }
         | ({} if bwlimit is None else {"bwlimit": bwlimit}),
         targets,
         seq,
-        tensors=prepared.tensor_count,
+        tensors=tensors,
     )
     if found == REMOVING:
         # The same bytes are being removed right now: store them afresh once that is done.
@@ -165,7 +174,11 @@ def _store(
     mine = md.versions.version(vkey).get("request_id") == (request_id or self.request.id)
     if new or (found == PENDING and mine):
         md.chunks.record(manifest.chunks)
-        md.transfers.keep_spans(vkey, spans)
+        # A batch a command, as the chunks are recorded: the transfers read them only
+        # once sent below, and one HSET of every span's JSON was megabytes at once.
+        for batch in batched(spans, defaults.CHUNK_RECORD_BATCH):
+            md.transfers.keep_spans(vkey, batch)
+        del spans
         send_transfers(vkey, manifest, targets, host)
     else:
         log.info("%s: version %s already %s", name, manifest.version_id[:12], found)

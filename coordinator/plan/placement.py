@@ -35,6 +35,8 @@ def place(
     blobs = dict.fromkeys(free_bytes, 0)
     share = _free_share(free_bytes)
     placement: list[tuple[str, ...]] = [()] * len(shard_sizes)
+    # Shards on the same nodes share one tuple: a few node sets for thousands of chunks.
+    shared: dict[tuple[str, ...], tuple[str, ...]] = {}
     for index in sorted(range(len(shard_sizes)), key=lambda i: (-shard_sizes[i], i)):
         size = shard_sizes[index]
         fitting = [node for node in room_left if room_left[node] >= size]
@@ -48,7 +50,8 @@ def place(
             room_left[node] -= size
             placed[node] += size
             blobs[node] += 1
-        placement[index] = tuple(chosen)
+        nodes = tuple(chosen)
+        placement[index] = shared.setdefault(nodes, nodes)
     return placement
 
 

@@ -85,12 +85,20 @@ class Blobs:
     def placement(self, digest: str) -> set[str]:
         return set(self.r.smembers(K.PLACEMENT.format(digest=digest)))
 
-    def placement_of(self, digests: Sequence[str]) -> list[set[str]]:
-        """Each blob's placement, in order, in one round trip (a gather's hundreds of chunks)."""
-        with self.r.pipeline(transaction=False) as p:
-            for digest in digests:
-                p.smembers(K.PLACEMENT.format(digest=digest))
-            return [set(members) for members in p.execute()]
+    def placement_of(self, digests: Sequence[str]) -> list[frozenset[str]]:
+        """Each blob's placement, in order, one round trip per PLACEMENT_BATCH_DIGESTS (a
+        gather's thousands of chunks: a pipeline of them all held a command and a reply
+        each at once). Blobs on the same nodes share one set."""
+        shared: dict[frozenset[str], frozenset[str]] = {}
+        out: list[frozenset[str]] = []
+        for start in range(0, len(digests), defaults.PLACEMENT_BATCH_DIGESTS):
+            with self.r.pipeline(transaction=False) as p:
+                for digest in digests[start : start + defaults.PLACEMENT_BATCH_DIGESTS]:
+                    p.smembers(K.PLACEMENT.format(digest=digest))
+                for members in p.execute():
+                    placement = frozenset(members)
+                    out.append(shared.setdefault(placement, placement))
+        return out
 
     def add_placement(self, digest: str, node_id: str) -> None:
         with self.r.pipeline() as p:  # MULTI: the listed copy goes with the change

@@ -66,6 +66,14 @@ def listing_row(manifest: Manifest, transfers: int, tensors: int | None = None) 
     )
 
 
+def _plan_json(plan: list[tuple[str, ...]]) -> str:
+    """The plan as the create script takes it: a JSON list of each entry's node list as
+    JSON text. Entries with the same nodes share one text: a few node orders for
+    thousands of chunks, not a string each beside the store's own objects."""
+    texts: dict[tuple[str, ...], str] = {}
+    return json.dumps([texts.get(t) or texts.setdefault(t, json.dumps(list(t))) for t in plan])
+
+
 class Versions:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
@@ -126,7 +134,7 @@ class Versions:
                     }
                 ),
                 manifest.to_json(),
-                json.dumps([json.dumps(list(t)) for t in plan]),
+                _plan_json(plan),
                 listing_row(manifest, transfers, tensors),
             ],
         )
@@ -140,12 +148,13 @@ class Versions:
         return data
 
     def manifest(self, vkey: str) -> Manifest:
-        raw = self.r.get(K.MANIFEST.format(vkey=vkey))
-        if raw is None:
+        # Held in a list the parse takes it from: the reply is freed once decoded.
+        held = [self.r.get(K.MANIFEST.format(vkey=vkey))]
+        if held[0] is None:
             raise NotFoundError(
                 f"no manifest for version {vkey}; if Redis was lost, run `smoltorrent rebuild`."
             )
-        return Manifest.from_json(raw)
+        return Manifest.from_json_taken(held)
 
     def _each(self, vkeys: list[str], ask) -> list:
         """ask(pipeline, vkey) queued for every vkey, one round trip per

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from bench.scale_metadata import CountedMetadata
 from coordinator.local.synthetic import synthetic_manifest
 from coordinator.plan.manifest import VersionBlobs, storage_key
@@ -175,3 +177,16 @@ def test_a_store_records_the_tensor_count_it_planned_with(md, tmp_path):
     assert row == listing_row(p.manifest, sum(len(t) for t in targets))
     shards = prepared(tmp_path, "sharded", 1)
     assert shards.tensor_count == shards.manifest.tensor_count() > 0
+
+
+def test_a_pending_versions_plan_names_each_entrys_nodes(md):
+    """The plan is passed as one JSON text per distinct node order (entries share them);
+    each entry's field holds its own nodes, in order."""
+    m = synthetic_manifest("planned", 2, shards=5)
+    vkey = storage_key(m.name, m.version_id)
+    order = (("node-a", "node-b"), ("node-b", "node-a"), ("node-c",))
+    plan = [order[i % 3] for i in range(len(m.entries))]
+    assert md.versions.create_pending(m, vkey, {}, plan) == "created"
+    assert md.transfers.plan(vkey) == plan
+    stored = md.r.hgetall(K.PLAN.format(vkey=vkey))
+    assert stored == {str(i): json.dumps(list(t)) for i, t in enumerate(plan)}
