@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+import redis
+
 from coordinator import config
 from coordinator.dataplane.bandwidth import WireBytes
 from coordinator.dataplane.gather_engine import check_destination
@@ -75,8 +77,10 @@ def _pause(wake: str | None = None) -> None:
     if wake is not None and not _CTRL_C.is_set():
         try:
             wakeups.wait(metadata().r, wake, defaults.CLI_POLL_INTERVAL_S)
-        except REDIS_TRANSIENT:
-            pass  # Redis away: the pause below, then the next poll rides the outage out
+        except redis.RedisError:
+            # Redis away (the next poll rides the outage out), or a server before 6.0 that
+            # takes no fractional BLPOP timeout: the plain pause below.
+            pass
         else:
             if _CTRL_C.is_set():
                 raise KeyboardInterrupt

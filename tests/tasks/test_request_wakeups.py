@@ -12,6 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import redis
+
+from tasks import requests
 from tests.tasks.test_control_plane import make_blobs_ckpt
 
 # The real CLI, with the poll interval set far past the test's timeouts and every wait for
@@ -65,3 +68,27 @@ def test_a_store_and_a_gather_end_on_their_wake_ups_not_the_poll(make_cluster, t
     _, waits = run_cli(cluster, "gather", "woken.safetensors", "-o", str(out))
     assert sha(out) == sha(source)
     assert waits["timed_out"] == 0 and waits["woken"] >= 1, waits
+
+
+def test_a_redis_that_refuses_the_block_still_gets_a_pause(monkeypatch):
+    """A server before Redis 6 refuses BLPOP's fractional timeout (a ResponseError, not an
+    outage): the wait falls back to the plain pause instead of polling in a tight loop."""
+
+    def refused(*_args, **_kwargs):
+        raise redis.ResponseError("timeout is not an integer or out of range")
+
+    paused: list[float] = []
+
+    class Noted:
+        def is_set(self) -> bool:
+            return False
+
+        def wait(self, seconds: float) -> bool:
+            paused.append(seconds)
+            return False
+
+    monkeypatch.setattr(requests.wakeups, "wait", refused)
+    monkeypatch.setattr(requests, "_CTRL_C", Noted())
+    monkeypatch.setattr(requests, "metadata", lambda: type("Md", (), {"r": None})())
+    requests._pause("smoltorrent:wake:request:r1")
+    assert paused == [requests.defaults.CLI_POLL_INTERVAL_S]
