@@ -60,12 +60,15 @@ def plan_chunks(
         # A multiple of 8: a big tensor's pieces then start on an element boundary.
         raise ValueError(f"chunk target {target} and solo size {solo} do not fit together")
     plans: list[ChunkPlan] = []
+    # Chunks of one layout share its tuple: thousands of chunks, a few dozen layouts.
+    layouts: dict[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = {}
     for group in _groups(header.tensors, target, solo):
         start = group[0].start
         while start < group[-1].end:
             # Only a lone big tensor runs past the target; it is cut at fixed offsets.
             end = min(group[-1].end, start + target)
-            plans.append(ChunkPlan(len(plans), start, end, _layout(group, start, end)))
+            layout = _layout(group, start, end)
+            plans.append(ChunkPlan(len(plans), start, end, layouts.setdefault(layout, layout)))
             start = end
     return plans
 

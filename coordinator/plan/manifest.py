@@ -43,6 +43,7 @@ from coordinator.plan.safetensors_header import (
     LENGTH_PREFIX_BYTES,
     CheckpointHeader,
     TensorInfo,
+    checked_data_size,
     parse_header,
 )
 from smoltorrent.errors import CheckpointFormatError, ManifestError, UsageError
@@ -697,7 +698,12 @@ def _parse_chunk(document: Any, index: int) -> ChunkEntry:
 def _check_chunks(manifest: Manifest) -> None:
     """The chunks must tile the source's data section in order, each holding bytes."""
     try:
-        header = _source_header(manifest)
+        data_size = checked_data_size(
+            struct.pack("<Q", len(manifest.header_bytes)),
+            manifest.header_bytes,
+            manifest.source_size,
+            source=f"manifest of {manifest.name}",
+        )
     except CheckpointFormatError as error:
         _fail(f"its source header does not hold up: {error}")
     covered = 0
@@ -708,8 +714,8 @@ def _check_chunks(manifest: Manifest) -> None:
                 f" before it end at {covered}"
             )
         covered = chunk.data_end
-    if covered != header.data_size:
-        _fail(f"its chunks cover {covered} bytes of a {header.data_size}-byte data section")
+    if covered != data_size:
+        _fail(f"its chunks cover {covered} bytes of a {data_size}-byte data section")
 
 
 def _parse_shard(document: Any, schema: int) -> ShardEntry:

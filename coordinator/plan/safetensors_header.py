@@ -16,6 +16,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -116,16 +117,9 @@ def parse_header(
     prefix: bytes, header_bytes: bytes, file_size: int, *, source: str = "checkpoint"
 ) -> CheckpointHeader:
     """Validate a header already read: the 8-byte prefix, the N JSON bytes, the file size."""
-    header_length = _check_prefix(prefix, file_size, source)
-    if len(header_bytes) != header_length:
-        _fail(
-            source,
-            f"truncated header: expected {header_length} header bytes, got {len(header_bytes)}",
-            "the file was cut short; copy it again or wait until it is fully written",
-            incomplete=True,
-        )
-    entries = _decode_json(header_bytes, source)
-    metadata = _check_metadata(entries.pop(METADATA_KEY, None), source)
+    header_length, entries, metadata = _entries(
+        prefix, header_bytes, file_size, source, _checked_entry
+    )
     # Each tensor's JSON object is dropped once its TensorInfo is built (in the header's
     # order, so the first bad tensor is still the one named): thousands of tensors are
     # never held twice, as JSON and as TensorInfo.
@@ -134,8 +128,48 @@ def parse_header(
         key=lambda tensor: (tensor.start, tensor.end, tensor.name),
     )
     data_size = file_size - LENGTH_PREFIX_BYTES - header_length
-    _check_layout(tensors, data_size, source)
+    _check_layout(((t.start, t.end, t.name) for t in tensors), data_size, source)
     return CheckpointHeader(header_bytes, tuple(tensors), metadata, file_size)
+
+
+def checked_data_size(
+    prefix: bytes, header_bytes: bytes, file_size: int, *, source: str = "checkpoint"
+) -> int:
+    """The size of the data section a header describes, after every check parse_header
+    makes (raising the same errors), keeping of each tensor only its byte range and name:
+    a manifest's parse checks its chunks against its header, and the dtypes, shapes and
+    TensorInfos it has no use for were a third of that check's memory for thousands of
+    tensors."""
+    header_length, entries, _ = _entries(prefix, header_bytes, file_size, source, _checked_range)
+    ranges = sorted(_range(name, entries.pop(name), source) for name in list(entries))
+    data_size = file_size - LENGTH_PREFIX_BYTES - header_length
+    _check_layout(ranges, data_size, source)
+    return data_size
+
+
+def _entries(
+    prefix: bytes, header_bytes: bytes, file_size: int, source: str, hook: Callable
+) -> tuple[int, dict[str, Any], dict[str, str] | None]:
+    """The header's length, its tensors' entries by name (each as `hook` made it) and its
+    metadata, the prefix, the length and the metadata checked."""
+    header_length = _check_prefix(prefix, file_size, source)
+    if len(header_bytes) != header_length:
+        _fail(
+            source,
+            f"truncated header: expected {header_length} header bytes, got {len(header_bytes)}",
+            "the file was cut short; copy it again or wait until it is fully written",
+            incomplete=True,
+        )
+    entries = _decode_json(header_bytes, source, hook)
+    return header_length, entries, _check_metadata(entries.pop(METADATA_KEY, None), source)
+
+
+def _range(name: str, entry: Any, source: str) -> tuple[int, int, str]:
+    """(start, end, name) of a tensor, checked as _check_tensor does."""
+    if type(entry) is tuple:  # checked as it was decoded (_checked_range)
+        return entry[0], entry[1], name
+    tensor = _check_tensor(name, entry, source)
+    return tensor.start, tensor.end, tensor.name
 
 
 def _fail(source: str, problem: str, advice: str, *, incomplete: bool = False) -> NoReturn:
@@ -212,6 +246,22 @@ def _checked_entry(pairs: list[tuple[str, Any]]) -> dict[str, Any] | tuple:
     can be, so thousands of tensors are never held as a dict, two lists and their own dtype
     strings each; anything else stays a dict and is checked (and named) as before."""
     entry = _reject_duplicate_keys(pairs)
+    fields = _tensor_fields(entry)
+    if fields is None:
+        return entry
+    dtype, shape, start, end = fields
+    return (_DTYPES[dtype], tuple(shape), start, end)
+
+
+def _checked_range(pairs: list[tuple[str, Any]]) -> dict[str, Any] | tuple:
+    """_checked_entry for checked_data_size: a tensor's object becomes (start, end)."""
+    entry = _reject_duplicate_keys(pairs)
+    fields = _tensor_fields(entry)
+    return entry if fields is None else (fields[2], fields[3])
+
+
+def _tensor_fields(entry: dict[str, Any]) -> tuple[str, list, int, int] | None:
+    """(dtype, shape, start, end) of a tensor's object _check_tensor accepts, else None."""
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if (
         type(dtype) is not str
@@ -223,21 +273,21 @@ def _checked_entry(pairs: list[tuple[str, Any]]) -> dict[str, Any] | tuple:
         or not all(_is_count(offset) for offset in offsets)
         or offsets[0] > offsets[1]
     ):
-        return entry
+        return None
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
-        return entry
-    return (_DTYPES[dtype], tuple(shape), offsets[0], offsets[1])
+        return None
+    return dtype, shape, offsets[0], offsets[1]
 
 
-def _decode_json(header_bytes: bytes, source: str) -> dict[str, Any]:
+def _decode_json(header_bytes: bytes, source: str, hook: Callable) -> dict[str, Any]:
     bad_header = "not a safetensors file: the header is not"
     try:
         text = header_bytes.decode("utf-8")
     except UnicodeDecodeError as error:
         _fail(source, f"{bad_header} UTF-8 ({error.reason} at byte {error.start})", _SAVE_HINT)
     try:
-        entries = json.loads(text, object_pairs_hook=_checked_entry)
+        entries = json.loads(text, object_pairs_hook=hook)
         if type(entries) is tuple:  # the whole header is one tensor's object: not a header
             entries = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except _DuplicateKey as duplicate:
@@ -304,27 +354,28 @@ def _check_tensor(name: str, entry: Any, source: str) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), start, end)
 
 
-def _check_layout(tensors: list[TensorInfo], data_size: int, source: str) -> None:
-    """Tensors must tile the data section exactly: no overlap, no hole, nothing after."""
+def _check_layout(ranges: Iterable[tuple[int, int, str]], data_size: int, source: str) -> None:
+    """Tensors, as (start, end, name) in that order, must tile the data section exactly: no
+    overlap, no hole, nothing after."""
     resave = "re-save the checkpoint with a safetensors writer"
     covered = 0
     previous = None
-    for tensor in tensors:
-        if tensor.start < covered:
+    for start, end, name in ranges:
+        if start < covered:
             _fail(
                 source,
-                f"invalid safetensors header: tensor {tensor.name!r} at bytes "
-                f"{tensor.start}-{tensor.end} overlaps {previous!r}, which ends at {covered}",
+                f"invalid safetensors header: tensor {name!r} at bytes "
+                f"{start}-{end} overlaps {previous!r}, which ends at {covered}",
                 resave,
             )
-        if tensor.start > covered:
+        if start > covered:
             _fail(
                 source,
-                f"invalid safetensors header: {tensor.start - covered} bytes at offset {covered} "
-                f"of the data section belong to no tensor (a hole before {tensor.name!r})",
+                f"invalid safetensors header: {start - covered} bytes at offset {covered} "
+                f"of the data section belong to no tensor (a hole before {name!r})",
                 resave,
             )
-        covered, previous = tensor.end, tensor.name
+        covered, previous = end, name
     if data_size < covered:
         _fail(
             source,

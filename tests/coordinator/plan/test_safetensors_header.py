@@ -17,6 +17,7 @@ from coordinator.plan.safetensors_header import (
     DTYPE_BITS,
     CheckpointHeader,
     TensorInfo,
+    checked_data_size,
     format_bytes,
     parse_header,
     read_header,
@@ -362,3 +363,25 @@ def test_tensors_checked_as_they_are_decoded_parse_as_before():
 def test_a_tensor_not_checked_at_decode_time_is_named_as_before(entries, data_size, words):
     with pytest.raises(CheckpointFormatError, match=words):
         _parsed(entries, data_size)
+
+
+@pytest.mark.parametrize(
+    ("content", "words"), [b[1:] for b in BAD_FILES], ids=[b[0] for b in BAD_FILES]
+)
+def test_a_manifests_header_check_refuses_what_a_parse_refuses(content, words):
+    """checked_data_size (a manifest's check of its chunks) keeps only each tensor's range
+    and name, and refuses every broken header with parse_header's own error."""
+    prefix = content[:8]
+    header_bytes = content[8 : 8 + struct.unpack("<Q", prefix)[0]] if len(prefix) == 8 else b""
+    with pytest.raises(CheckpointFormatError) as parsed:
+        parse_header(prefix, header_bytes, len(content))
+    with pytest.raises(CheckpointFormatError) as checked:
+        checked_data_size(prefix, header_bytes, len(content))
+    assert (type(checked.value), str(checked.value)) == (type(parsed.value), str(parsed.value))
+
+
+def test_a_manifests_header_check_gives_the_data_size():
+    raw = json.dumps({"__metadata__": {"a": "b"}, "x": u8(0, 2), "y": u8(2, 5)}).encode()
+    prefix = struct.pack("<Q", len(raw))
+    assert checked_data_size(prefix, raw, 8 + len(raw) + 5) == 5
+    assert parse_header(prefix, raw, 8 + len(raw) + 5).data_size == 5
