@@ -19,8 +19,22 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def home() -> Path:
-    """SMOLTORRENT_HOME (default ~/.smoltorrent): embedded Redis, local node data, logs."""
-    return Path(os.environ.get("SMOLTORRENT_HOME", Path.home() / ".smoltorrent")).expanduser()
+    """SMOLTORRENT_HOME (default ~/.smoltorrent): embedded Redis, local node data, logs.
+
+    Read at each call, parsed only when it changed: pathlib interns each part it parses,
+    and a part no live path holds leaves Python's interned table and comes back at the
+    next parse. A pool child asks several times per chunk, and that churn doubled the
+    table it shares with the worker (1.9 MB private per child at 16 GB); the Path kept
+    here holds its parts, so they stay (bench/RESULTS.md, 2026-11-29 chainmem)."""
+    global _home
+    raw = (os.environ.get("SMOLTORRENT_HOME"), os.environ.get("HOME"))  # "~" follows HOME
+    if _home is None or _home[0] != raw:
+        path = Path(raw[0] if raw[0] is not None else Path.home() / ".smoltorrent")
+        _home = (raw, path.expanduser())
+    return _home[1]
+
+
+_home: tuple[tuple[str | None, str | None], Path] | None = None  # (environment, home())
 
 
 def shown_url(url: str) -> str:
