@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import redis
 
@@ -66,12 +66,18 @@ def listing_row(manifest: Manifest, transfers: int, tensors: int | None = None) 
     )
 
 
-def _plan_json(plan: list[tuple[str, ...]]) -> str:
+def _plan_json(plan: Sequence[Sequence[str]]) -> str:
     """The plan as the create script takes it: a JSON list of each entry's node list as
     JSON text. Entries with the same nodes share one text: a few node orders for
-    thousands of chunks, not a string each beside the store's own objects."""
+    thousands of chunks, not a string each beside the store's own objects. An entry may
+    be a list (chain_order's) as well as a tuple."""
     texts: dict[tuple[str, ...], str] = {}
-    return json.dumps([texts.get(t) or texts.setdefault(t, json.dumps(list(t))) for t in plan])
+
+    def text(nodes: Sequence[str]) -> str:
+        key = tuple(nodes)
+        return texts.get(key) or texts.setdefault(key, json.dumps(list(key)))
+
+    return json.dumps([text(nodes) for nodes in plan])
 
 
 class Versions:
