@@ -265,12 +265,15 @@ class BlobStore:
     def _publish(self, tmp_path: Path, digest: str) -> None:
         target = self.blob_path(digest)
         try:
-            # Made when the store opened; this is for a bucket removed since.
-            target.parent.mkdir()
+            os.replace(tmp_path, target)
+        except FileNotFoundError:
+            # The buckets are made when the store opens; this is for one removed since.
+            # Tried after the rename, not before it: a mkdir per blob that fails with
+            # EEXIST cost every put a system call and a Python exception.
+            with contextlib.suppress(FileExistsError):
+                target.parent.mkdir()
             durable.sync_path(self.blobs_dir)
-        except FileExistsError:
-            pass
-        os.replace(tmp_path, target)
+            os.replace(tmp_path, target)
         durable.sync_path(target.parent)
         if self.discard_quarantined(digest):
             log.info("blob %s is whole here again: its quarantined copy is deleted", digest)

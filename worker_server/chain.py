@@ -89,6 +89,7 @@ class Keepalive:
         self._active = False  # a chain_put runs: frames are due
         self._due = 0.0  # monotonic time of the next progress frame
         self._closed = False
+        self._parked = False  # the thread waits with no timeout: only a notify wakes it
         self._thread: threading.Thread | None = None
         self.progress = 0  # bytes received so far, reported as is
 
@@ -104,7 +105,12 @@ class Keepalive:
                     target=self._run, name="chain-keepalive", daemon=True
                 )
                 self._thread.start()
-            self._lock.notify()
+            elif self._parked:
+                # Only a parked thread needs waking. One in a timed wait (a chain_put ended
+                # less than an interval ago) wakes by itself no later than this new due
+                # time, so a batch of chain_puts wakes it about once per interval, not
+                # once per blob (each wake-up two context switches on the node).
+                self._lock.notify()
         try:
             yield self
         finally:
@@ -128,7 +134,9 @@ class Keepalive:
         with self._lock:
             while not self._closed:
                 if not self._active:
+                    self._parked = True
                     self._lock.wait()
+                    self._parked = False
                     continue
                 wait = self._due - time.monotonic()
                 if wait > 0:

@@ -278,7 +278,7 @@ class Session:
         error frame, so the sender still learns what became of every other copy."""
         with self.keepalive.running() as keepalive:
             own, forward = self._chain_put(request, keepalive)
-        self._send_chain_report(request["digest"], own, forward)
+        self._send_chain_report(request["digest"], request["size"], own, forward)
 
     def _chain_put(
         self, request: dict[str, Any], keepalive: chain.Keepalive
@@ -346,7 +346,7 @@ class Session:
                 protocol.CHAIN_FAILED, node_id, chain.error_code(exc), str(exc)
             )
         self.metrics.received(size)
-        log.info("stored blob %s (%d bytes) from %s, chained", digest, size, self.peer)
+        # Logged with the chain's fates in _send_chain_report: one line per blob, not two.
         return protocol.chain_entry(protocol.CHAIN_STORED, node_id)
 
     def _push_own_copy(
@@ -368,10 +368,12 @@ class Session:
         return entries
 
     def _send_chain_report(
-        self, digest: str, own: dict[str, Any], forward: list[dict[str, Any]]
+        self, digest: str, size: int, own: dict[str, Any], forward: list[dict[str, Any]]
     ) -> None:
         fates = [own["status"], *(entry["status"] for entry in forward)]
-        log.info("chain of blob %s: %s", digest[:12], " -> ".join(fates))
+        log.info(
+            "chain of blob %s (%d bytes from %s): %s", digest, size, self.peer, " -> ".join(fates)
+        )
         wire.send_frame(self.sock, {"ok": True, "status": "done", "self": own, "forward": forward})
 
     def op_get(self, request: dict[str, Any]) -> None:

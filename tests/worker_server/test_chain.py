@@ -386,3 +386,40 @@ def test_a_sessions_keepalive_sends_progress_only_during_a_chain_put_from_one_th
         ours.close()
         sender.close()
     assert not any(t.name == "chain-keepalive" for t in threading.enumerate())
+
+
+def _context_switches(thread: threading.Thread) -> int:
+    """How many times `thread` has gone to sleep and been woken (Linux /proc)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_back_to_back_chain_puts_do_not_wake_the_keepalive_thread_each_time() -> None:
+    """A chain task sends its batch of chunks one chain_put after the other on one
+    connection. Waking the session's keepalive thread at each one cost the node two
+    context switches per blob copy (~4 of its ~18); a thread still waiting out the last
+    put's interval wakes by itself in time for the next one's first frame."""
+    ours, sender = socket.socketpair()
+    keepalive = chain.Keepalive(ours, interval=0.5)
+    try:
+        with keepalive.running():  # starts the thread
+            pass
+        thread = next(t for t in threading.enumerate() if t.name == "chain-keepalive")
+        time.sleep(0.05)  # settled in its wait
+        before = _context_switches(thread)
+        for done in range(100):
+            with keepalive.running():
+                keepalive.progress = done
+                time.sleep(0.001)  # a put waits on its socket and disk: other threads run
+        woken = _context_switches(thread) - before
+        assert woken < 10, f"the keepalive thread was woken {woken} times for 100 chain_puts"
+        # A put that outlasts the interval still gets its progress frames.
+        with keepalive.running():
+            keepalive.progress = 5
+            frames = _frames_within(sender, 1.2)
+        assert frames and all(f == {"ok": True, "progress": 5} for f in frames)
+    finally:
+        keepalive.close()
+        ours.close()
+        sender.close()
