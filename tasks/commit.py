@@ -57,16 +57,15 @@ def commit(self, vkey: str) -> str:
         keep = {f"{i}:{r}" for i, t in enumerate(plan) for r in range(len(t)) if i not in lost}
         send_transfers(vkey, manifest, plan, v["host"], skip=keep)
         return f"shards {lost} had no copy left; sent again"
-    name = manifest.name
-    # Read again below with its marks: the two parsed at once (thousands of chunks) made
-    # most of a commit's peak memory.
-    del manifest
     # The nodes' copies carry the version's request order, so a rebuild orders by it.
     seq = int(v.get("seq") or 0)
     # With its pin and labels too (a version removed and stored again may have kept them).
-    ordered = dataclasses.replace(node_manifest(md, vkey), seq=seq)
+    # The manifest read above, not a second parse of it: compact as it is (a ChunkTable),
+    # a second read was most of a commit's peak memory for thousands of chunks.
+    ordered = dataclasses.replace(node_manifest(md, vkey, manifest), seq=seq)
+    del manifest
     write_manifest_durably(md, ordered, set().union(*holders.values()), registered)
-    md.versions.commit(vkey, name)
+    md.versions.commit(vkey, ordered.name)
     # Its CLI store learns it now, not at its next poll; a hint, so a lost one is no failure.
     with contextlib.suppress(*REDIS_TRANSIENT):
         wake(md.r, VERSION_WAKE.format(vkey=vkey))

@@ -32,7 +32,8 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, NoReturn
@@ -81,6 +82,168 @@ class ChunkEntry:
     blob_sha256: str
 
 
+_DIGEST_BYTES = 32  # a SHA-256
+
+
+class ChunkTable(Sequence[ChunkEntry]):
+    """A manifest's chunks, held in five flat buffers (each chunk's data_start, data_end
+    and blob size as 64-bit integers, its two SHA-256 as 32 bytes each): ~90 bytes a chunk
+    in a handful of allocations, where a tuple of ChunkEntry held ~430 in six small objects
+    a chunk. A 16 GB checkpoint's 4,629 chunks are 0.4 MB here against 2 MB, and buffers
+    that size come from malloc's own mappings, given back whole when the manifest goes,
+    not pymalloc's arenas, which a few survivors among thousands of small objects pin for
+    the rest of a worker child's life (bench/RESULTS.md, memflat5).
+
+    Reads as the tuple it replaces: indexing, iteration, len and == against any sequence
+    of ChunkEntry; an entry is built as it is read."""
+
+    __slots__ = ("_starts", "_ends", "_sizes", "_raw", "_blob")
+
+    def __init__(self, starts: array, ends: array, sizes: array, raw: bytes, blob: bytes):
+        self._starts, self._ends, self._sizes = starts, ends, sizes
+        self._raw, self._blob = raw, blob
+
+    @classmethod
+    def of(cls, entries: Iterable[ChunkEntry]) -> ChunkTable:
+        """The table of `entries`, each at the position its index says (ValueError
+        otherwise, or for a digest that is not 64 lowercase hex digits)."""
+        if isinstance(entries, ChunkTable):
+            return entries
+        starts, ends, sizes = array("q"), array("q"), array("q")
+        raw, blob = bytearray(), bytearray()
+        for position, entry in enumerate(entries):
+            if entry.index != position:
+                raise ValueError(f"chunk {entry.index} is listed at position {position}")
+            starts.append(entry.data_start)
+            ends.append(entry.data_end)
+            sizes.append(entry.blob_size)
+            raw += _digest_bytes(entry.raw_sha256)
+            blob += _digest_bytes(entry.blob_sha256)
+        return cls(starts, ends, sizes, bytes(raw), bytes(blob))
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def write_json(self, out: io.BytesIO) -> None:
+        """The chunks as Manifest.to_json writes them (canonical: sorted keys, no spaces),
+        straight from the buffers, one chunk at a time."""
+        out.write(b"[")
+        rows = zip(self._starts, self._ends, self._sizes, strict=True)
+        for i, (start, end, size) in enumerate(rows):
+            at = i * _DIGEST_BYTES
+            out.write(
+                b'%s{"blob_sha256":"%s","blob_size":%d,"data_end":%d,"data_start":%d,'
+                b'"raw_sha256":"%s"}'
+                % (
+                    b"," if i else b"",
+                    binascii.hexlify(self._blob[at : at + _DIGEST_BYTES]),
+                    size,
+                    end,
+                    start,
+                    binascii.hexlify(self._raw[at : at + _DIGEST_BYTES]),
+                )
+            )
+        out.write(b"]")
+
+    def json_size(self) -> int:
+        """How many bytes write_json writes."""
+        fixed = len(b'{"blob_sha256":"","blob_size":,"data_end":,"data_start":,"raw_sha256":""}')
+        count = len(self)
+        digits = sum(len(str(value)) for part in (self._starts, self._ends, self._sizes)
+                     for value in part)  # fmt: skip
+        return 2 + max(count - 1, 0) + count * (fixed + 4 * _DIGEST_BYTES) + digits
+
+    @classmethod
+    def from_canonical_json(cls, data: bytes | str, start: int) -> tuple[ChunkTable, int] | None:
+        """The chunk list that opens at `start` of a manifest's JSON text, read straight
+        into a table when it is written as to_json writes it (every manifest smoltorrent
+        stores), with the offset just past its closing bracket; None when it is not
+        (spaces, another key order, a value _checked_object would not take, a number past
+        18 digits): the caller then decodes the whole text as JSON. No object per chunk is
+        kept, nor a JSON document of the whole list built."""
+        pattern, close = (_CHUNK_BYTES, b"]") if isinstance(data, bytes) else (_CHUNK_TEXT, "]")
+        starts, ends, sizes = array("q"), array("q"), array("q")
+        raw, blob = bytearray(), bytearray()
+        position = start + 1  # past the "["
+        if data[position : position + 1] != close:
+            match = pattern.match
+            while True:
+                found = match(data, position)
+                if found is None:
+                    return None
+                blob_hex, size, end, begin, raw_hex, after = found.groups()
+                blob += binascii.unhexlify(blob_hex)
+                sizes.append(int(size))
+                ends.append(int(end))
+                starts.append(int(begin))
+                raw += binascii.unhexlify(raw_hex)
+                position = found.end()
+                if after == close:
+                    break
+            position -= 1
+        return cls(starts, ends, sizes, bytes(raw), bytes(blob)), position + 1
+
+    def _entry(self, i: int) -> ChunkEntry:
+        at = i * _DIGEST_BYTES
+        return ChunkEntry(
+            i,
+            self._starts[i],
+            self._ends[i],
+            self._raw[at : at + _DIGEST_BYTES].hex(),
+            self._sizes[i],
+            self._blob[at : at + _DIGEST_BYTES].hex(),
+        )
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._entry(j) for j in range(*i.indices(len(self))))
+        count = len(self)
+        if not -count <= i < count:
+            raise IndexError("chunk index out of range")
+        return self._entry(i + count if i < 0 else i)
+
+    def __iter__(self) -> Iterator[ChunkEntry]:
+        return map(self._entry, range(len(self)))
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        """(data_start, data_end) of each chunk, in order, no entry built."""
+        return zip(self._starts, self._ends, strict=True)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkTable):
+            return self._key() == other._key()
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def _key(self) -> tuple:
+        return (self._starts, self._ends, self._sizes, self._raw, self._blob)
+
+    def __hash__(self) -> int:
+        return hash(tuple(bytes(part) for part in self._key()))
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({list(self)!r})"
+
+
+# One chunk's object exactly as to_json writes it, with what follows it (a comma or the
+# list's end). Its values are those _checked_object takes: 64 lowercase hex digits, a
+# blob size of at least 1; at most 18 digits, so every number fits the table's int64.
+_CHUNK_PATTERN = (
+    r'\{"blob_sha256":"([0-9a-f]{64})","blob_size":([1-9][0-9]{0,17}),'
+    r'"data_end":(0|[1-9][0-9]{0,17}),"data_start":(0|[1-9][0-9]{0,17}),'
+    r'"raw_sha256":"([0-9a-f]{64})"\}([,\]])'
+)
+_CHUNK_TEXT = re.compile(_CHUNK_PATTERN)
+_CHUNK_BYTES = re.compile(_CHUNK_PATTERN.encode("ascii"))
+
+
+def _digest_bytes(digest: str) -> bytes:
+    if type(digest) is not str or not _SHA256_HEX.fullmatch(digest):
+        raise ValueError(f"a digest must be 64 lowercase hex digits, got {digest!r}")
+    return bytes.fromhex(digest)
+
+
 @dataclass(frozen=True)
 class Manifest:
     name: str  # path relative to the watched root, e.g. "grpo/run1/step_100.safetensors"
@@ -91,7 +254,8 @@ class Manifest:
     shards: tuple[ShardEntry, ...]  # schemas 1 and 2; empty in schema 3
     created_at: float  # unix seconds
     schema_version: int = SHARD_SCHEMA_VERSION
-    chunks: tuple[ChunkEntry, ...] = ()  # schema 3
+    # Schema 3; any sequence of ChunkEntry given is kept as a ChunkTable.
+    chunks: ChunkTable | tuple[ChunkEntry, ...] = ()
     # The sequence number of the latest store request for this version, in the copies
     # the nodes keep (written at commit and again when a later request makes it current:
     # a rollback), so a rebuild orders a name's versions by request, not by creation.
@@ -107,6 +271,8 @@ class Manifest:
     def __post_init__(self) -> None:
         if (self.chunked and self.shards) or (not self.chunked and self.chunks):
             raise ValueError(f"a schema {self.schema_version} manifest cannot hold that")
+        if not isinstance(self.chunks, ChunkTable):
+            object.__setattr__(self, "chunks", ChunkTable.of(self.chunks))
 
     @property
     def chunked(self) -> bool:
@@ -180,6 +346,33 @@ class Manifest:
         at a time: the same bytes as json.dumps of the whole document (tests say so), but
         a store or a commit of thousands of chunks never holds a dict per chunk, nor the
         JSON twice (as text, then as bytes), at once."""
+        values = self._field_values()
+        out = io.BytesIO()
+        if self.chunked:
+            # Its final size written first, so the buffer is allocated once, exactly, and
+            # handed out as it is: grown a write at a time, it was reallocated (copied,
+            # beside freed copies) a dozen times for a 16 GB checkpoint's 2 MB of JSON.
+            keys = [*values, "header_bytes", "chunks"]
+            size = 2 + len(keys) - 1 + self.chunks.json_size()  # braces, commas, the list
+            size += sum(len(_json(key)) + 1 for key in keys)  # keys, colons
+            size += sum(map(len, values.values())) + 2 + _base64_size(self.header_bytes)
+            out.seek(size - 1)
+            out.write(b"}")
+            out.seek(0)
+        self._write_json(out, values)
+        if self.chunked and out.tell() != size:
+            raise RuntimeError(f"a manifest's JSON took {out.tell()} bytes, not {size}")
+        return out.getvalue()
+
+    def write_json_pieces(self, send: Callable[[bytes], object], piece: int) -> None:
+        """to_json's bytes handed to `send` in order, in pieces of about `piece` bytes (the
+        last shorter), never all at once: a 16 GB checkpoint's is 2 MB."""
+        out = _Pieces(send, piece)
+        self._write_json(out, self._field_values())
+        out.flush()
+
+    def _field_values(self) -> dict[str, bytes]:
+        """Every top-level field but the header and the entries, as JSON."""
         fields: dict[str, Any] = {
             "schema_version": self.schema_version,
             "name": self.name,
@@ -196,20 +389,26 @@ class Manifest:
                 "pinned": self.pinned,
                 "labels": list(self.labels),
             }
-        out = io.BytesIO()
-        for position, key in enumerate(sorted([*fields, "header_bytes", self._entries_key])):
+        return {key: _json(value) for key, value in fields.items()}
+
+    def _write_json(self, out: io.BytesIO | _Pieces, values: dict[str, bytes]) -> None:
+        for position, key in enumerate(sorted([*values, "header_bytes", self._entries_key])):
             out.write(b"{" if position == 0 else b",")
             out.write(_json(key))
             out.write(b":")
             if key == "header_bytes":
-                # Base64's alphabet holds nothing JSON escapes: the bytes go in as they are.
-                out.write(b'"' + base64.b64encode(self.header_bytes) + b'"')
+                # Base64's alphabet holds nothing JSON escapes: the bytes go in as they are,
+                # encoded a slice at a time.
+                out.write(b'"')
+                header = self.header_bytes
+                for start in range(0, len(header), _BASE64_SLICE):
+                    out.write(base64.b64encode(header[start : start + _BASE64_SLICE]))
+                out.write(b'"')
             elif key == self._entries_key:
                 self._write_entries(out)
             else:
-                out.write(_json(fields[key]))
+                out.write(values[key])
         out.write(b"}")
-        return out.getvalue()
 
     @property
     def _entries_key(self) -> str:
@@ -217,23 +416,14 @@ class Manifest:
 
     def _write_entries(self, out: io.BytesIO) -> None:
         """The chunks (or shards) list of to_json, one entry encoded at a time."""
+        if self.chunked:
+            self.chunks.write_json(out)
+            return
         out.write(b"[")
         for position, entry in enumerate(self.entries):
             if position:
                 out.write(b",")
-            if isinstance(entry, ChunkEntry):
-                out.write(
-                    b'{"blob_sha256":%s,"blob_size":%s,"data_end":%s,"data_start":%s,"raw_sha256":%s}'
-                    % (
-                        _json(entry.blob_sha256),
-                        _json(entry.blob_size),
-                        _json(entry.data_end),
-                        _json(entry.data_start),
-                        _json(entry.raw_sha256),
-                    )
-                )
-            else:
-                out.write(_json(_shard_document(entry)))
+            out.write(_json(_shard_document(entry)))
         out.write(b"]")
 
     @classmethod
@@ -242,12 +432,50 @@ class Manifest:
         return _parse_manifest([data])
 
     @classmethod
+    def from_json_pieces(cls, pieces: Iterator[str]) -> Manifest | None:
+        """from_json of the text the pieces make, in order, read as they come: a chunked
+        manifest's chunk list goes straight into its ChunkTable, so the whole text (2 MB
+        for a 16 GB checkpoint's 4,629 chunks) is never held at once, only a piece and the
+        fields after the list. None, the rest of the pieces left unread, when the text is
+        not written as to_json writes it: the caller then reads it whole (from_json), which
+        names what is wrong. ManifestError as from_json for a manifest that does not hold."""
+        document = _document_from_pieces(pieces)
+        return None if document is None else _manifest_of(document)
+
+    @classmethod
     def from_json_taken(cls, held: list[bytes | str]) -> Manifest:
         """from_json of the one JSON text in `held`, taken out of it once decoded: with no
         other reference to it (a reply just read from Redis), the text (megabytes for
         thousands of chunks) is freed before the entries are built and checked against
         the header, instead of lasting through the whole parse."""
         return _parse_manifest(held)
+
+
+# Header bytes base64-encoded a slice at a time: a multiple of 3, so the slices' encodings
+# join into the whole one's.
+_BASE64_SLICE = 3 * 16 * 1024
+
+
+def _base64_size(data: bytes) -> int:
+    return 4 * ((len(data) + 2) // 3)
+
+
+class _Pieces:
+    """A writer that hands what it was given on in pieces of at least `piece` bytes (the
+    last one shorter)."""
+
+    def __init__(self, send: Callable[[bytes], object], piece: int) -> None:
+        self._send, self._piece, self._out = send, piece, io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self._out.write(data)
+        if self._out.tell() >= self._piece:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._out.tell():
+            self._send(self._out.getvalue())
+            self._out = io.BytesIO()
 
 
 def _json(value: Any) -> bytes:
@@ -608,16 +836,131 @@ def _checked_object(pairs: list[tuple[str, Any]]) -> dict[str, Any] | tuple:
     return (start, end, raw, size, blob)
 
 
+_CHUNKS_OPENING = '{"chunks":['  # to_json's first key, sorted, is a chunked manifest's list
+
+
+def _canonical_document(data: bytes | str) -> dict[str, Any] | None:
+    """The JSON document of a chunked manifest written as to_json writes it, its chunks
+    read straight into a ChunkTable (in the document's "chunks") and the rest decoded as
+    JSON; None when the text is not in that form, or not JSON after its chunks, for the
+    whole text's decode to say what is wrong as it always did."""
+    opening = _CHUNKS_OPENING.encode("ascii") if isinstance(data, bytes) else _CHUNKS_OPENING
+    if not data.startswith(opening):
+        return None
+    read = ChunkTable.from_canonical_json(data, len(opening) - 1)
+    if read is None:
+        return None
+    table, end = read
+    document: dict[str, Any] = {"chunks": table}
+    try:
+        if isinstance(data, str):
+            return document if _decode_fields(data, end, document) else None
+        # Bytes (a node's copy): the fields after the list, with an empty one where it
+        # was, the header's base64 and a few numbers and strings.
+        rest = json.loads(opening + b"]" + data[end:], object_pairs_hook=_reject_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError, ManifestError):
+        return None
+    if type(rest) is not dict or rest.get("chunks") != []:
+        return None
+    return rest | document
+
+
+def _decode_fields(data: str, position: int, document: dict[str, Any]) -> bool:
+    """The fields of a manifest's object from `position` (just past its chunk list) to its
+    end into `document`, each value decoded in place, without copying the text after the
+    chunks (the header's base64 is most of it); False if the object does not go on as
+    to_json writes it (`,"key":value` up to the closing brace that ends the text)."""
+    scan = _field_scanner()
+    try:
+        while data[position] == ",":
+            if data[position + 1] != '"':
+                return False
+            key, position = scan(data, position + 1)
+            if data[position] != ":" or key in document:
+                return False
+            document[key], position = scan(data, position + 1)
+    except (IndexError, StopIteration):
+        return False
+    return position == len(data) - 1 and data[position] == "}"
+
+
+_scanner: list = []  # the one JSON value scanner of _decode_fields, made at its first use
+
+
+def _field_scanner():
+    if not _scanner:
+        decoder = json.JSONDecoder(object_pairs_hook=_reject_duplicate_keys)
+        _scanner.append(decoder.scan_once)
+    return _scanner[0]
+
+
 def _parse_manifest(held: list[bytes | str]) -> Manifest:
     """Manifest.from_json_taken."""
     data = held.pop()
+    document = _canonical_document(data)
     try:
-        document = json.loads(data, object_pairs_hook=_checked_object)
-        if type(document) is tuple:  # the whole document is one chunk's object
-            document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
+        if document is None:
+            document = json.loads(data, object_pairs_hook=_checked_object)
+            if type(document) is tuple:  # the whole document is one chunk's object
+                document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         _fail(f"not JSON ({error})")
     del data
+    return _manifest_of(document)
+
+
+# The most text one chunk's object (with the comma or bracket after it) takes in to_json's
+# form: a piece of the text that ends in less than this may cut one short.
+_CHUNK_TEXT_MOST = (
+    len('{"blob_sha256":"","blob_size":,"data_end":,"data_start":,"raw_sha256":""}')
+    + 4 * _DIGEST_BYTES
+    + 3 * 18
+    + 1
+)
+
+
+def _document_from_pieces(pieces: Iterator[str]) -> dict[str, Any] | None:
+    """_canonical_document of the text the pieces make, read a piece at a time."""
+    buffer, position = "", len(_CHUNKS_OPENING)
+    while len(buffer) <= position:
+        more = next(pieces, None)
+        if more is None:
+            return None
+        buffer += more
+    if not buffer.startswith(_CHUNKS_OPENING):
+        return None
+    starts, ends, sizes = array("q"), array("q"), array("q")
+    raw, blob = bytearray(), bytearray()
+    closed = buffer[position] == "]"
+    position += closed
+    while not closed:
+        found = _CHUNK_TEXT.match(buffer, position)
+        if found is None:
+            more = None if len(buffer) - position >= _CHUNK_TEXT_MOST else next(pieces, None)
+            if more is None:
+                return None
+            buffer, position = buffer[position:] + more, 0
+            continue
+        blob_hex, size, end, begin, raw_hex, after = found.groups()
+        blob += binascii.unhexlify(blob_hex)
+        sizes.append(int(size))
+        ends.append(int(end))
+        starts.append(int(begin))
+        raw += binascii.unhexlify(raw_hex)
+        position, closed = found.end(), after == "]"
+    rest = buffer[position:]
+    del buffer
+    for more in pieces:
+        rest += more  # grown in place: no list of the pieces beside their join
+    document: dict[str, Any] = {"chunks": ChunkTable(starts, ends, sizes, bytes(raw), bytes(blob))}
+    try:
+        return document if _decode_fields(rest, 0, document) else None
+    except (json.JSONDecodeError, ManifestError):
+        return None
+
+
+def _manifest_of(document: Any) -> Manifest:
+    """The manifest a decoded JSON document holds, every field checked."""
     if not isinstance(document, dict):
         _fail("the top level is not a JSON object")
     schema = document.get("schema_version")
@@ -645,8 +988,11 @@ def _parse_manifest(held: list[bytes | str]) -> Manifest:
     ):
         _fail(f"created_at is {created_at!r}, not unix seconds")
     kind = "chunks" if "chunks" in fields else "shards"
-    if not isinstance(fields[kind], list):
+    if not isinstance(fields[kind], list | ChunkTable):
         _fail(f"{kind} is not a list")
+    chunks = fields.get("chunks", [])
+    if not isinstance(chunks, ChunkTable):
+        chunks = _chunk_table(_parse_chunk(c, i) for i, c in _consumed(chunks))
     manifest = Manifest(
         name=name,
         version_id=_sha256(fields, "version_id", "manifest"),
@@ -656,18 +1002,25 @@ def _parse_manifest(held: list[bytes | str]) -> Manifest:
         shards=tuple(_parse_shard(shard, schema) for shard in fields.get("shards", ())),
         created_at=float(created_at),
         schema_version=schema,
-        chunks=tuple(_parse_chunk(c, i) for i, c in _consumed(fields.get("chunks", []))),
+        chunks=chunks,
         seq=_count(fields, "seq", "manifest") if "seq" in fields else 0,
         **(_parse_marks(fields["marks"]) if "marks" in fields else {}),
     )
     # The JSON document goes before the header is parsed to check the entries against it:
     # the two at once were most of a commit's or a gather's peak for thousands of chunks.
-    del document, fields
+    del document, fields, chunks
     if manifest.chunked:
         _check_chunks(manifest)
     else:
         _check_against_header(manifest)
     return manifest
+
+
+def _chunk_table(entries: Iterable[ChunkEntry]) -> ChunkTable:
+    try:
+        return ChunkTable.of(entries)
+    except OverflowError:
+        _fail("a chunk's range or size is past 2**63 bytes")
 
 
 def _consumed(items: list[Any]) -> Iterator[tuple[int, Any]]:
@@ -707,13 +1060,10 @@ def _check_chunks(manifest: Manifest) -> None:
     except CheckpointFormatError as error:
         _fail(f"its source header does not hold up: {error}")
     covered = 0
-    for chunk in manifest.chunks:
-        if chunk.data_start != covered or chunk.data_end <= chunk.data_start:
-            _fail(
-                f"chunk {chunk.index} covers {chunk.data_start}-{chunk.data_end}; the chunks"
-                f" before it end at {covered}"
-            )
-        covered = chunk.data_end
+    for index, (start, end) in enumerate(manifest.chunks.ranges()):
+        if start != covered or end <= start:
+            _fail(f"chunk {index} covers {start}-{end}; the chunks before it end at {covered}")
+        covered = end
     if covered != data_size:
         _fail(f"its chunks cover {covered} bytes of a {data_size}-byte data section")
 

@@ -22,12 +22,13 @@ from coordinator.state.metadata import Metadata
 from smoltorrent.errors import SmoltorrentError
 
 
-def node_manifest(md: Metadata, vkey: str) -> Manifest:
-    """Version `vkey`'s manifest as the nodes keep it: with its request order and marks."""
+def node_manifest(md: Metadata, vkey: str, manifest: Manifest | None = None) -> Manifest:
+    """Version `vkey`'s manifest as the nodes keep it: with its request order and marks.
+    `manifest`: its manifest when the caller has read it already (read here otherwise)."""
     v = md.versions.version(vkey)
     pinned, labels = md.versions.labels([vkey])[vkey]
     return dataclasses.replace(
-        md.versions.manifest(vkey),
+        md.versions.manifest(vkey) if manifest is None else manifest,
         seq=int(v.get("seq") or 0),
         marks_seq=int(v.get("marks_seq") or 0),
         pinned=pinned,
