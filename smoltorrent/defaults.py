@@ -143,6 +143,19 @@ CHUNK_RECORD_BATCH = 256
 # under 1 MB for 10 round trips (about a millisecond each before the first byte).
 PLACEMENT_BATCH_DIGESTS = 512
 
+# Bytes of a version's manifest written to and read from Redis per round trip
+# (coordinator/state/versions.py): a store stages it in pieces before the script that
+# records the version moves it in place, a commit and a gather parse it as the pieces
+# come. A 16 GB checkpoint's 2 MB manifest sent whole was most of the ~5 MB of arguments
+# of that script's one call, and read whole took ~6 MB at once (redis-py's read buffer,
+# the reply's bytes and its text): the store's, the commit's and the gather's peaks.
+# 256 KiB: 8 round trips each way at 16 GB (a millisecond each); a 1 GB checkpoint's
+# 0.1 MB manifest is one piece.
+MANIFEST_PIECE_BYTES = 256 * 1024
+# Seconds a staged manifest lasts whose version was never recorded (its store crashed
+# between the two): long past any store's staging, which takes milliseconds.
+MANIFEST_STAGED_TTL_S = 3600
+
 # --bwlimit and SMOLTORRENT_BWLIMIT (coordinator/dataplane/bandwidth.py): a limited transfer
 # moves its bytes in slices of at most BWLIMIT_SLICE_BYTES (a sendfile call, a recv) and
 # pays each to one token bucket shared by all its sends. 256 KiB is 21 ms of a 100 Mbit/s

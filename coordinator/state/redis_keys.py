@@ -84,6 +84,10 @@ VERSION_WAKE = PREFIX + "wake:version:{vkey}"
 VERSION = PREFIX + "version:{vkey}"
 # the manifest JSON (schema in coordinator/plan/manifest.py)
 MANIFEST = PREFIX + "version:{vkey}:manifest"
+# a manifest JSON a store writes in pieces (token: one per call), which the script that
+# records its version renames to MANIFEST whole; never read as a manifest, it expires
+# (MANIFEST_STAGED_TTL_S) if that script never ran. Outside "version:" (see above)
+MANIFEST_STAGED = PREFIX + "staged:manifest:{vkey}:{token}"
 # hash shard index -> JSON list of target node ids (the placement plan)
 PLAN = PREFIX + "version:{vkey}:plan"
 # hash shard index -> its blob span JSON (coordinator/plan/manifest.py): what a transfer of

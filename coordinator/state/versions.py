@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import redis
 
@@ -110,40 +111,64 @@ class Versions:
         if seq is None:
             seq = next_seq(self.r)
         transfers = sum(len(t) for t in plan)
-        return self._create(
-            keys=[
-                *version_keys(vkey),
-                K.NAMES,
-                K.VERSIONS.format(name=manifest.name),
-                K.CURRENT,
-                K.CURRENT_SEQ,
-                K.VERSION_ROWS,
-                K.VERSION_STATES,
-                K.ALL_VERSIONS,
-                K.SUMMARIES_FILLED,
-                *(K.BLOB_REFS.format(digest=d) for d in digests(manifest)),
-            ],
-            args=[
-                seq,
-                manifest.name,
-                vkey,
-                json.dumps(
-                    {
-                        **{k: str(v) for k, v in fields.items()},
-                        "name": manifest.name,
-                        "version_id": manifest.version_id,
-                        "size": str(manifest.source_size),
-                        "shards": str(len(manifest.entries)),
-                        "replicas": str(manifest.replicas),
-                        "transfers": str(transfers),
-                        "created_at": repr(manifest.created_at),
-                    }
-                ),
-                manifest.to_json(),
-                _plan_json(plan),
-                listing_row(manifest, transfers, tensors),
-            ],
-        )
+        while True:
+            staged = self._stage(manifest, vkey)
+            found = self._create(
+                keys=[
+                    *version_keys(vkey),
+                    K.NAMES,
+                    K.VERSIONS.format(name=manifest.name),
+                    K.CURRENT,
+                    K.CURRENT_SEQ,
+                    K.VERSION_ROWS,
+                    K.VERSION_STATES,
+                    K.ALL_VERSIONS,
+                    K.SUMMARIES_FILLED,
+                    staged,
+                    *(K.BLOB_REFS.format(digest=d) for d in digests(manifest)),
+                ],
+                args=[
+                    seq,
+                    manifest.name,
+                    vkey,
+                    json.dumps(
+                        {
+                            **{k: str(v) for k, v in fields.items()},
+                            "name": manifest.name,
+                            "version_id": manifest.version_id,
+                            "size": str(manifest.source_size),
+                            "shards": str(len(manifest.entries)),
+                            "replicas": str(manifest.replicas),
+                            "transfers": str(transfers),
+                            "created_at": repr(manifest.created_at),
+                        }
+                    ),
+                    _plan_json(plan),
+                    listing_row(manifest, transfers, tensors),
+                ],
+            )
+            if found != "unstaged":  # else it expired before the script ran: stage it again
+                return found
+
+    def _stage(self, manifest: Manifest, vkey: str) -> str:
+        """Write the manifest's JSON to a key of its own (MANIFEST_STAGED, fresh for this
+        call), MANIFEST_PIECE_BYTES a round trip; the create script renames it to the
+        version's manifest, whole. Sent as the script's argument, a 16 GB checkpoint's 2 MB
+        manifest was held at once beside the rest of its ~5 MB of arguments. A store that
+        dies before the script leaves it unread, and it expires."""
+        staged = K.MANIFEST_STAGED.format(vkey=vkey, token=secrets.token_hex(8))
+        written = 0
+
+        def send(piece: bytes) -> None:
+            nonlocal written
+            if written:
+                self.r.append(staged, piece)
+            else:
+                self.r.set(staged, piece, ex=defaults.MANIFEST_STAGED_TTL_S)
+            written += 1
+
+        manifest.write_json_pieces(send, defaults.MANIFEST_PIECE_BYTES)
+        return staged
 
     def version(self, vkey: str) -> dict[str, str]:
         data = self.r.hgetall(K.VERSION.format(vkey=vkey))
@@ -154,13 +179,48 @@ class Versions:
         return data
 
     def manifest(self, vkey: str) -> Manifest:
+        key = K.MANIFEST.format(vkey=vkey)
+        if self.r.strlen(key) > defaults.MANIFEST_PIECE_BYTES:
+            manifest = self._manifest_in_pieces(key)
+            if manifest is not None:
+                return manifest
         # Held in a list the parse takes it from: the reply is freed once decoded.
-        held = [self.r.get(K.MANIFEST.format(vkey=vkey))]
+        held = [self.r.get(key)]
         if held[0] is None:
             raise NotFoundError(
                 f"no manifest for version {vkey}; if Redis was lost, run `smoltorrent rebuild`."
             )
         return Manifest.from_json_taken(held)
+
+    def _manifest_in_pieces(self, key: str) -> Manifest | None:
+        """The manifest at `key` read MANIFEST_PIECE_BYTES a round trip and parsed as
+        the pieces come (Manifest.from_json_pieces): the whole reply took three times its
+        2 MB at once (redis-py's read buffer, the bytes, the text) for a 16 GB checkpoint,
+        before its parse (bench/RESULTS.md, memflat5). Read again if it changed meanwhile
+        (WATCH); None when it is gone or not in to_json's form (read it whole, which says
+        what is wrong)."""
+        while True:
+            with self.r.pipeline() as p:
+                try:
+                    p.watch(key)
+                    pieces = self._pieces(p, key, p.strlen(key))
+                    try:
+                        return Manifest.from_json_pieces(pieces)
+                    except UnicodeDecodeError:  # a piece cut a character: not to_json's
+                        return None
+                    finally:
+                        p.multi()
+                        p.execute()  # WatchError if it changed while read
+                except redis.WatchError:
+                    continue
+
+    @staticmethod
+    def _pieces(p: redis.client.Pipeline, key: str, size: int) -> Iterator[str]:
+        """The text of `key` (`size` bytes), MANIFEST_PIECE_BYTES a GETRANGE, as they
+        are asked for."""
+        piece = defaults.MANIFEST_PIECE_BYTES
+        for start in range(0, size, piece):
+            yield p.getrange(key, start, start + piece - 1)
 
     def _each(self, vkeys: list[str], ask) -> list:
         """ask(pipeline, vkey) queued for every vkey, one round trip per

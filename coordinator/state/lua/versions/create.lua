@@ -19,25 +19,33 @@
     KEYS[12] VERSION_STATES: listing states
     KEYS[13] ALL_VERSIONS: every listed version
     KEYS[14] SUMMARIES_FILLED: marker that the listing holds every version
-    KEYS[15..] (BLOB_REFS)*: the reference set of each of its blobs
+    KEYS[15] MANIFEST_STAGED: its manifest JSON, written in pieces by the caller
+    KEYS[16..] (BLOB_REFS)*: the reference set of each of its blobs
     ARGV[1] seq: the request's sequence number
     ARGV[2] name: the checkpoint name
     ARGV[3] vkey: the version key
     ARGV[4] fields: JSON object of the version hash's fields
-    ARGV[5] manifest: manifest JSON
-    ARGV[6] plan: JSON list of each shard's target list (as JSON text)
-    ARGV[7] row: the listing row JSON
+    ARGV[5] plan: JSON list of each shard's target list (as JSON text)
+    ARGV[6] row: the listing row JSON
 
   Output:
-    "created", or the state of the version joined: "pending", "committed", "removing"
-    (then nothing changed: the caller waits for the remove to finish)
+    "created" (the staged manifest is its manifest now), or the state of the version
+    joined: "pending", "committed", "removing" (then nothing changed: the caller waits
+    for the remove to finish); the staged manifest is gone either way. "unstaged": no
+    staged manifest (it expired) and nothing changed; the caller stages it again.
 ]]
 --- @include "make_current"
 local seq = tonumber(ARGV[1])
 local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'removing' then return state end
-for i = 15, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
-if state == 'pending' or state == 'committed' then
+if state == 'removing' then
+  redis.call('DEL', KEYS[15])
+  return state
+end
+local joined = state == 'pending' or state == 'committed'
+if not joined and redis.call('EXISTS', KEYS[15]) == 0 then return 'unstaged' end
+for i = 16, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
+if joined then
+  redis.call('DEL', KEYS[15])
   if seq > tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') then
     redis.call('HSET', KEYS[1], 'seq', seq)
     redis.call('ZADD', KEYS[8], seq, ARGV[3])
@@ -49,13 +57,15 @@ end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'seq', seq)
-redis.call('SET', KEYS[2], ARGV[5])
-for i, t in ipairs(cjson.decode(ARGV[6])) do redis.call('HSET', KEYS[3], tostring(i - 1), t) end
+-- Whole, and only now: a manifest half staged is never a version's.
+redis.call('RENAME', KEYS[15], KEYS[2])
+redis.call('PERSIST', KEYS[2])
+for i, t in ipairs(cjson.decode(ARGV[5])) do redis.call('HSET', KEYS[3], tostring(i - 1), t) end
 -- No name yet: nothing recorded before the listing summaries, none to fill.
 if redis.call('SCARD', KEYS[7]) == 0 then redis.call('SET', KEYS[14], 1) end
 redis.call('SADD', KEYS[7], ARGV[2])
 redis.call('ZADD', KEYS[8], seq, ARGV[3])
-redis.call('HSET', KEYS[11], ARGV[3], ARGV[7])
+redis.call('HSET', KEYS[11], ARGV[3], ARGV[6])
 redis.call('HSET', KEYS[12], ARGV[3], 'pending')
 redis.call('ZADD', KEYS[13], seq, ARGV[3])
 return 'created'
