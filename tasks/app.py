@@ -105,7 +105,9 @@ app.conf.update(
 import tasks.event_log  # noqa: E402, F401
 
 # After every task, malloc's free pages go back to the system (tasks/malloc_trim.py).
-import tasks.malloc_trim  # noqa: E402, F401
+from tasks.malloc_trim import connect as _trim_after_tasks  # noqa: E402
+
+_trim_after_tasks()
 
 # At every reconnection to the broker: send again what the lost connection dropped.
 app.steps["consumer"].add("beat.reconnect:Redrive")

@@ -21,6 +21,7 @@ from smoltorrent.errors import (
 from tasks.app import app
 from tasks.context import REDIS_TRANSIENT, client, metadata, node_client
 from tasks.enqueue import send_transfers
+from tasks.gathering import read_manifest
 
 
 @app.task(
@@ -39,7 +40,7 @@ def commit(self, vkey: str) -> str:
     v = md.versions.version(vkey)
     if v["state"] != PENDING:
         return v["state"]
-    manifest = md.versions.manifest(vkey)
+    manifest = read_manifest(md, vkey)  # what its parse freed given back before the rest
     missing = sorted(set(range(len(manifest.entries))) - md.transfers.ready_shards(vkey))
     if missing:
         raise SmoltorrentError(

@@ -59,3 +59,18 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_readers_gather_gives_freed_memory_back_without_celery():
+    """tasks/gathering.py trims once the manifest is parsed (what its read freed stayed
+    resident under the engine's buffers); a reader's own gather imports it without
+    Celery, so the trim does not bring Celery in."""
+    probe = """
+import sys
+import tasks.gathering
+from tasks.malloc_trim import release_freed_memory
+assert tasks.gathering.release_freed_memory is release_freed_memory
+print("celery" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
