@@ -85,6 +85,36 @@ class ChunkEntry:
 _DIGEST_BYTES = 32  # a SHA-256
 
 
+class _Columns:
+    """A ChunkTable's five buffers as they are filled, a chunk at a time."""
+
+    def __init__(self) -> None:
+        self.starts, self.ends, self.sizes = array("q"), array("q"), array("q")
+        self.raw, self.blob = bytearray(), bytearray()
+
+    def add(self, start: int, end: int, size: int, raw: bytes, blob: bytes) -> None:
+        self.starts.append(start)
+        self.ends.append(end)
+        self.sizes.append(size)
+        self.raw += raw
+        self.blob += blob
+
+    def add_match(self, found: re.Match) -> str | bytes:
+        """One chunk's object matched by _CHUNK_TEXT or _CHUNK_BYTES; what follows it."""
+        blob_hex, size, end, start, raw_hex, after = found.groups()
+        self.add(
+            int(start),
+            int(end),
+            int(size),
+            binascii.unhexlify(raw_hex),
+            binascii.unhexlify(blob_hex),
+        )
+        return after
+
+    def table(self) -> ChunkTable:
+        return ChunkTable(self.starts, self.ends, self.sizes, bytes(self.raw), bytes(self.blob))
+
+
 class ChunkTable(Sequence[ChunkEntry]):
     """A manifest's chunks, held in five flat buffers (each chunk's data_start, data_end
     and blob size as 64-bit integers, its two SHA-256 as 32 bytes each): ~90 bytes a chunk
@@ -109,17 +139,18 @@ class ChunkTable(Sequence[ChunkEntry]):
         otherwise, or for a digest that is not 64 lowercase hex digits)."""
         if isinstance(entries, ChunkTable):
             return entries
-        starts, ends, sizes = array("q"), array("q"), array("q")
-        raw, blob = bytearray(), bytearray()
+        columns = _Columns()
         for position, entry in enumerate(entries):
             if entry.index != position:
                 raise ValueError(f"chunk {entry.index} is listed at position {position}")
-            starts.append(entry.data_start)
-            ends.append(entry.data_end)
-            sizes.append(entry.blob_size)
-            raw += _digest_bytes(entry.raw_sha256)
-            blob += _digest_bytes(entry.blob_sha256)
-        return cls(starts, ends, sizes, bytes(raw), bytes(blob))
+            columns.add(
+                entry.data_start,
+                entry.data_end,
+                entry.blob_size,
+                _digest_bytes(entry.raw_sha256),
+                _digest_bytes(entry.blob_sha256),
+            )
+        return columns.table()
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -162,8 +193,7 @@ class ChunkTable(Sequence[ChunkEntry]):
         18 digits): the caller then decodes the whole text as JSON. No object per chunk is
         kept, nor a JSON document of the whole list built."""
         pattern, close = (_CHUNK_BYTES, b"]") if isinstance(data, bytes) else (_CHUNK_TEXT, "]")
-        starts, ends, sizes = array("q"), array("q"), array("q")
-        raw, blob = bytearray(), bytearray()
+        columns = _Columns()
         position = start + 1  # past the "["
         if data[position : position + 1] != close:
             match = pattern.match
@@ -171,17 +201,11 @@ class ChunkTable(Sequence[ChunkEntry]):
                 found = match(data, position)
                 if found is None:
                     return None
-                blob_hex, size, end, begin, raw_hex, after = found.groups()
-                blob += binascii.unhexlify(blob_hex)
-                sizes.append(int(size))
-                ends.append(int(end))
-                starts.append(int(begin))
-                raw += binascii.unhexlify(raw_hex)
                 position = found.end()
-                if after == close:
+                if columns.add_match(found) == close:
                     break
             position -= 1
-        return cls(starts, ends, sizes, bytes(raw), bytes(blob)), position + 1
+        return columns.table(), position + 1
 
     def _entry(self, i: int) -> ChunkEntry:
         at = i * _DIGEST_BYTES
@@ -929,8 +953,7 @@ def _document_from_pieces(pieces: Iterator[str]) -> dict[str, Any] | None:
         buffer += more
     if not buffer.startswith(_CHUNKS_OPENING):
         return None
-    starts, ends, sizes = array("q"), array("q"), array("q")
-    raw, blob = bytearray(), bytearray()
+    columns = _Columns()
     closed = buffer[position] == "]"
     position += closed
     while not closed:
@@ -941,18 +964,12 @@ def _document_from_pieces(pieces: Iterator[str]) -> dict[str, Any] | None:
                 return None
             buffer, position = buffer[position:] + more, 0
             continue
-        blob_hex, size, end, begin, raw_hex, after = found.groups()
-        blob += binascii.unhexlify(blob_hex)
-        sizes.append(int(size))
-        ends.append(int(end))
-        starts.append(int(begin))
-        raw += binascii.unhexlify(raw_hex)
-        position, closed = found.end(), after == "]"
+        position, closed = found.end(), columns.add_match(found) == "]"
     rest = buffer[position:]
     del buffer
     for more in pieces:
         rest += more  # grown in place: no list of the pieces beside their join
-    document: dict[str, Any] = {"chunks": ChunkTable(starts, ends, sizes, bytes(raw), bytes(blob))}
+    document: dict[str, Any] = {"chunks": columns.table()}
     try:
         return document if _decode_fields(rest, 0, document) else None
     except (json.JSONDecodeError, ManifestError):

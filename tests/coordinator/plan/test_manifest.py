@@ -398,18 +398,24 @@ def chunk_setter(key, value, chunk: int = 0):
     return edit
 
 
+# Broken chunk lists and the sentence each is refused with, whichever way it is read.
+BAD_CHUNKS = [
+    (chunk_setter("data_start", 1), "chunk 0 covers 1-"),
+    (chunk_setter("data_end", 0), "chunk 0 covers 0-0"),
+    (lambda d: d["chunks"].pop(1), "chunk 1 covers .* the chunks before it end at"),
+    (lambda d: d["chunks"].pop(), "its chunks cover .* bytes of a .*-byte data section"),
+    (chunk_setter("raw_sha256", "A" * 64), "chunk 0 raw_sha256 is 'AAAA"),
+    (chunk_setter("blob_size", 0), "chunk 0 blob_size is 0, not an integer >= 1"),
+    (chunk_setter("index", 0), "a chunk 0 has unknown fields index"),
+    (lambda d: d["chunks"][0].pop("blob_sha256"), "a chunk 0 lacks blob_sha256"),
+    (lambda d: d.update(shards=[]), "manifest has unknown fields shards"),
+]
+
+
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
-        (chunk_setter("data_start", 1), "chunk 0 covers 1-"),
-        (chunk_setter("data_end", 0), "chunk 0 covers 0-0"),
-        (lambda d: d["chunks"].pop(1), "chunk 1 covers .* the chunks before it end at"),
-        (lambda d: d["chunks"].pop(), "its chunks cover .* bytes of a .*-byte data section"),
-        (chunk_setter("raw_sha256", "A" * 64), "chunk 0 raw_sha256 is 'AAAA"),
-        (chunk_setter("blob_size", 0), "chunk 0 blob_size is 0, not an integer >= 1"),
-        (chunk_setter("index", 0), "a chunk 0 has unknown fields index"),
-        (lambda d: d["chunks"][0].pop("blob_sha256"), "a chunk 0 lacks blob_sha256"),
-        (lambda d: d.update(shards=[]), "manifest has unknown fields shards"),
+        *BAD_CHUNKS,
         (lambda d: d.update(chunks={}), "chunks is not a list"),
         (lambda d: d.update(schema_version=2), "manifest lacks shards"),
     ],
@@ -651,15 +657,7 @@ def test_a_text_not_in_to_json_s_form_is_left_to_the_whole_parse(chunked):
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
-        (chunk_setter("data_start", 1), "chunk 0 covers 1-"),
-        (chunk_setter("data_end", 0), "chunk 0 covers 0-0"),
-        (lambda d: d["chunks"].pop(1), "chunk 1 covers .* the chunks before it end at"),
-        (lambda d: d["chunks"].pop(), "its chunks cover .* bytes of a .*-byte data section"),
-        (chunk_setter("raw_sha256", "A" * 64), "chunk 0 raw_sha256 is 'AAAA"),
-        (chunk_setter("blob_size", 0), "chunk 0 blob_size is 0, not an integer >= 1"),
-        (chunk_setter("index", 0), "a chunk 0 has unknown fields index"),
-        (lambda d: d["chunks"][0].pop("blob_sha256"), "a chunk 0 lacks blob_sha256"),
-        (lambda d: d.update(shards=[]), "manifest has unknown fields shards"),
+        *BAD_CHUNKS,
         (lambda d: d.update(schema_version=2), "manifest lacks shards"),
         (lambda d: d.update(name=""), "name is '', not a non-empty string"),
         (lambda d: d.update(header_bytes="!"), "header_bytes is not base64"),
