@@ -189,7 +189,7 @@ class ChunkTable(Sequence[ChunkEntry]):
         """The chunk list that opens at `start` of a manifest's JSON text, read straight
         into a table when it is written as to_json writes it (every manifest smoltorrent
         stores), with the offset just past its closing bracket; None when it is not
-        (spaces, another key order, a value _checked_object would not take, a number past
+        (spaces, another key order, a value _parse_chunk would not take, a number past
         18 digits): the caller then decodes the whole text as JSON. No object per chunk is
         kept, nor a JSON document of the whole list built."""
         pattern, close = (_CHUNK_BYTES, b"]") if isinstance(data, bytes) else (_CHUNK_TEXT, "]")
@@ -251,7 +251,7 @@ class ChunkTable(Sequence[ChunkEntry]):
 
 
 # One chunk's object exactly as to_json writes it, with what follows it (a comma or the
-# list's end). Its values are those _checked_object takes: 64 lowercase hex digits, a
+# list's end). Its values are those _parse_chunk takes: 64 lowercase hex digits, a
 # blob size of at least 1; at most 18 digits, so every number fits the table's int64.
 _CHUNK_PATTERN = (
     r'\{"blob_sha256":"([0-9a-f]{64})","blob_size":([1-9][0-9]{0,17}),'
@@ -834,32 +834,6 @@ def _parse_marks(marks: Any) -> dict[str, Any]:
     return {"marks_seq": seq, "pinned": marks["pinned"], "labels": tuple(labels)}
 
 
-def _checked_object(pairs: list[tuple[str, Any]]) -> dict[str, Any] | tuple:
-    """A JSON object of a manifest as the decoder builds it: a chunk's object that
-    _parse_chunk accepts becomes (data_start, data_end, raw_sha256, blob_size, blob_sha256)
-    at once, a tuple no JSON value can be, so thousands of chunks are never held as a dict
-    each; anything else stays a dict and is checked (and named) as before."""
-    document = _reject_duplicate_keys(pairs)
-    if document.keys() != _CHUNK_FIELDS:
-        return document
-    start, end, size = document["data_start"], document["data_end"], document["blob_size"]
-    raw, blob = document["raw_sha256"], document["blob_sha256"]
-    if not (
-        type(start) is int
-        and type(end) is int
-        and type(size) is int
-        and start >= 0
-        and end >= 0
-        and size >= 1
-        and type(raw) is str
-        and type(blob) is str
-        and _SHA256_HEX.fullmatch(raw)
-        and _SHA256_HEX.fullmatch(blob)
-    ):
-        return document
-    return (start, end, raw, size, blob)
-
-
 _CHUNKS_OPENING = '{"chunks":['  # to_json's first key, sorted, is a chunked manifest's list
 
 
@@ -877,16 +851,11 @@ def _canonical_document(data: bytes | str) -> dict[str, Any] | None:
     table, end = read
     document: dict[str, Any] = {"chunks": table}
     try:
-        if isinstance(data, str):
-            return document if _decode_fields(data, end, document) else None
-        # Bytes (a node's copy): the fields after the list, with an empty one where it
-        # was, the header's base64 and a few numbers and strings.
-        rest = json.loads(opening + b"]" + data[end:], object_pairs_hook=_reject_duplicate_keys)
+        if isinstance(data, bytes):  # a node's copy: what follows the list, as text
+            data, end = data[end:].decode(), 0
+        return document if _decode_fields(data, end, document) else None
     except (json.JSONDecodeError, UnicodeDecodeError, ManifestError):
         return None
-    if type(rest) is not dict or rest.get("chunks") != []:
-        return None
-    return rest | document
 
 
 def _decode_fields(data: str, position: int, document: dict[str, Any]) -> bool:
@@ -923,10 +892,8 @@ def _parse_manifest(held: list[bytes | str]) -> Manifest:
     data = held.pop()
     document = _canonical_document(data)
     try:
-        if document is None:
-            document = json.loads(data, object_pairs_hook=_checked_object)
-            if type(document) is tuple:  # the whole document is one chunk's object
-                document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
+        if document is None:  # not to_json's form: any JSON form, checked field by field
+            document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         _fail(f"not JSON ({error})")
     del data
@@ -1050,9 +1017,6 @@ def _consumed(items: list[Any]) -> Iterator[tuple[int, Any]]:
 
 
 def _parse_chunk(document: Any, index: int) -> ChunkEntry:
-    if type(document) is tuple:  # checked as it was decoded (_checked_object)
-        start, end, raw, size, blob = document
-        return ChunkEntry(index, start, end, raw, size, blob)
     what = f"chunk {index}"
     fields = _fields(document, _CHUNK_FIELDS, f"a {what}")
     return ChunkEntry(

@@ -538,10 +538,9 @@ def one_chunk_object(document):
         (one_chunk_object, "unknown manifest schema_version None"),  # not a manifest
     ],
 )
-def test_a_chunk_not_checked_at_decode_time_is_named_as_before(chunked, edit, words):
-    """A chunk's JSON object becomes a compact tuple as soon as the decoder builds it (a
-    manifest of thousands is never held as a dict per chunk); one that does not pass is
-    kept as it was and refused with the same sentence."""
+def test_a_chunk_the_fast_read_does_not_take_is_named_as_before(chunked, edit, words):
+    """A chunk the fast read of to_json's form does not take goes to the whole parse,
+    which names what is wrong with it as it always did."""
     _, manifest = chunked
     with pytest.raises(ManifestError, match=words):
         Manifest.from_json(edited(manifest, edit))
