@@ -19,9 +19,8 @@ from smoltorrent.errors import (
     SmoltorrentError,
 )
 from tasks.app import app
-from tasks.context import REDIS_TRANSIENT, client, metadata, node_client
+from tasks.context import REDIS_TRANSIENT, client, metadata, node_client, read_manifest
 from tasks.enqueue import send_transfers
-from tasks.gathering import read_manifest
 
 
 @app.task(

@@ -28,8 +28,7 @@ from coordinator.state.metadata import Metadata
 from coordinator.state.nodes import NodeRecord
 from coordinator.state.reader_mark import reading
 from smoltorrent import defaults
-from tasks.context import client
-from tasks.malloc_trim import release_freed_memory
+from tasks.context import client, read_manifest
 
 
 def run_gather(
@@ -101,16 +100,6 @@ def _gather(
         ],
         "host": config.host_id(),
     }
-
-
-def read_manifest(md: Metadata, vkey: str) -> Manifest:
-    """Version `vkey`'s manifest, and what its read and parse freed given back to the
-    system at once: their transients (2 MB of text a piece at a time, the header's base64)
-    left ~3.5 MB of free pages in the heap at 16 GB, resident under the engine's buffers,
-    which its threads take from other arenas (bench/RESULTS.md, memflat5)."""
-    manifest = md.versions.manifest(vkey)
-    release_freed_memory()
-    return manifest
 
 
 def _sources(

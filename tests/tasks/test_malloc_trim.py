@@ -62,14 +62,16 @@ print("ok")
 
 
 def test_a_readers_gather_gives_freed_memory_back_without_celery():
-    """tasks/gathering.py trims once the manifest is parsed (what its read freed stayed
-    resident under the engine's buffers); a reader's own gather imports it without
-    Celery, so the trim does not bring Celery in."""
+    """A gather trims once the manifest is parsed (read_manifest, tasks/context.py: what
+    its read freed stayed resident under the engine's buffers); a reader's own gather
+    imports it without Celery, so the trim does not bring Celery in."""
     probe = """
 import sys
+import tasks.context
 import tasks.gathering
 from tasks.malloc_trim import release_freed_memory
-assert tasks.gathering.release_freed_memory is release_freed_memory
+assert tasks.gathering.read_manifest is tasks.context.read_manifest
+assert tasks.context.release_freed_memory is release_freed_memory
 print("celery" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
