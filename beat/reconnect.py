@@ -17,7 +17,9 @@ A task shown running at the reconnection may in fact have ended with the connect
 its child finished, but the main process had not read that yet, and a retry it queued
 before Redis died was fetched and lost. So each time tasks of the lost connection are
 seen to end, the same check runs again (on the event loop, between two deliveries, so no
-message is half-way between a queue and the worker while it reads).
+message is half-way between a queue and the worker while it reads). "Seen to end" is the
+pool process's word as much as the main process's: a result lost with the connection
+would show its task running for good (tasks/pool_runs.py).
 
 The worker's first connection is left to beat/boot.py, which runs at every start.
 """
@@ -32,6 +34,7 @@ from beat import reconcile
 from coordinator import config
 from coordinator.state import reconcile as decide
 from smoltorrent import defaults
+from tasks import pool_runs
 from tasks.context import metadata
 
 log = get_task_logger(__name__)
@@ -39,8 +42,14 @@ log = get_task_logger(__name__)
 
 def in_worker() -> list[reconcile.TaskCall]:
     """The tasks this worker runs, has reserved or holds until their countdown ends."""
-    held_here = (*active_requests, *reserved_requests, *scheduled_requests)
-    return [(r.name, r.id, r.args, r.kwargs) for r in held_here]
+    held_here = {*active_requests, *reserved_requests, *scheduled_requests}
+    return [(r.name, r.id, r.args, r.kwargs) for r in held_here if not pool_runs.ended(r)]
+
+
+def running_ids() -> set[str]:
+    """The tasks shown running whose pool process has not said they ended: one whose
+    result was lost with the connection is shown running for good (tasks/pool_runs.py)."""
+    return {r.id for r in active_requests if not pool_runs.ended(r)}
 
 
 def run(host: str, channel) -> dict[str, int]:
@@ -72,7 +81,7 @@ class Redrive(bootsteps.StartStopStep):
             return  # the worker's start: beat/boot.py brings its work back
         # Tasks of the lost connection still shown running: checked again as they end. The
         # timer entry belongs to this connection; Celery cancels it if this one breaks too.
-        old = {r.id for r in active_requests}
+        old = running_ids()
         self._redrive(c)
         if old:
             entry = c.timer.call_repeatedly(
@@ -80,7 +89,7 @@ class Redrive(bootsteps.StartStopStep):
             )
 
     def _on_tick(self, c, old: set[str], entry) -> None:
-        ended = old - {r.id for r in active_requests}
+        ended = old - running_ids()
         if not ended:
             return
         old -= ended

@@ -109,5 +109,10 @@ from tasks.malloc_trim import connect as _trim_after_tasks  # noqa: E402
 
 _trim_after_tasks()
 
+# Every pool process says what it runs, for when its result is lost (tasks/pool_runs.py).
+from tasks.pool_runs import connect as _say_runs  # noqa: E402
+
+_say_runs()
+
 # At every reconnection to the broker: send again what the lost connection dropped.
 app.steps["consumer"].add("beat.reconnect:Redrive")

@@ -1,0 +1,87 @@
+"""What each pool process of this worker runs, in its own words.
+
+The worker's main process learns that a task ended from the result its pool process
+sends back through a pipe, read by Celery's event loop. When the broker connection breaks
+just as a task ends, that result can be lost: after the reconnection Celery's event loop
+had no reader for that process's result pipe, 52 KB waited in it unread, and the pool
+still counted the job running a minute later, its process long idle (a chain retry
+ending 3 ms before redis-server was SIGKILLed, 1 run in 20-50 of the held-retry test in
+tests/tasks/test_durable_requests.py). The main process then shows the task running for
+good, and the reconnection's re-drive (beat/reconnect.py), which leaves what a running
+task holds to it, waited on it for good. (That process is lost to the pool until the
+task's hard time limit, when Celery replaces it.)
+
+So each pool process also says what it runs where the main process can read it: a file
+named by its pid, naming its latest run (task id and retry count: a retry keeps the id)
+and whether that run has ended, replaced whole as the run starts and as it ends (Celery's
+task_prerun and task_postrun, sent in the pool process; task_postrun comes after every
+write of the task, its retry or its dead letter, so a run said ended has settled what it
+did). The files are in RAM where the system has /dev/shm, and go with the worker's
+shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from celery import signals
+
+from tasks.context import BOOT_ID
+
+_RAM = Path("/dev/shm")
+# One directory per worker boot: a pid a dead worker's process had says nothing here.
+DIRECTORY = (_RAM if _RAM.is_dir() else Path(tempfile.gettempdir())) / f"smoltorrent-{BOOT_ID}"
+RUNNING, ENDED = "running", "ended"
+
+
+def _run(task_id: str | None, retries: int | None) -> str:
+    return f"{task_id}#{retries or 0}"
+
+
+def _say(task, state: str) -> None:
+    path = DIRECTORY / str(os.getpid())
+    tmp = DIRECTORY / f"{os.getpid()}.tmp"
+    try:
+        DIRECTORY.mkdir(exist_ok=True)
+        tmp.write_text(f"{_run(task.request.id, task.request.retries)} {state}")
+        os.replace(tmp, path)  # whole: a reader never sees half a line
+    except OSError:
+        pass  # unsaid: the main process waits for the task's result, as it did before
+
+
+def ended(request) -> bool:
+    """Whether the pool process running Celery's `request` said that run ended. False
+    when it said nothing, or names another run: it may be about to start this one (a
+    process says "running" a moment after the pool hands it a task, never before)."""
+    if request.worker_pid is None:
+        return False  # not handed to a process yet
+    try:
+        said = (DIRECTORY / str(request.worker_pid)).read_text()
+    except OSError:
+        return False
+    return said == f"{_run(request.id, request.request_dict.get('retries'))} {ENDED}"
+
+
+def _on_start(task=None, **_) -> None:
+    if task is not None:
+        _say(task, RUNNING)
+
+
+def _on_end(task=None, **_) -> None:
+    if task is not None:
+        _say(task, ENDED)
+
+
+def _clear(**_) -> None:
+    shutil.rmtree(DIRECTORY, ignore_errors=True)
+
+
+def connect() -> None:
+    """Have every pool process say what it runs, and the directory go with the worker
+    (tasks/app.py)."""
+    signals.task_prerun.connect(_on_start, weak=False)
+    signals.task_postrun.connect(_on_end, weak=False)
+    signals.worker_shutdown.connect(_clear, weak=False)
