@@ -217,13 +217,16 @@ def test_a_target_that_keeps_failing_backs_off_and_status_says_until_when(
     c = make_cluster(3, **FAST, SMOLTORRENT_REPAIR_BACKOFF_S="3600")
     src = make_ckpt(tmp_path / "fail.safetensors", size=6_000_000)
     digests = stored(c, src, "fail.safetensors")
-    dying, failing, holder = c.node_procs
-    failing_id = failing.client().ping()
-    # Blobs on the dying node and the holder can only be repaired onto the failing node.
     ids = {n: n.client().ping() for n in c.node_procs}
+    # The two holders of the first blob: one dies, one stays. Its blobs, and any other
+    # on exactly those two, can only be repaired onto the third node, whose puts fail.
+    # (The nodes were taken in the cluster's order, and the test skipped when placement
+    # put no blob on exactly the first and the third.)
+    dying, holder = (n for n in c.node_procs if ids[n] in c.md.blobs.placement(digests[0]))
+    (failing,) = set(c.node_procs) - {dying, holder}
+    failing_id = ids[failing]
     stuck = {d for d in digests if c.md.blobs.placement(d) == {ids[dying], ids[holder]}}
-    if not stuck:
-        pytest.skip("placement put no blob on exactly the dying node and the holder")
+    assert digests[0] in stuck
     tiny_tmp(failing)
     beat(c)
     dying.kill()
