@@ -5,8 +5,8 @@ sends back through a pipe, read by Celery's event loop. When the broker connecti
 just as a task ends, that result can be lost: after the reconnection Celery's event loop
 had no reader for that process's result pipe, 52 KB waited in it unread, and the pool
 still counted the job running a minute later, its process long idle (a chain retry
-ending 3 ms before redis-server was SIGKILLed, 1 run in 20-50 of the held-retry test in
-tests/tasks/test_durable_requests.py). The main process then shows the task running for
+ending 3 ms before redis-server was SIGKILLed: 4 of about 250 runs of the held-retry test
+in tests/tasks/test_durable_requests.py). The main process then shows the task running for
 good, and the reconnection's re-drive (beat/reconnect.py), which leaves what a running
 task holds to it, waited on it for good. (That process is lost to the pool until the
 task's hard time limit, when Celery replaces it.)

@@ -184,7 +184,7 @@ def test_a_retry_the_worker_holds_when_redis_dies_is_sent_again(make_cluster, tm
     SIGKILLed: Celery drops it from its timer at the connection loss and cannot put it
     back into the dead Redis, so it would wait in the restarted one for the visibility
     timeout (hours). The worker re-sends, as it reconnects, what no live task holds.
-    It failed 1 run in 20-50 when the retry before it ended 3 ms before the kill: the
+    It failed 4 runs in about 250 when the retry before it ended 3 ms before the kill: the
     main process never read that run's result (the pool's pipe for that process had no
     reader after the reconnection, 52 KB left unread), showed it running for good and
     waited on it; its pool process's own word now says it ended (tasks/pool_runs.py)."""
