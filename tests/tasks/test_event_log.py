@@ -55,8 +55,13 @@ def test_a_store_and_a_gather_log_one_line_per_task(make_cluster, tmp_path: Path
     assert gather["version_id"] == stored["version_id"][:12]
 
     # A store of a file still being written waits for it by retrying: each retry says so.
+    # Dated 5 s ahead, it is still being written when the task first looks at it, however
+    # slowly the CLI starts (dated now, a CLI slower than STABLE_AFTER_S to start under
+    # load found it settled, and there was no retry to log: CI, 2026-11-29).
     fresh = tmp_path / "fresh.safetensors"
     write_checkpoint(fresh, 100_000, hidden=16)
+    ahead = time.time() + 5
+    os.utime(fresh, (ahead, ahead))
     c.cli("store", str(fresh))
     retries = events(c, "retry", "store")
     assert retries and retries[0]["name"] == "fresh.safetensors" and retries[0]["attempt"] == "1"
