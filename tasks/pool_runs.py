@@ -17,12 +17,14 @@ and whether that run has ended, replaced whole as the run starts and as it ends 
 task_prerun and task_postrun, sent in the pool process; task_postrun comes after every
 write of the task, its retry or its dead letter, so a run said ended has settled what it
 did). The files are in RAM where the system has /dev/shm, and go with the worker's
-shutdown.
+shutdown; a worker that was SIGKILLed had none, so each worker's start removes the
+directories of workers whose main process is gone (named by its pid).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,8 +34,12 @@ from celery import signals
 from tasks.context import BOOT_ID
 
 _RAM = Path("/dev/shm")
-# One directory per worker boot: a pid a dead worker's process had says nothing here.
-DIRECTORY = (_RAM if _RAM.is_dir() else Path(tempfile.gettempdir())) / f"smoltorrent-{BOOT_ID}"
+_PARENT = _RAM if _RAM.is_dir() else Path(tempfile.gettempdir())
+# One directory per worker boot, so a pid a dead worker's process had says nothing here,
+# named by the worker's main process (imported there, before the pool forks) so a later
+# worker can tell whose worker is gone.
+DIRECTORY = _PARENT / f"smoltorrent-runs-{os.getpid()}-{BOOT_ID}"
+_NAME = re.compile(r"smoltorrent-runs-(\d+)-[0-9a-f]{32}")
 RUNNING, ENDED = "running", "ended"
 
 
@@ -79,9 +85,29 @@ def _clear(**_) -> None:
     shutil.rmtree(DIRECTORY, ignore_errors=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _remove_the_gone(**_) -> None:
+    """Remove the directories of workers whose main process is gone (SIGKILLed: no
+    shutdown removed them), so /dev/shm does not fill with them over a month."""
+    for path in _PARENT.glob("smoltorrent-runs-*"):
+        named = _NAME.fullmatch(path.name)
+        if named and not _alive(int(named[1])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def connect() -> None:
-    """Have every pool process say what it runs, and the directory go with the worker
-    (tasks/app.py)."""
+    """Have every pool process say what it runs, the directory go with the worker, and a
+    starting worker remove those of workers gone (tasks/app.py)."""
     signals.task_prerun.connect(_on_start, weak=False)
     signals.task_postrun.connect(_on_end, weak=False)
     signals.worker_shutdown.connect(_clear, weak=False)
+    signals.worker_init.connect(_remove_the_gone, weak=False)

@@ -80,27 +80,58 @@ def test_the_worker_app_has_every_pool_process_say_what_it_runs():
     assert pool_runs._on_end in [r for _, r in signals.task_postrun.receivers]
 
 
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
 def test_a_real_worker_s_pool_processes_say_their_runs_ended(make_cluster, tmp_path):
     """Said by the pool processes of a real worker: each that ran a task names its last
-    run, ended, in a directory of the worker's own; gone when the worker stops."""
+    run, ended, in a directory of the worker's own; gone when the worker stops. A worker
+    that was SIGKILLed left its directory behind: the next worker's start removes it."""
+    from tasks.pool_runs import DIRECTORY
+
+    ram = DIRECTORY.parent  # the worker's is beside this process's
+    gone = ram / f"smoltorrent-runs-{_dead_pid()}-{'0' * 32}"
+    gone.mkdir()
+    (gone / "12345").write_text("chain-old#0 ended")
     c = make_cluster(2)
     c.cli_json("store", str(make_ckpt(tmp_path / "p.safetensors")))
     children = subprocess.run(
         ["pgrep", "-P", str(c.worker.pid)], capture_output=True, text=True
     ).stdout.split()
-    from tasks.pool_runs import DIRECTORY
-
-    ram = DIRECTORY.parent  # the worker's is beside this process's
+    [directory] = ram.glob(f"smoltorrent-runs-{c.worker.pid}-*")
 
     def said() -> dict[str, str]:
         return {
             p.name: p.read_text()
-            for p in ram.glob("smoltorrent-*/*")
+            for p in directory.iterdir()
             if p.name in children and p.read_text().endswith(" ended")
         }
 
     words = wait_until(said, timeout=30, what="a pool process to say its run ended")
-    [directory] = {p.parent for p in ram.glob("smoltorrent-*/*") if p.name in words}
     assert all("#" in w for w in words.values())
+    assert not gone.exists()
     c.stop_worker()
     assert not directory.exists()
+
+
+def test_a_starting_worker_removes_only_the_directories_of_workers_gone(tmp_path):
+    from tasks import pool_runs
+
+    ram = pool_runs.DIRECTORY.parent
+    kept = [
+        ram / f"smoltorrent-runs-{os.getpid()}-{'1' * 32}",  # its worker alive
+        ram / f"smoltorrent-runs-{_dead_pid()}-not-a-boot-id",  # not ours to judge
+    ]
+    gone = ram / f"smoltorrent-runs-{_dead_pid()}-{'2' * 32}"
+    try:
+        for path in [*kept, gone]:
+            path.mkdir()
+        pool_runs._remove_the_gone()
+        assert all(p.is_dir() for p in kept) and not gone.exists()
+    finally:
+        for path in [*kept, gone]:
+            if path.exists():
+                path.rmdir()
