@@ -44,6 +44,7 @@ from smoltorrent.errors import (
     SmoltorrentError,
     UsageError,
 )
+from smoltorrent.signal_event import SignalEvent
 
 log = logging.getLogger("smoltorrent.watch")
 
@@ -98,8 +99,10 @@ class Watcher:
         self.recheck_s = recheck_s
         self.settle_s = settle_s
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        # stop() is called from a signal handler: a threading.Event there can deadlock
+        # (smoltorrent/signal_event.py).
+        self._wake = SignalEvent()
+        self._stop = SignalEvent()
         self._pending: set[Path] = set()
         self._rescan = True  # file_sync at start
         self._submitted: dict[Path, SourceIdentity] = {}

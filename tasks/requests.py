@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ from smoltorrent.errors import (
     OutcomeUnknownError,
     SmoltorrentError,
 )
+from smoltorrent.signal_event import SignalEvent
 from tasks.context import REDIS_TRANSIENT, bwlimit_arg, metadata, new_request_id
 from tasks.gathering import run_gather
 
@@ -47,7 +47,7 @@ T = TypeVar("T")
 # A Ctrl-C noted by ctrl_c_stops_waiting. The interpreter raises KeyboardInterrupt wherever
 # the main thread is, and one that lands inside an import lock's callback is printed as
 # "Exception ignored" and lost: the CLI then waited on, deaf to the one Ctrl-C it got.
-_CTRL_C = threading.Event()
+_CTRL_C = SignalEvent()  # set in a signal handler (smoltorrent/signal_event.py)
 # Celery (tasks.app, tasks.enqueue) is imported only where a task is sent or followed: a
 # gather a reader runs itself never needs it, and it is a tenth of a second of its start.
 

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from coordinator.state.nodes import local_node
 from smoltorrent import defaults
 from smoltorrent.cluster_key import key_from_env
 from smoltorrent.errors import SmoltorrentError
+from smoltorrent.signal_event import SignalEvent
 
 
 @dataclass
@@ -55,7 +55,8 @@ class Stack:
     root: Path = field(default_factory=lambda: config.home() / "up")
     parts: list[Part] = field(default_factory=list)
     started_redis: bool = False
-    _stop: threading.Event = field(default_factory=threading.Event)
+    # Set by a signal handler: a threading.Event there can deadlock (smoltorrent/signal_event.py).
+    _stop: SignalEvent = field(default_factory=SignalEvent)
 
     def _cli(self, *argv: str) -> list[str]:
         return [sys.executable, "-m", "coordinator.cli", *argv]
