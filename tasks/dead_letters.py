@@ -11,10 +11,16 @@ while redis-server restarted) did not fail: its failure can reach this
 receiver once Redis is back, and a dead letter then would settle replicas
 that a retry was about to place. It is left open instead, and sent again by
 the worker's reconnection check (beat/reconnect.py) or the reconcile sweep.
+
+Nor did a task whose hard time limit struck after its pool process had said it ended:
+Celery lost its result with the broker connection and showed it running until then
+(tasks/pool_runs.py). The run settled what it did; the reconnection sent again what it
+left.
 """
 
 from __future__ import annotations
 
+from billiard.exceptions import TimeLimitExceeded
 from celery.signals import task_failure
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
@@ -26,6 +32,7 @@ from tasks.app import app
 from tasks.chain_batches import chain_entries
 from tasks.context import REDIS_TRANSIENT, metadata
 from tasks.enqueue import settle
+from tasks.pool_runs import result_lost
 
 log = get_task_logger(__name__)
 
@@ -44,6 +51,14 @@ def record_dead_letter(
     if isinstance(exception, CUT_OFF):
         log.warning(
             "%s (%s) lost Redis (%s): left open, sent again", task_id, sender.name, exception
+        )
+        return
+    if isinstance(exception, TimeLimitExceeded) and result_lost(task_id):
+        log.warning(
+            "%s (%s) hit its time limit after its process said it ended: its result was "
+            "lost with the broker connection, and it was sent again; not a dead letter",
+            task_id,
+            sender.name,
         )
         return
     kwargs = kwargs or {}

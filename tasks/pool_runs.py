@@ -23,6 +23,7 @@ directories of workers whose main process is gone (named by its pid).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -55,7 +56,10 @@ def _say(task, state: str) -> None:
         tmp.write_text(f"{_run(task.request.id, task.request.retries)} {state}")
         os.replace(tmp, path)  # whole: a reader never sees half a line
     except OSError:
-        pass  # unsaid: the main process waits for the task's result, as it did before
+        # Unsaid: the main process waits for the task's result, as it did before. What the
+        # process said of its last run must not stand for this one.
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def ended(request) -> bool:
@@ -69,6 +73,22 @@ def ended(request) -> bool:
     except OSError:
         return False
     return said == f"{_run(request.id, request.request_dict.get('retries'))} {ENDED}"
+
+
+def result_lost(task_id: str) -> bool:
+    """Whether a pool process said a run of `task_id` ended and none says one is running: a
+    hard time limit on it then strikes a task whose result Celery lost (shown running for
+    good, see above), not one that ran too long."""
+    said = set()
+    try:
+        for path in DIRECTORY.iterdir():
+            with contextlib.suppress(OSError):  # a process's file replaced meanwhile
+                run, _, state = path.read_text().rpartition(" ")
+                if run.startswith(f"{task_id}#"):
+                    said.add(state)
+    except OSError:
+        return False
+    return said == {ENDED}
 
 
 def _on_start(task=None, **_) -> None:

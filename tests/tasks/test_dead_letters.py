@@ -11,6 +11,7 @@ import signal
 import kombu.exceptions
 import pytest
 import redis
+from billiard.exceptions import TimeLimitExceeded
 
 import tasks.dead_letters
 import tasks.enqueue
@@ -19,6 +20,7 @@ from coordinator.plan.manifest import storage_key
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
 from smoltorrent.errors import NodeUnavailableError
+from tasks import pool_runs
 from tasks.chain import chain_transfer
 from tasks.chain_batches import ChainEntry, chain_message, chain_task_id
 
@@ -35,15 +37,19 @@ def md(tmp_path, monkeypatch):
     os.kill(pid, signal.SIGTERM)
 
 
-def _chain_failed(md: Metadata, exception: Exception) -> tuple[str, str]:
+def _chain_failed(md: Metadata, exception: Exception, said=()) -> tuple[str, str]:
     """A pending one-shard version whose chain task fails with `exception`: its vkey and the
-    chain's task id."""
+    chain's task id. `said`: (pid, "#retries state") the worker's pool processes said of it
+    (tasks/pool_runs.py)."""
     name = "cut/model.safetensors"
     manifest = synthetic_manifest(name, 1)
     manifest = type(manifest)(**{**manifest.__dict__, "shards": manifest.shards[:1]})
     vkey = storage_key(name, manifest.version_id)
     md.versions.create_pending(manifest, vkey, {"host": "test"}, [tuple(NODES)])
     task_id = f"chain-{vkey}-0-0-1"
+    pool_runs.DIRECTORY.mkdir(exist_ok=True)
+    for pid, words in said:
+        (pool_runs.DIRECTORY / str(pid)).write_text(task_id + words)
     kwargs = {
         "vkey": vkey,
         "name": name,
@@ -75,6 +81,32 @@ def test_a_task_cut_off_from_redis_is_left_open_not_dead_lettered(md, lost):
     assert md.dead_letters.dead_letters() == []
     assert md.transfers.settled(vkey) == set()
     assert md.versions.state(vkey) == "pending"
+
+
+@pytest.fixture
+def pool_files():
+    """What the pool processes said (tasks/pool_runs.py) goes after the test."""
+    yield
+    pool_runs._clear()
+
+
+def test_a_hard_time_limit_on_a_run_whose_result_was_lost_is_not_a_dead_letter(md, pool_files):
+    """A chain whose result Celery lost with the broker connection (tasks/pool_runs.py) is
+    shown running until its hard time limit, long after its process said it ended and the
+    reconnection sent it again (beat/reconnect.py): that limit is no failure of the task,
+    and a dead letter then would settle replicas as failed that the run sent again placed."""
+    vkey, _ = _chain_failed(md, TimeLimitExceeded(242), said=[(1, "#2 ended"), (2, "#3 ended")])
+    assert md.dead_letters.dead_letters() == []
+    assert md.transfers.settled(vkey) == set()
+
+
+@pytest.mark.parametrize(
+    "said", [[(1, "#2 ended"), (2, "#3 running")], []], ids=["one-running", "nothing-said"]
+)
+def test_a_hard_time_limit_on_a_run_still_running_is_a_dead_letter(md, pool_files, said):
+    vkey, task_id = _chain_failed(md, TimeLimitExceeded(242), said=said)
+    assert md.dead_letters.dead_letter(task_id)["error"].startswith("TimeLimitExceeded")
+    assert md.transfers.settled(vkey) == {"0:0", "0:1"}
 
 
 def test_a_task_that_failed_at_a_node_is_a_dead_letter(md):

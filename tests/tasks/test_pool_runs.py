@@ -50,6 +50,21 @@ def test_a_run_is_ended_only_once_its_own_process_says_so():
         pool_runs._clear()
 
 
+def test_a_process_that_cannot_say_its_run_started_leaves_no_word_of_its_last():
+    """Its last run's "ended" must not stand for the run it could not announce: a hard
+    time limit on that one would be taken for a lost result (tasks/dead_letters.py)."""
+    from tasks import pool_runs
+
+    try:
+        pool_runs._on_end(task=_Task("chain-y", 0))
+        assert pool_runs.result_lost("chain-y")
+        (pool_runs.DIRECTORY / f"{os.getpid()}.tmp").mkdir()  # its next word cannot be written
+        pool_runs._on_start(task=_Task("chain-y", 1))
+        assert not pool_runs.result_lost("chain-y")
+    finally:
+        pool_runs._clear()
+
+
 def test_the_reconnection_does_not_count_a_run_its_process_said_ended():
     """A chain shown running whose result was lost with the connection (its process said
     it ended) holds nothing: its shard is sent again, and the re-check does not wait for it
