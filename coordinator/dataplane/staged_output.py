@@ -4,6 +4,13 @@ A gather writes into a temp file beside the destination, reserved to its final s
 first (a full disk fails before a byte moves), and renames it onto the destination
 only once everything in it is verified, with the file and its directory fsynced; on
 any failure the temp file is removed and an existing destination is untouched.
+
+A gather that dies where no handler runs (SIGKILL, the OOM killer, a power cut) cannot
+remove its temp file, and that file is as big as the checkpoint. So each gather holds
+an flock on its temp file until it is renamed or removed (the kernel drops it with the
+process), and the next gather into the same destination removes the temp files no live
+gather holds. A live one is never touched: two runs of one request whose lease lapsed
+each write their own.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ _FSTORE = struct.Struct("=Iiqqq")
 # A file system that cannot reserve space says so with these; the file is then sized
 # without a reservation and a full disk shows on the first write that does not fit.
 _NO_RESERVATION = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+_SUFFIX = ".partial"
 
 
 def reserve(fd: int, size: int) -> None:
@@ -60,10 +68,13 @@ def staged_output(out_path: str, size: int, what: str) -> Iterator[int]:
     out_path when the block ends without an error, removed when it raises. `what`
     names the content in the error a full disk gives."""
     directory = os.path.dirname(out_path)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{os.path.basename(out_path)}.", suffix=".partial", dir=directory
-    )
+    prefix = f".{os.path.basename(out_path)}."
+    _remove_abandoned(directory, prefix)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=_SUFFIX, dir=directory)
     try:
+        # Before the reservation: a file with bytes reserved is always held while its
+        # gather lives (blocking, as a cleaner may hold it for an instant: see below).
+        fcntl.flock(fd, fcntl.LOCK_EX)
         if size:
             try:
                 reserve(fd, size)
@@ -76,13 +87,45 @@ def staged_output(out_path: str, size: int, what: str) -> Iterator[int]:
                 ) from None
         yield fd
         durable.sync(fd)
-        os.close(fd)
-        fd = -1
+        # Still held through the rename: closed before it, the file would look abandoned.
         os.replace(tmp, out_path)
         durable.sync_path(directory)
     except BaseException:
-        if fd >= 0:
-            os.close(fd)
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        os.close(fd)
+
+
+def _remove_abandoned(directory: str, prefix: str) -> None:
+    """Remove the temp files of gathers into the destination `prefix` names that died
+    before they could: those no process holds. An empty one is left: it may be a live
+    gather's that has not taken its lock yet (a dead one's costs no space)."""
+    with os.scandir(directory) as entries:
+        names = [
+            e.name
+            for e in entries
+            if e.name.startswith(prefix)
+            and e.name.endswith(_SUFFIX)
+            # mkstemp's random part has no dot: a name with one is another destination's
+            and "." not in e.name[len(prefix) : -len(_SUFFIX)]
+            and e.is_file(follow_symlinks=False)
+        ]
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Locked by us, with bytes reserved: its gather is gone. The name is checked to
+            # be this file still: a gather that ended renamed or removed it under its lock.
+            held = os.fstat(fd)
+            if held.st_size and os.stat(path, follow_symlinks=False).st_ino == held.st_ino:
+                os.unlink(path)
+        except OSError:  # held by a live gather (BlockingIOError), or gone meanwhile
+            pass
+        finally:
+            os.close(fd)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from datetime import datetime
 
 from coordinator.state import redis_keys as K
@@ -297,6 +299,28 @@ def _held_gather(make_cluster, tmp_path, stem: str):
     return c, src, out, gather
 
 
+def _redrive(c, rid: str, record: dict[str, str]) -> None:
+    """Send request `rid`'s task again, as the reconcile sweep sends an open one."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys; from tasks.enqueue import redrive_request; "
+            "redrive_request(sys.argv[1], json.loads(sys.argv[2]))",
+            rid,
+            json.dumps(record),
+        ],
+        env=c.env(),
+        check=True,
+        timeout=60,
+    )
+
+
+def _partials(c) -> list[str]:
+    """The gather temp files beside the cluster's outputs."""
+    return [p.name for p in c.root.iterdir() if p.name.endswith(".partial")]
+
+
 def test_a_gather_delivered_again_while_it_runs_waits_for_the_first_run(make_cluster, tmp_path):
     """Two real deliveries of one gather request: the first run is held mid-transfer (both
     holders SIGSTOPped, its temp file already reserved), the second is sent with the same
@@ -305,42 +329,26 @@ def test_a_gather_delivered_again_while_it_runs_waits_for_the_first_run(make_clu
     start_request short-circuited only a done request."""
     c, src, out, gather = _held_gather(make_cluster, tmp_path, "d")
     try:
-
-        def partials() -> list[str]:
-            return [p.name for p in c.root.iterdir() if p.name.endswith(".partial")]
-
         # The phase held: the first run owns the request and has reserved its temp file.
         rid, record = wait_until(
             lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
         )
         wait_until(lambda: c.md.requests.request(rid).get("owner"), what="the first run")
-        wait_until(partials, what="the first run's temp file")
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import json, sys; from tasks.enqueue import redrive_request; "
-                "redrive_request(sys.argv[1], json.loads(sys.argv[2]))",
-                rid,
-                json.dumps(record),
-            ],
-            env=c.env(),
-            check=True,
-            timeout=60,
-        )
+        wait_until(lambda: _partials(c), what="the first run's temp file")
+        _redrive(c, rid, record)
         # The second delivery either defers to the first run or starts a gather of its own.
         wait_until(
-            lambda: c.md.requests.request(rid).get("deferred") or len(partials()) > 1,
+            lambda: c.md.requests.request(rid).get("deferred") or len(_partials(c)) > 1,
             what="the second delivery",
         )
-        assert len(partials()) == 1, partials()
+        assert len(_partials(c)) == 1, _partials(c)
         assert c.md.requests.request(rid)["state"] == "running"
     finally:
         for node in c.node_procs:
             node.send_signal(signal.SIGCONT)
     _, err = gather.communicate(timeout=120)
     assert gather.returncode == 0, err
-    assert sha(out) == sha(src) and partials() == []
+    assert sha(out) == sha(src) and _partials(c) == []
     assert c.md.requests.request(rid)["state"] == "done"
     assert "event=deferred task=gather" in c.worker_log()
 
@@ -366,5 +374,89 @@ def test_a_gather_whose_pool_child_is_killed_is_run_again(make_cluster, tmp_path
     _, err = gather.communicate(timeout=60)  # not the 180 s of Celery's default
     assert gather.returncode == 0, err
     assert c.worker.poll() is None  # the same worker, never restarted
-    assert sha(out) == sha(src)
+    assert sha(out) == sha(src) and _partials(c) == []  # nor the dead run's temp file
     assert c.md.requests.request(rid)["state"] == "done"
+
+
+def test_a_gather_whose_worker_is_killed_mid_gather_finishes_after_a_restart(
+    make_cluster, tmp_path
+):
+    """The whole worker (main process and pool) SIGKILLed while a sent gather waits on its
+    SIGSTOPped holders, its temp file reserved: a worker started again re-drives the
+    request as it boots, and the `gather` waiting on it exits 0 with the bytes whole and
+    no temp file left beside them (a dead run's reserved file is the checkpoint's size)."""
+    c, src, out, gather = _held_gather(make_cluster, tmp_path, "k")
+    try:
+        rid, _ = wait_until(
+            lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
+        )
+        wait_until(lambda: c.md.requests.request(rid).get("owner"), what="its run")
+        wait_until(lambda: _partials(c), what="its temp file")
+        c.kill_worker()
+        # The phase: the run is gone mid-gather, nothing is at the destination yet.
+        assert c.md.requests.request(rid)["state"] == "running" and not out.exists()
+        c.start_worker()
+    finally:
+        for node in c.node_procs:
+            node.send_signal(signal.SIGCONT)
+    _, err = gather.communicate(timeout=120)
+    assert gather.returncode == 0, err
+    assert sha(out) == sha(src)
+    assert _partials(c) == []
+    assert c.md.requests.request(rid)["state"] == "done"
+
+
+def _node_bytes_sent(c) -> list[float]:
+    """Each node's smoltorrent_node_bytes_sent_total (blob bytes read from it), from /metrics."""
+    out = []
+    for node in c.node_procs:
+        port = (node.data_dir / "metrics_port").read_text().strip()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            text = page.read().decode()
+        out.append(float(next(x for x in text.splitlines() if x.startswith(SENT)).split()[-1]))
+    return out
+
+
+SENT = "smoltorrent_node_bytes_sent_total"
+
+
+def test_a_finished_gather_delivered_again_returns_its_recorded_result_and_moves_nothing(
+    make_cluster, tmp_path
+):
+    """A worker's gather that finished, sent again with its own task and request id (as
+    the reconcile sweep re-drives a request, or as Celery redelivers a message whose
+    worker died between closing the request and acking): the task returns the result
+    recorded by the first run. No node sends a byte, the file is the first run's (same
+    inode, same mtime) and the request stays as that run closed it."""
+    c = make_cluster(2, SMOLTORRENT_METRICS_PORT="0")
+    src = make_ckpt(tmp_path / "f.safetensors", 1_000_000)
+    c.cli("store", str(src))
+    out = c.root / "f-out.safetensors"
+    c.cli("gather", src.name, "-o", str(out))
+    assert c.worker_log().count("event=done task=gather") == 1  # the worker's, not the CLI's
+    [(rid, record)] = [
+        (key.rpartition(":")[2], r)
+        for key in c.md.r.scan_iter(K.REQUEST.format(rid="*"))
+        if (r := c.md.r.hgetall(key)).get("kind") == "gather"
+    ]
+    assert record["state"] == "done"
+    written, sent = out.stat(), _node_bytes_sent(c)
+    _redrive(c, rid, record)
+    wait_until(
+        lambda: (
+            c.worker_log().count("event=done task=gather") == 2
+            or "event=failed task=gather" in c.worker_log()
+        ),
+        what="the second delivery to end",
+    )
+    assert "event=failed task=gather" not in c.worker_log()
+    # What each delivery returned, as the worker logs it: the second, the first run's.
+    returned = re.findall(rf"gather\[{rid}\] succeeded in [0-9.e-]+s: (.*)", c.worker_log())
+    assert len(returned) == 2 and returned[1] == returned[0]
+    stored = json.loads(c.md.r.get(f"celery-task-meta-{rid}"))
+    assert stored["status"] == "SUCCESS" and stored["result"] == json.loads(record["result"])
+    assert _node_bytes_sent(c) == sent
+    now = out.stat()
+    assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert sha(out) == sha(src) and _partials(c) == []
+    assert c.md.requests.request(rid) == record
