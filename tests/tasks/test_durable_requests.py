@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime
 
 from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED
 from tests import held_cli
 from tests.tasks.conftest import wait_until
+from tests.tasks.test_chunked_store import node_bytes
 from tests.tasks.test_control_plane import committed, make_ckpt, sha
 
 
@@ -316,6 +316,15 @@ def _redrive(c, rid: str, record: dict[str, str]) -> None:
     )
 
 
+def _held_run(c) -> tuple[str, dict[str, str]]:
+    """The held gather's request once a run owns it: (its id, its record)."""
+    rid, record = wait_until(
+        lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
+    )
+    wait_until(lambda: c.md.requests.request(rid).get("owner"), what="its run")
+    return rid, record
+
+
 def _partials(c) -> list[str]:
     """The gather temp files beside the cluster's outputs."""
     return [p.name for p in c.root.iterdir() if p.name.endswith(".partial")]
@@ -330,10 +339,7 @@ def test_a_gather_delivered_again_while_it_runs_waits_for_the_first_run(make_clu
     c, src, out, gather = _held_gather(make_cluster, tmp_path, "d")
     try:
         # The phase held: the first run owns the request and has reserved its temp file.
-        rid, record = wait_until(
-            lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
-        )
-        wait_until(lambda: c.md.requests.request(rid).get("owner"), what="the first run")
+        rid, record = _held_run(c)
         wait_until(lambda: _partials(c), what="the first run's temp file")
         _redrive(c, rid, record)
         # The second delivery either defers to the first run or starts a gather of its own.
@@ -361,10 +367,8 @@ def test_a_gather_whose_pool_child_is_killed_is_run_again(make_cluster, tmp_path
     take over the dead run's lease, and end with the bytes whole."""
     c, src, out, gather = _held_gather(make_cluster, tmp_path, "oom")
     try:
-        rid, _ = wait_until(
-            lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
-        )
-        owner = wait_until(lambda: c.md.requests.request(rid).get("owner"), what="its run")
+        rid, _ = _held_run(c)
+        owner = c.md.requests.request(rid)["owner"]
         child = int(owner.rpartition(":")[2])
         assert child != c.worker.pid  # a pool child, not the worker's main process
         os.kill(child, signal.SIGKILL)
@@ -387,10 +391,7 @@ def test_a_gather_whose_worker_is_killed_mid_gather_finishes_after_a_restart(
     no temp file left beside them (a dead run's reserved file is the checkpoint's size)."""
     c, src, out, gather = _held_gather(make_cluster, tmp_path, "k")
     try:
-        rid, _ = wait_until(
-            lambda: next(iter(c.md.requests.open_requests()), None), what="the gather request"
-        )
-        wait_until(lambda: c.md.requests.request(rid).get("owner"), what="its run")
+        rid, _ = _held_run(c)
         wait_until(lambda: _partials(c), what="its temp file")
         c.kill_worker()
         # The phase: the run is gone mid-gather, nothing is at the destination yet.
@@ -404,20 +405,6 @@ def test_a_gather_whose_worker_is_killed_mid_gather_finishes_after_a_restart(
     assert sha(out) == sha(src)
     assert _partials(c) == []
     assert c.md.requests.request(rid)["state"] == "done"
-
-
-def _node_bytes_sent(c) -> list[float]:
-    """Each node's smoltorrent_node_bytes_sent_total (blob bytes read from it), from /metrics."""
-    out = []
-    for node in c.node_procs:
-        port = (node.data_dir / "metrics_port").read_text().strip()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-            text = page.read().decode()
-        out.append(float(next(x for x in text.splitlines() if x.startswith(SENT)).split()[-1]))
-    return out
-
-
-SENT = "smoltorrent_node_bytes_sent_total"
 
 
 def test_a_finished_gather_delivered_again_returns_its_recorded_result_and_moves_nothing(
@@ -440,7 +427,7 @@ def test_a_finished_gather_delivered_again_returns_its_recorded_result_and_moves
         if (r := c.md.r.hgetall(key)).get("kind") == "gather"
     ]
     assert record["state"] == "done"
-    written, sent = out.stat(), _node_bytes_sent(c)
+    written, sent = out.stat(), node_bytes(c, "smoltorrent_node_bytes_sent_total")
     _redrive(c, rid, record)
     wait_until(
         lambda: (
@@ -455,7 +442,7 @@ def test_a_finished_gather_delivered_again_returns_its_recorded_result_and_moves
     assert len(returned) == 2 and returned[1] == returned[0]
     stored = json.loads(c.md.r.get(f"celery-task-meta-{rid}"))
     assert stored["status"] == "SUCCESS" and stored["result"] == json.loads(record["result"])
-    assert _node_bytes_sent(c) == sent
+    assert node_bytes(c, "smoltorrent_node_bytes_sent_total") == sent
     now = out.stat()
     assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
     assert sha(out) == sha(src) and _partials(c) == []
