@@ -1,8 +1,8 @@
 """One structured line in the worker's log per task that ends, retries or fails.
 
-    event=done task=chain name=m.safetensors version=1dd1929b890b shard=1 replicas=0,1
+    event=done task=chain name=m.safetensors vkey=1dd1929b890b shard=1 replicas=0,1
         nodes=182617d96470,7b6e1c553227 blob=67b5a05d374d how=replicated+sent seconds=0.054
-    event=failed task=gather version=abababababab error="...: refusing to write /etc/x: ..."
+    event=failed task=gather vkey=abababababab error="...: refusing to write /etc/x: ..."
 
 (each on one line, after Celery's own prefix).
 
@@ -30,7 +30,9 @@ log = get_task_logger("smoltorrent.events")
 # argument -> field, in the order they are written; ids cut to what tells them apart
 ARGUMENT_FIELDS = {
     "name": "name",
-    "vkey": "version",
+    # The version's storage key, not the version id `ls` prints (a done store or gather
+    # also says version_id=): both were called "version", and a grep for one found nothing.
+    "vkey": "vkey",
     "shard": "shard",
     "replica": "replica",
     "replicas": "replicas",
@@ -43,13 +45,13 @@ ARGUMENT_FIELDS = {
 # result key -> field, for a task that finished
 RESULT_FIELDS = {
     "name": "name",
-    "vkey": "version",
+    "vkey": "vkey",
     "version_id": "version_id",
     "how": "how",
     "size": "size",
     "new": "new",
 }
-SHORT = {"version", "node", "nodes", "source", "target", "blob", "version_id"}
+SHORT = {"vkey", "node", "nodes", "source", "target", "blob", "version_id"}
 
 _started: dict[str, float] = {}  # task id -> monotonic start, in the process running it
 

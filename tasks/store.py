@@ -192,6 +192,7 @@ def _store(
             shutil.rmtree(spool_dir(config.spool_root(), vkey), ignore_errors=True)
     result = {
         "vkey": vkey,
+        "version_id": manifest.version_id,
         "state": PENDING if new else found,
         "new": new,
         "hashed_bytes": hashed_bytes,
@@ -201,6 +202,7 @@ def _store(
             request_id,
             DONE,
             vkey=vkey,
+            version_id=manifest.version_id,
             new=int(new),
             state_found=found,
             hashed_bytes=hashed_bytes,
@@ -211,6 +213,7 @@ def _store(
 def _result(request: dict[str, str]) -> dict:
     return {
         "vkey": request["vkey"],
+        "version_id": request.get("version_id", ""),
         "state": request.get("state_found", PENDING),
         "new": request.get("new") == "1",
         "hashed_bytes": int(request.get("hashed_bytes", 0)),

@@ -45,13 +45,15 @@ def test_a_store_and_a_gather_log_one_line_per_task(make_cluster, tmp_path: Path
         nodes = e["nodes"].split(",")
         assert len(nodes) == 2 and set(nodes) <= registered, e
     (store,) = events(c, "done", "store")
-    vkey = store["version"]
+    vkey = store["vkey"]
     assert store["name"] == "m.safetensors" and store["new"] == "True"
-    assert all(e["version"] == vkey for e in chains)
+    # The id `ls` prints is version_id=; vkey= is the storage key every task carries.
+    assert store["version_id"] == stored["version_id"][:12] != vkey
+    assert all(e["vkey"] == vkey for e in chains)
     (commit,) = events(c, "done", "commit")
-    assert commit["version"] == vkey and commit["result"] == "committed"
+    assert commit["vkey"] == vkey and commit["result"] == "committed"
     (gather,) = wait_until(lambda: events(c, "done", "gather"))
-    assert gather["name"] == "m.safetensors" and gather["version"] == vkey
+    assert gather["name"] == "m.safetensors" and gather["vkey"] == vkey
     assert gather["version_id"] == stored["version_id"][:12]
 
     # A store of a file still being written waits for it by retrying: each retry says so.
@@ -76,7 +78,7 @@ def test_a_store_and_a_gather_log_one_line_per_task(make_cluster, tmp_path: Path
     )
     app.close()
     (failed,) = wait_until(lambda: events(c, "failed", "gather"))
-    assert failed["version"] == "ab" * 6 and "refusing to write" in failed["error"], failed
+    assert failed["vkey"] == "ab" * 6 and "refusing to write" in failed["error"], failed
 
 
 def test_values_with_spaces_or_quotes_stay_one_field() -> None:
