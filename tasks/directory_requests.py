@@ -9,19 +9,20 @@ Redis step, unless a store of the directory accepted later is current already. A
 before that leaves the files stored and the directory at its previous version: store
 it again (no byte moves twice). Gather: every file into a temp directory beside the
 destination, all at once, then the index, fsync, and one rename onto the destination,
-so a reader never sees half a directory.
+so a reader never sees half a directory (coordinator/dataplane/staged_output.py, which
+also removes the temp directory of a gather that died).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator import config
+from coordinator.dataplane.staged_output import staged_directory
 from coordinator.plan.directory import (
     RECORD_FILE,
     DirectoryPlan,
@@ -143,8 +144,7 @@ def gather_directory(name: str, out: str, version: str | None = None) -> Directo
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise SmoltorrentError(f"{parent}: no such directory for the output")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".partial", dir=parent)
-    try:
+    with staged_directory(out) as tmp:
         requests = [
             submit_gather(m.name, os.path.join(tmp, file), m.version_id)
             for file, m in sorted(found.files.items())
@@ -153,10 +153,4 @@ def gather_directory(name: str, out: str, version: str | None = None) -> Directo
             wait_gather(request)
         if found.index_name is not None:
             durable.write_file(os.path.join(tmp, found.index_name), found.index or b"")
-        durable.sync_path(tmp)
-        os.replace(tmp, out)  # onto an empty directory too: rename(2) allows it
-        durable.sync_path(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return found

@@ -1,16 +1,17 @@
-"""An output file that appears whole or not at all.
+"""An output file, or directory, that appears whole or not at all.
 
 A gather writes into a temp file beside the destination, reserved to its final size
 first (a full disk fails before a byte moves), and renames it onto the destination
 only once everything in it is verified, with the file and its directory fsynced; on
-any failure the temp file is removed and an existing destination is untouched.
+any failure the temp file is removed and an existing destination is untouched. A
+directory checkpoint's gather does the same with a temp directory its files go into.
 
 A gather that dies where no handler runs (SIGKILL, the OOM killer, a power cut) cannot
-remove its temp file, and that file is as big as the checkpoint. So each gather holds
-an flock on its temp file until it is renamed or removed (the kernel drops it with the
-process), and the next gather into the same destination removes the temp files no live
-gather holds. A live one is never touched: two runs of one request whose lease lapsed
-each write their own.
+remove its temp file or directory, and that is as big as the checkpoint. So each gather
+holds an flock on it until it is renamed or removed (the kernel drops it with the
+process), and the next gather into the same destination removes those no live gather
+holds. A live one is never touched: two runs of one request whose lease lapsed each
+write their own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -98,10 +100,37 @@ def staged_output(out_path: str, size: int, what: str) -> Iterator[int]:
         os.close(fd)
 
 
-def _remove_abandoned(directory: str, prefix: str) -> None:
-    """Remove the temp files of gathers into the destination `prefix` names that died
-    before they could: those no process holds. An empty one is left: it may be a live
-    gather's that has not taken its lock yet (a dead one's costs no space)."""
+@contextmanager
+def staged_directory(out_path: str) -> Iterator[str]:
+    """The path of a temp directory beside out_path, renamed onto out_path (absent, or an
+    empty directory) when the block ends without an error, removed with all in it when it
+    raises. The block fsyncs what it writes there; this fsyncs the directories."""
+    parent = os.path.dirname(out_path)
+    prefix = f".{os.path.basename(out_path)}."
+    _remove_abandoned(parent, prefix, directories=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, suffix=_SUFFIX, dir=parent)
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # Before anything is put in it (blocking, as for a file): a directory not empty is
+        # always held while its gather lives.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+        durable.sync(fd)
+        # Still held through the rename, as a file is.
+        os.replace(tmp, out_path)
+        durable.sync_path(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _remove_abandoned(directory: str, prefix: str, *, directories: bool = False) -> None:
+    """Remove the temp files (with `directories`, the temp directories) of gathers into
+    the destination `prefix` names that died before they could: those no process holds.
+    An empty one is left: it may be a live gather's that has not taken its lock yet (a
+    dead one's costs no space)."""
     with os.scandir(directory) as entries:
         names = [
             e.name
@@ -110,20 +139,27 @@ def _remove_abandoned(directory: str, prefix: str) -> None:
             and e.name.endswith(_SUFFIX)
             # mkstemp's random part has no dot: a name with one is another destination's
             and "." not in e.name[len(prefix) : -len(_SUFFIX)]
-            and e.is_file(follow_symlinks=False)
+            and (e.is_dir if directories else e.is_file)(follow_symlinks=False)
         ]
+    flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if directories else 0)
     for name in names:
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, flags)
         except OSError:  # gone meanwhile, or another user's
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # Locked by us, with bytes reserved: its gather is gone. The name is checked to
-            # be this file still: a gather that ended renamed or removed it under its lock.
+            # Locked by us, and not empty: its gather is gone. The name is checked to be
+            # this one still: a gather that ended renamed or removed it under its lock.
             held = os.fstat(fd)
-            if held.st_size and os.stat(path, follow_symlinks=False).st_ino == held.st_ino:
+            if os.stat(path, follow_symlinks=False).st_ino != held.st_ino:
+                continue
+            if directories and os.listdir(fd):
+                # Errors ignored: a worker still gathering one of a dead directory gather's
+                # files may add one as it goes; the next gather here removes the rest.
+                shutil.rmtree(path, ignore_errors=True)
+            elif not directories and held.st_size:
                 os.unlink(path)
         except OSError:  # held by a live gather (BlockingIOError), or gone meanwhile
             pass

@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from coordinator.state import redis_keys as K
+from coordinator.state.requests import IN_PROCESS_GATHER
+from tests import held_cli
 from tests.checkpoints import write_hf_dir
 from tests.smoltorrent.conftest import run_api
 from tests.tasks.conftest import wait_until
@@ -123,6 +127,56 @@ def test_the_directory_store_accepted_last_is_current_whichever_finishes_first(
     gathered = tmp_path / "out"
     assert c.cli_json("gather", "d", "-o", str(gathered))["version_id"] == b_row["version_id"]
     assert digests(gathered) == {k: v for k, v in digests(b).items() if k != "config.json"}
+
+
+@pytest.mark.parametrize("kind", [IN_PROCESS_GATHER, "gather"])
+def test_a_directory_gather_killed_mid_way_leaves_no_temp_directory_once_gathered_again(
+    make_cluster, tmp_path, kind
+):
+    """A directory gather SIGKILLed (no handler runs) once every file is in its temp
+    directory, before the index and the rename: that directory, as big as the checkpoint,
+    stayed beside the destination for good. The next gather into the same destination
+    removes it and writes the directory whole. Its files gathered by the command itself
+    and by the worker (which writes into SMOLTORRENT_GATHER_DIRS only)."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    c = make_cluster(3, SMOLTORRENT_GATHER_DIRS=str(allowed))
+    src = tmp_path / "src"
+    write_hf_dir(src)
+    stored = c.cli_json("store", str(src), "--name", "d")
+    parent = tmp_path if kind == IN_PROCESS_GATHER else allowed
+    out = parent / "out"
+
+    def partials() -> list[Path]:
+        return [p for p in parent.iterdir() if p.name.startswith(".out.")]
+
+    gather = held_cli.start(
+        c.env(), "smoltorrent.durable:write_file", "gather", "d", "-o", str(out), "--json"
+    )
+    try:
+        held_cli.wait_stopped(gather)  # as it writes the index, every file gathered
+        [partial] = partials()
+        assert sorted(p.name for p in partial.iterdir()) == sorted(stored["files"])
+        assert {r["kind"] for r in gather_requests(c)} == {kind}
+    finally:
+        gather.kill()
+        gather.wait()
+    assert partials() == [partial] and not out.exists()
+
+    again = c.cli_json("gather", "d", "-o", str(out))
+    assert again["version_id"] == stored["version_id"]
+    assert digests(out) == {k: v for k, v in digests(src).items() if k != "config.json"}
+    assert partials() == []
+
+
+def gather_requests(c) -> list[dict]:
+    """Every gather request recorded, run by the worker or in process."""
+    found = []
+    for key in c.md.r.scan_iter(K.REQUEST.format(rid="*")):
+        record = c.md.r.hgetall(key)
+        if record.get("kind") in ("gather", IN_PROCESS_GATHER):
+            found.append(record)
+    return found
 
 
 def file_requests(c, prefix: str) -> list[dict]:
