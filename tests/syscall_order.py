@@ -65,23 +65,27 @@ def attached(pid: int, out: Path) -> Iterator[None]:
         strace.wait(timeout=30)
 
 
-def says_over_tcp(fd: int, target: str) -> bool:
+def says_over_tcp(thread: str, fd: int, target: str) -> bool:
     """A node acknowledges with a reply on its connection."""
     return target.startswith("TCP")
 
 
-def says_on_stdout(fd: int, target: str) -> bool:
-    """A command acknowledges with what it prints (its result, or its JSON)."""
-    return fd == 1
+def prints(trace: str) -> Callable[[str, int, str], bool]:
+    """A command acknowledges with what its main thread prints (its result, its JSON, or a
+    trainer's line once save() returned): the traced process's first thread, not a child
+    it started (a save's writer process reports on its own stdout, to the trainer)."""
+    main = trace.split(None, 1)[0]
+    return lambda thread, fd, target: thread == main and fd == 1
 
 
 @dataclass
 class DurableOrder:
     """What one trace shows, call by call (see the module's docstring). `owned`: the paths
-    whose names must be durable; `says`: whether a write to (fd, its path) acknowledges."""
+    whose names must be durable; `says`: whether a thread's write to (fd, its path)
+    acknowledges them."""
 
     owned: Callable[[str], bool]
-    says: Callable[[int, str], bool]
+    says: Callable[[str, int, str], bool]
     dirty: dict[str, bool] = field(default_factory=dict)  # a file: written since its fsync
     unsynced: dict[str, list[str]] = field(default_factory=dict)  # a thread: dirs to fsync
     synced: dict[str, int] = field(default_factory=dict)  # a thread: names not yet said
@@ -112,7 +116,7 @@ class DurableOrder:
                 [removed] = QUOTED.findall(args)[:1]
                 if self.owned(removed):
                     self._made(thread, removed)
-            elif name in SAYS and self.says(number, target):
+            elif name in SAYS and self.says(thread, number, target):
                 if self.unsynced.get(thread):
                     left = sorted(set(self.unsynced.pop(thread)))
                     self.faults.append(f"said before {left} was fsynced: {line}")

@@ -16,7 +16,7 @@ import textwrap
 
 from coordinator.config import GATHER_DIRS_ENV
 from tests.smoltorrent.conftest import ROOT
-from tests.syscall_order import STRACE, DurableOrder, require_strace, says_on_stdout, under
+from tests.syscall_order import STRACE, DurableOrder, prints, require_strace, under
 from tests.tasks.test_control_plane import make_ckpt
 
 
@@ -51,8 +51,8 @@ def test_a_gathered_file_and_a_saves_journal_are_durable_before_they_are_said(
         ["-m", "coordinator.cli", "gather", "run/m.safetensors", "-o", str(out), "--json"],
     )
     assert out.read_bytes() == source.read_bytes()
-    gather = DurableOrder(under(out.parent), says_on_stdout)
-    gather.read((tmp_path / "gather.trace").read_text())
+    trace = (tmp_path / "gather.trace").read_text()
+    gather = DurableOrder(under(out.parent), prints(trace)).read(trace)
     assert gather.faults == []
     assert (gather.made, gather.acknowledged) == (1, 1)
 
@@ -64,9 +64,10 @@ def test_a_gathered_file_and_a_saves_journal_are_durable_before_they_are_said(
         print("saved", flush=True)
     """
     strace_run(c, tmp_path / "save.trace", ["-c", textwrap.dedent(save)])
-    journal = DurableOrder(under(staging / "journal"), says_on_stdout)
-    journal.read((tmp_path / "save.trace").read_text())
+    trace = (tmp_path / "save.trace").read_text()
+    journal = DurableOrder(under(staging / "journal"), prints(trace)).read(trace)
     assert journal.faults == []
     # Its record made, and said; the writer process may have removed it since (the
-    # version committed), which it says to no one.
+    # version committed), which is no promise to the trainer (a record that outlived a
+    # power cut is adopted again by the next writer).
     assert journal.acknowledged == 1 and journal.made >= 1
