@@ -1,4 +1,5 @@
-"""The boot sequence, at every worker start, in the original system's order:
+"""The boot sequence, at every worker start, in the original system's order (after
+freeing the sweep locks this host's last boot died holding, beat/sweeps.py):
 
 1. file_sync: the planned nodes of this host's pending versions say which of the
    blobs still unsettled they already hold (a transfer may have stored its blob
@@ -24,7 +25,7 @@ import threading
 from celery.signals import worker_ready
 from celery.utils.log import get_task_logger
 
-from beat import reconcile
+from beat import reconcile, sweeps
 from coordinator import config
 from coordinator.dataplane.chunk_source import clear_spool
 from coordinator.state.metadata import Metadata
@@ -33,7 +34,7 @@ from coordinator.state.versions import PENDING
 from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, SmoltorrentError
 from tasks.app import app
-from tasks.context import metadata, node_client
+from tasks.context import BOOT_ID, metadata, node_client
 from tasks.enqueue import settle
 
 log = get_task_logger(__name__)
@@ -90,6 +91,9 @@ def checksum_sync(found: dict[str, list[InFlight]], registered: dict[str, NodeRe
 
 def run(host: str) -> dict[str, int]:
     md = metadata()
+    freed = md.sweeps.free_locks_of_dead_boots(sweeps.REGISTERED, host, BOOT_ID)
+    if freed:
+        log.warning("boot of %s: freed the locks its last boot died holding: %s", host, freed)
     registered = md.nodes.nodes()
     # Encoded chunks of versions that committed, aborted or are gone, left by a crash.
     pending = {vkey for vkey, _ in md.listing.versions_in(PENDING)}

@@ -395,7 +395,11 @@ TRIM_TIME_LIMIT_S = 3600
 # long as the trim task's hard time limit, so the mark cannot expire while its delete may
 # still reach the node; the trim clears it as soon as the delete is answered
 TRIM_MARK_TTL_S = TRIM_TIME_LIMIT_S
-SWEEP_LOCK_TTL_S = 600  # seconds; a sweep's lock expires if its holder died mid-sweep
+# seconds; a sweep's lock expires this long after its holder died mid-sweep on a host
+# whose worker does not start again (one that does frees it at once: beat/boot.py), and a
+# live holder renews it every third of it. Every pass of that sweep stands down meanwhile
+# (health runs every 10 s: 600 s would stop it for ten minutes).
+SWEEP_LOCK_TTL_S = 60
 SWEEP_RUNS_KEPT = 100  # runs of each sweep kept on record (start, end, by whom)
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
 LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)

@@ -19,9 +19,37 @@ def redis_clock(r: redis.Redis) -> float:
     return seconds + micros / 1e6
 
 
+def lock_holder(host: str, boot: str, run: str) -> str:
+    """What a sweep's lock holds: the host and worker boot of the process running it, so
+    the next boot of that host's worker can tell the lock was left by the dead."""
+    return f"{host} {boot} {run}"
+
+
 class Sweeps:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
+
+    def free_locks_of_dead_boots(self, names: list[str], host: str, boot: str) -> list[str]:
+        """Delete the locks of sweeps `names` that an earlier boot of `host`'s worker held
+        (its processes died with it: a SIGKILL, the OOM killer), so those sweeps run again
+        now, not once the lock expires. The sweeps freed. A lock replaced meanwhile by a
+        live holder is left to it."""
+        freed = []
+        for name in names:
+            key = K.SWEEP_LOCK.format(name=name)
+            with self.r.pipeline() as p:
+                try:
+                    p.watch(key)
+                    held_by = (p.get(key) or "").split(" ")
+                    if len(held_by) != 3 or held_by[0] != host or held_by[1] == boot:
+                        continue
+                    p.multi()
+                    p.delete(key)
+                    p.execute()
+                    freed.append(name)
+                except redis.WatchError:
+                    continue
+        return freed
 
     def redis_time(self) -> float:
         """Seconds on the Redis server's clock: one clock for every host."""
