@@ -32,6 +32,7 @@ from pathlib import Path
 
 from celery import signals
 
+from smoltorrent.processes import alive
 from tasks.context import BOOT_ID
 
 _RAM = Path("/dev/shm")
@@ -105,22 +106,12 @@ def _clear(**_) -> None:
     shutil.rmtree(DIRECTORY, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 def _remove_the_gone(**_) -> None:
     """Remove the directories of workers whose main process is gone (SIGKILLed: no
     shutdown removed them), so /dev/shm does not fill with them over a month."""
     for path in _PARENT.glob("smoltorrent-runs-*"):
         named = _NAME.fullmatch(path.name)
-        if named and not _alive(int(named[1])):
+        if named and not alive(int(named[1])):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -21,6 +21,7 @@ from celery.exceptions import Ignore
 from coordinator.state.metadata import Metadata
 from coordinator.state.requests import Start
 from smoltorrent import defaults
+from smoltorrent.processes import alive
 from tasks.context import BOOT_ID
 from tasks.event_log import fields_of, line, log
 
@@ -35,15 +36,7 @@ def _dead(holder: str) -> bool:
     boot, _, pid = holder.rpartition(":")
     if boot != BOOT_ID or not pid.isdigit():
         return True
-    if int(pid) == os.getpid():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return int(pid) == os.getpid() or not alive(int(pid))
 
 
 def start(task, md: Metadata, request_id: str) -> Start:

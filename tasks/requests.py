@@ -39,6 +39,7 @@ from smoltorrent.errors import (
     OutcomeUnknownError,
     SmoltorrentError,
 )
+from smoltorrent.processes import alive
 from smoltorrent.signal_event import SignalEvent
 from tasks.context import REDIS_TRANSIENT, bwlimit_arg, metadata, new_request_id
 from tasks.gathering import run_gather
@@ -541,15 +542,11 @@ def _check_gathering_process(rid: str, record: dict[str, str]) -> None:
     host, _, pid = where.partition(":")
     if kind != "process" or host != config.host_id() or not pid.isdigit():
         return
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
+    if not alive(int(pid)):
         raise SmoltorrentError(
             f"gather request {rid} was run by process {pid}, which ended before it did;"
             " nothing was written. Run the gather again."
-        ) from None
-    except PermissionError:  # alive, another user's
-        pass
+        )
 
 
 def submit_remove(vkey: str) -> None:
