@@ -473,6 +473,11 @@ def wait_gather(
     res = app.AsyncResult(request.task_id)
     what = f"waiting for the gather of {request.name} (request {request.task_id})"
 
+    def failed(error: str | None) -> SmoltorrentError:
+        return SmoltorrentError(
+            f"gather of {request.name} failed: {error}. Nothing was written at {request.out}."
+        )
+
     def look() -> dict | None:
         """The gather's report once it is done, else None."""
         # Its record says done (and the task wakes this wait) a moment before Celery
@@ -480,23 +485,18 @@ def wait_gather(
         record = None
         with contextlib.suppress(NotFoundError):
             record = md.requests.request(request.task_id)
-        if record is not None and record["state"] == DONE and "result" in record:
+        state = record["state"] if record is not None else None
+        if state == DONE and "result" in record:
             return json.loads(record["result"])
-        if record is not None and record["state"] == FAILED:
-            raise SmoltorrentError(
-                f"gather of {request.name} failed: {record.get('error')}. Nothing was"
-                f" written at {request.out}."
-            )
+        if state == FAILED:
+            raise failed(record.get("error"))
         if res.ready():
             if not res.failed():
                 return res.result
             # A run cut off from Redis failed in Celery's eyes but left its request open:
             # it is sent again (tasks/dead_letters.py), so only a closed record is the end.
             if record is None:
-                raise SmoltorrentError(
-                    f"gather of {request.name} failed: {error_text(res.result)}. Nothing was"
-                    f" written at {request.out}."
-                )
+                raise failed(error_text(res.result))
             return None
         if on_progress and res.state == "PROGRESS" and isinstance(res.info, dict):
             on_progress(res.info.get("done", 0), request.size)
