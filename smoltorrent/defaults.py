@@ -76,7 +76,9 @@ HAS_BATCH_DIGESTS = 512  # digests per `has` request the client sends
 LISTEN_BACKLOG = 128  # pending accepts; bursts of parallel transfers at store time
 ACCEPT_POLL_S = 0.5  # seconds; how soon the accept loop notices SIGTERM/SIGINT
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight requests get to finish after a stop signal
-CLOSE_DRAIN_S = 1.0  # seconds spent reading a rejected peer's leftovers so it can read our error
+# seconds in all (not per read) spent reading a rejected peer's leftovers so it can read our
+# error frame; a trickling peer cannot stretch it
+CLOSE_DRAIN_S = 1.0
 CLOSE_DRAIN_BYTES = 1024 * 1024  # bytes read and dropped at most before closing on a rejected peer
 # bytes/s a node re-hashes its blobs at, at most (SMOLTORRENT_SCRUB_RATE_BPS): a quarter of
 # a class-10 SD card's ~40 MB/s reads, so a scrub never starves the gathers the card serves;

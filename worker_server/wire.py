@@ -559,12 +559,18 @@ def peer_unacknowledging(sock: socket.socket) -> bool:
 
 
 def close_after_error(sock: socket.socket) -> None:
-    """Close so the peer can still read our error frame (unread input would make it a reset)."""
+    """Close so the peer can still read our error frame (unread input would make it a reset).
+    The drain has one deadline in all, not one per read: a peer trickling a byte inside each
+    read's timeout would otherwise hold its connection slot for a MiB of such bytes."""
     try:
         sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(defaults.CLOSE_DRAIN_S)
+        deadline = time.monotonic() + defaults.CLOSE_DRAIN_S
         drained = 0
         while drained < defaults.CLOSE_DRAIN_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            sock.settimeout(left)
             chunk = sock.recv(defaults.IO_CHUNK_BYTES)
             if not chunk:
                 break

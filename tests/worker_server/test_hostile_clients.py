@@ -251,3 +251,25 @@ def test_connection_limit_answers_busy(keyless_node: NodeProcess) -> None:
         except Exception:  # the node frees the slots as it notices the closes
             time.sleep(0.05)
     assert keyless_node.client().ping()
+
+
+def test_a_peer_trickling_after_its_error_is_closed_within_the_drain_deadline(
+    node: NodeProcess,
+) -> None:
+    """A rejected peer that keeps sending one byte every 0.1 s (each recv of the drain
+    getting a byte inside its own timeout) is closed once CLOSE_DRAIN_S has passed in all,
+    not after 1 MiB of such bytes: 64 such peers held a host's every slot for good."""
+    socks = [raw_connection(node) for _ in range(8)]
+    for sock in socks:
+        sock.sendall(b"\x00garbage" * 8)  # a whole frame prefix's worth, and wrong
+        expect_error(sock, "bad_request")
+    open_, deadline = set(socks), time.monotonic() + READ_TIMEOUT_S
+    while open_ and time.monotonic() < deadline:
+        for sock in list(open_):
+            try:
+                sock.sendall(b"x")  # once the node has closed, its reset fails a send
+            except OSError:
+                open_.discard(sock)
+                sock.close()
+        time.sleep(0.1)
+    assert not open_, f"{len(open_)} of 8 trickling peers still held a slot"
