@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -35,6 +37,8 @@ from smoltorrent import defaults, durable
 from smoltorrent.errors import StateDictError
 from smoltorrent.keypaths import Flat
 from smoltorrent.tensors import write_file
+
+log = logging.getLogger(__name__)
 
 # The dtypes safetensors' serializer takes by name (safetensors.TensorSpec), as torch and
 # numpy (ml_dtypes) name them.
@@ -248,14 +252,38 @@ def _new_buffer(path: Path, size: int) -> Buffer:
 def _snapshot_dir(staging: Path, size: int) -> Path:
     shm = Path(defaults.SNAPSHOT_SHM_DIR)
     if shm.is_dir() and os.access(shm, os.W_OK):
-        stat = os.statvfs(shm)
-        if stat.f_bavail * stat.f_frsize > size:
+        fs = os.statvfs(shm)
+        if fs.f_bavail * fs.f_frsize > size:
             directory = shm / f"smoltorrent-{os.getuid()}"
-            directory.mkdir(mode=0o700, exist_ok=True)
-            return directory
+            if _private_dir(directory):
+                return directory
     directory = staging / ".snapshots"
     directory.mkdir(exist_ok=True)
     return directory
+
+
+def _private_dir(directory: Path) -> bool:
+    """Whether `directory` in the shared /dev/shm is ours alone, made so if we just made it.
+    Another local user can make the name first (or a link by that name): such a one is
+    never used, or they could swap a snapshot under the writer, or make the save raise
+    into the training step; the save falls back to the staging directory."""
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    found = os.lstat(directory)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+        log.warning(
+            "%s is not a directory of this user's (a link, or another user's): snapshots go "
+            "to the staging directory instead; remove it to keep them in memory",
+            directory,
+        )
+        return False
+    if stat.S_IMODE(found.st_mode) != 0o700:
+        os.chmod(directory, 0o700)  # ours, but others could have written into it
+    return True
 
 
 def _copy_into(mm: Any, flat: Flat, layout: list[list[Any]]) -> None:

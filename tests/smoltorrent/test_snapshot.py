@@ -4,15 +4,19 @@ after the snapshot."""
 
 from __future__ import annotations
 
+import os
+import stat
 import uuid
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 import safetensors.numpy
 import safetensors.torch
 import torch
 
+from smoltorrent import defaults
 from smoltorrent.keypaths import STATE_KEY, flatten
 from smoltorrent.snapshot import Pool, _layout, _snapshot
 from smoltorrent.snapshot_writer import _serialize
@@ -83,3 +87,55 @@ def test_a_kept_buffer_serves_the_next_smaller_snapshot_with_only_its_bytes(tmp_
     assert not old.exists()
     assert data == safetensors.torch.save(small)  # nothing of the bigger state left in it
     second.close(unlink=True)
+
+
+def _squatted(tmp_path: Path, monkeypatch, make) -> tuple[Path, Path]:
+    """A shared-memory folder whose smoltorrent-UID entry another local user made first
+    (`make(path)`), and the staging directory a save falls back to."""
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o1777)
+    monkeypatch.setattr(defaults, "SNAPSHOT_SHM_DIR", str(shm))
+    make(shm / f"smoltorrent-{os.getuid()}")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    return shm, staging
+
+
+def _squat_dir(path: Path) -> None:
+    path.mkdir(mode=0o777)
+    os.chmod(path, 0o777)
+    os.chown(path, 65534, 65534)  # nobody: another local user
+
+
+def _squat_link(path: Path) -> None:
+    target = path.parent / "elsewhere"
+    target.mkdir(mode=0o777)
+    path.symlink_to(target)
+
+
+@pytest.mark.parametrize("make", [_squat_dir, _squat_link], ids=["other-owner", "symlink"])
+def test_a_squatted_shared_memory_directory_is_never_used(tmp_path, monkeypatch, make):
+    """Another local user who made /dev/shm/smoltorrent-UID first (or a link there) could
+    swap a snapshot, or make the save raise into the training step: the save takes its
+    snapshot in the staging directory instead, and still gives the same bytes."""
+    if make is _squat_dir and os.getuid() != 0:
+        pytest.skip("making a directory owned by another user needs root (CI runs as root)")
+    shm, staging = _squatted(tmp_path, monkeypatch, make)
+    sd = {"w": torch.randn(4, 4)}
+    data, buffer = written(sd, staging)
+    assert buffer.path.parent == staging / ".snapshots"
+    assert data == safetensors.torch.save(sd)
+    buffer.close(unlink=True)
+    assert [p.name for p in shm.rglob("*") if p.is_file()] == []
+
+
+def test_an_own_shared_memory_directory_others_could_write_is_made_private(tmp_path, monkeypatch):
+    def loose(path: Path) -> None:
+        path.mkdir()
+        os.chmod(path, 0o777)
+
+    shm, staging = _squatted(tmp_path, monkeypatch, loose)
+    data, buffer = written({"w": torch.ones(3)}, staging)
+    assert buffer.path.parent == shm / f"smoltorrent-{os.getuid()}"
+    assert stat.S_IMODE(os.lstat(buffer.path.parent).st_mode) == 0o700
+    buffer.close(unlink=True)
