@@ -179,6 +179,11 @@ BWLIMIT_STATE_MAX_AGE_S = 24 * 3600
 # chunk's size; zstd's blocks are 128 KiB, so a bigger frame gains nothing in ratio, and
 # a smaller one adds per-frame Python work (decode of 1 MiB frames: see bench/RESULTS.md)
 CODEC_FRAME_BYTES = 1024 * 1024
+# bytes of SHA-256 naming a chunk's encoding (codec.encoding_of) in Redis's chunks room:
+# a cluster sees a few dozen layouts, so 64 bits never collide, at 17 bytes an entry
+CODEC_ENCODING_NAME_BYTES = 8
+# encodings (layouts) codec.encoding_of keeps computed: a checkpoint has a few dozen
+CODEC_ENCODINGS_KEPT = 4096
 # raw bytes a decoder accepts in one frame: bounds what a corrupt header makes it allocate
 CODEC_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # zstd level 1: of levels -5..5 it gives byte-grouped N(0, 0.02) bf16 the best ratio

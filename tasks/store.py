@@ -1,10 +1,10 @@
 """The store task: parse, plan, hash and place on this host, then fan out transfers.
 
 By default a checkpoint is stored in chunks (coordinator/dataplane/chunk_engine.py): the
-chunks Redis knows as stored (md.chunks) are neither encoded nor sent, the new ones are
-encoded into the spool (or sent RAW, coordinator/plan/encoding.py) and each is a blob to
-the transfers, placement and sweeps. SMOLTORRENT_CHUNKS=0, or --shards N, stores whole
-shards (manifest schema 2)."""
+chunks Redis knows as stored (md.chunks), as this store would encode them, are neither
+encoded nor sent, the new ones are encoded into the spool (or sent RAW,
+coordinator/plan/encoding.py) and each is a blob to the transfers, placement and sweeps.
+SMOLTORRENT_CHUNKS=0, or --shards N, stores whole shards (manifest schema 2)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,7 @@ def _store(
             digest_cache=DigestCache(config.home() / "digest-cache"),
         )
         spans, hashed_bytes = prepared.spans, prepared.hashed_bytes
+        encodings = prepared.encodings
     else:
         prepared = prepare_store(
             path,
@@ -137,6 +138,7 @@ def _store(
             digest_cache=DigestCache(config.home() / "digest-cache"),
         )
         spans, hashed_bytes = prepared.spans(), prepared.hashed_bytes
+        encodings = ()
     manifest, vkey, planned = prepared.manifest, prepared.vkey, prepared.targets
     identity, tensors = json.dumps(prepared.identity.to_dict()), prepared.tensor_count
     # What it planned is held from here on in these names alone, each dropped once used:
@@ -173,7 +175,7 @@ def _store(
     # A re-drive of this same request after a crash re-sends what may not have been sent.
     mine = md.versions.version(vkey).get("request_id") == (request_id or self.request.id)
     if new or (found == PENDING and mine):
-        md.chunks.record(manifest.chunks)
+        md.chunks.record(manifest.chunks, encodings)
         # A batch a command, as the chunks are recorded: the transfers read them only
         # once sent below, and one HSET of every span's JSON was megabytes at once.
         for batch in batched(spans, defaults.CHUNK_RECORD_BATCH):

@@ -67,11 +67,15 @@ from smoltorrent.errors import (
 )
 from worker_server import writeback
 
-# raw SHA-256 -> (blob SHA-256, blob size) of chunks already stored
-KnownChunks = Mapping[str, tuple[str, int]]
-# Given every chunk's raw SHA-256, the ones already stored (Redis's chunks room, for the
-# tasks): those are neither encoded nor sent again.
-Lookup = Callable[[Sequence[str]], KnownChunks]
+# A chunk as a store looks it up: (raw SHA-256, encoding), the encoding being
+# codec.encoding_of its layout: the same raw bytes grouped otherwise are another blob.
+ChunkKey = tuple[str, str]
+# chunk key -> (blob SHA-256, blob size) of chunks already stored as this store would
+# encode them again
+KnownChunks = Mapping[ChunkKey, tuple[str, int]]
+# Given every chunk's key, the ones already stored (Redis's chunks room, for the tasks):
+# those are neither encoded nor sent again.
+Lookup = Callable[[Sequence[ChunkKey]], KnownChunks]
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,10 @@ class PreparedChunks:
     targets: tuple[tuple[str, ...], ...]  # per chunk, the node ids chosen for it
     identity: SourceIdentity
     spool: str  # this version's encoded chunks: remove it once they are on the nodes
+    # Per chunk, the encoding its blob was made with (codec.blob_encoding): what Redis's
+    # chunks room records, so a later store counts on the blob only if it would make the
+    # same one. A few distinct texts, shared.
+    encodings: tuple[str, ...] = ()
     encoded_raw_bytes: int = 0  # raw bytes this store encoded or hashed RAW (not known)
     known: frozenset[int] = frozenset()  # chunks already stored: never encoded here
     hashed_bytes: int = 0  # source bytes read at plan time (0: cached digests, all stored)
@@ -127,6 +135,7 @@ def prepare_chunked_store(
     header = read_header(path)
     identity.check(path)
     plans = plan_chunks(header)
+    encodings = [codec.encoding_of(plan.layout) for plan in plans]
     tensor_count = len(header.tensors)
     # Planned: from here on only the header's bytes and offsets are read. Its thousands of
     # tensors go now instead of staying through the encoding and the task after it.
@@ -140,11 +149,11 @@ def prepare_chunked_store(
         with ThreadPoolExecutor(max_workers=threads) as pool:
             if lookup is not None and encode and cached_raws is None:
                 # New content, or a rewrite: hashed and encoded as the lookup finds it.
-                encoded = _encode_as_found(path, header, plans, scratch, lookup, pool)
+                encoded = _encode_as_found(path, header, plans, encodings, scratch, lookup, pool)
                 full_pass = True
             else:
                 encoded, full_pass = _encode_known(
-                    path, header, plans, scratch, lookup, encode, cached_raws, pool
+                    path, header, plans, encodings, scratch, lookup, encode, cached_raws, pool
                 )
         identity.check(path)
         digests = [digest for digest, _ in encoded]
@@ -176,6 +185,16 @@ def prepare_chunked_store(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     encoded_raw_bytes = sum(p.size for p, (_, s) in zip(plans, encoded, strict=True) if s)
+    # A blob's first chunk made it, with its own layout (the others name it: the same raw
+    # bytes, known or encoded there).
+    made: dict[str, str] = {}
+    for chunk in manifest.chunks:
+        made.setdefault(
+            chunk.blob_sha256,
+            codec.blob_encoding(
+                chunk.blob_size, chunk.data_end - chunk.data_start, encodings[chunk.index]
+            ),
+        )
     size_of = [size for _, _, size in digests]
     places = place(size_of, free_bytes, place_replicas or replicas) if plans else []
     return PreparedChunks(
@@ -185,6 +204,7 @@ def prepare_chunked_store(
         targets=tuple(tuple(t) for t in places),
         identity=identity,
         spool=kept,
+        encodings=tuple(made[chunk.blob_sha256] for chunk in manifest.chunks),
         encoded_raw_bytes=encoded_raw_bytes,
         known=frozenset(i for i, (_, s) in enumerate(encoded) if s is None),
         hashed_bytes=header.data_size if full_pass else encoded_raw_bytes,
@@ -196,6 +216,7 @@ def _encode_known(
     path: str,
     header: CheckpointHeader,
     plans: Sequence[ChunkPlan],
+    encodings: Sequence[str],
     scratch: str,
     lookup: Lookup | None,
     encode: bool,
@@ -215,7 +236,7 @@ def _encode_known(
             hashed = list(ordered_map(pool, lambda p: encode_one(path, header, p, None), plans))
             raws = [h[0][0] for h in hashed]
             full_pass = True
-        known = lookup(raws)
+        known = lookup(list(zip(raws, encodings, strict=True)))
         # A chunk whose bytes an earlier one of this version repeats (every norm
         # at ones) is encoded once, as that one: the store sends its blob once.
         first = {}
@@ -232,8 +253,8 @@ def _encode_known(
         raw = done[0][0] if done else None
         if raw is None and lookup is not None:
             raw = raws[plan.index]
-        if raw in known:
-            blob, size = known[raw]
+        if (raw, encodings[plan.index]) in known:
+            blob, size = known[raw, encodings[plan.index]]
             return (raw, blob, size), None
         if done is not None:
             return done
@@ -278,6 +299,7 @@ def _encode_as_found(
     path: str,
     header: CheckpointHeader,
     plans: Sequence[ChunkPlan],
+    encodings: Sequence[str],
     scratch: str,
     lookup: Lookup,
     pool: ThreadPoolExecutor,
@@ -296,18 +318,20 @@ def _encode_as_found(
         if seen.one_pass():
             digests, span = encode_one(path, header, plan, scratch)
             raw = digests[0]
-            known = lookup([raw])
-            seen.found(raw in known)
-            if raw in known:
+            key = (raw, encodings[plan.index])
+            known = lookup([key])
+            seen.found(key in known)
+            if key in known:
                 _drop(span)
-                return raw, ((raw, *known[raw]), None)
+                return raw, ((raw, *known[key]), None)
             seen.claim(raw, plan.index)
             return raw, (digests, span)
         raw = _raw_digest(path, header, plan)
-        known = lookup([raw])
-        seen.found(raw in known)
-        if raw in known:
-            return raw, ((raw, *known[raw]), None)
+        key = (raw, encodings[plan.index])
+        known = lookup([key])
+        seen.found(key in known)
+        if key in known:
+            return raw, ((raw, *known[key]), None)
         if seen.claim(raw, plan.index):
             return raw, None  # an earlier chunk's bytes: it is encoded there
         digests, span = encode_one(path, header, plan, scratch)
@@ -354,15 +378,16 @@ def store_chunked(
     *,
     name: str | None = None,
     replicas: int = defaults.DEFAULT_REPLICAS,
-    known: KnownChunks | None = None,
+    known: Mapping[str, tuple[str, int]] | None = None,
     encode: bool = True,
     cluster_key: bytes | None = None,
     threads: int = defaults.TRANSFER_THREADS,
 ) -> ChunkStoreResult:
     """Store a checkpoint in chunks on the given nodes without Celery.
 
-    A chunk a node already holds is kept there; one the store did not encode (`known`)
-    is copied node to node from a holder. The manifest goes to every node holding one
+    A chunk a node already holds is kept there; one the store did not encode (`known`:
+    raw digest -> blob of chunks stored by an earlier call, of the same layouts) is
+    copied node to node from a holder. The manifest goes to every node holding one
     of its chunks."""
     path = os.fspath(path)
     by_address = {str(a): a for a in addresses}
@@ -378,7 +403,7 @@ def store_chunked(
         {stat.node_id: stat.free_bytes for stat in stats.values()},
         spool,
         replicas=replicas,
-        lookup=(lambda raws: {r: known[r] for r in raws if r in known}) if known else None,
+        lookup=(lambda keys: {k: known[k[0]] for k in keys if k[0] in known}) if known else None,
         encode=encode,
     )
     manifest = prepared.manifest

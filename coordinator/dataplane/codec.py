@@ -35,6 +35,7 @@ runs in C (the store/gather path takes no numpy).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -129,6 +130,39 @@ class EncodedChunk:
     def ratio(self) -> float:
         """Raw bytes per encoded byte."""
         return self.raw_length / self.size if self.size else 1.0
+
+
+@functools.lru_cache(maxsize=defaults.CODEC_ENCODINGS_KEPT)
+def encoding_of(layout: tuple[tuple[int, int], ...]) -> str:
+    """What a chunk's encoded bytes depend on besides its raw bytes, as a short name: its
+    layout's byte grouping, this codec's format, zstd's version and level, the frame size
+    and the least gain. The same raw bytes encode to the same blob only where this agrees:
+    256 KiB of zeros are three blobs grouped by 1, 2 and 4 bytes. A store counts on a
+    stored chunk only if it would encode it as that blob again, as it must when a copy
+    is to be sent from the source (coordinator/state/chunks.py). A RAW chunk's blob, the
+    raw bytes themselves, depends on none of it (RAW_ENCODING)."""
+    text = repr(
+        (
+            FORMAT_VERSION,
+            zstandard.ZSTD_VERSION,
+            defaults.CODEC_ZSTD_LEVEL,
+            defaults.CODEC_FRAME_BYTES,
+            defaults.CODEC_MIN_GAIN,
+            layout,
+        )
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[: 2 * defaults.CODEC_ENCODING_NAME_BYTES]
+
+
+# The encoding of a chunk kept RAW, bare or behind its header: its blob is the same
+# whatever the chunk's layout or the codec.
+RAW_ENCODING = "raw"
+
+
+def blob_encoding(blob_size: int, raw_length: int, encoding: str) -> str:
+    """The encoding a chunk's blob was made with: RAW_ENCODING for a RAW blob (its size
+    says it, raw_prefix), else `encoding`, the layout's (encoding_of)."""
+    return RAW_ENCODING if raw_prefix(blob_size, raw_length) is not None else encoding
 
 
 def encode_chunk(

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -237,4 +238,44 @@ def test_byte_identical_chunks_in_one_version_are_sent_once_and_all_gather(make_
     assert not any((c.root / "spool").glob("*/*")), "encoded once, and the spool emptied"
     dest = tmp_path / "out.safetensors"
     c.cli_json("gather", "init", "-o", str(dest))
+    assert sha(dest) == sha(src)
+
+
+def zeros(path: Path, dtype: torch.dtype) -> Path:
+    """2 MiB of zeros as one tensor of `dtype` (a chunk of its own): the same raw bytes,
+    hence the same raw digest, at every width, grouped by 1, 2 or 4 bytes when encoded."""
+    return write(path, {"m": torch.zeros(2 * 1024 * 1024 // dtype.itemsize, dtype=dtype)})
+
+
+@pytest.mark.parametrize("why", ["chain off", "holder down"])
+def test_a_shared_chunk_sent_again_from_the_source_gives_the_blob_it_names(
+    make_cluster, tmp_path, why
+):
+    """All-zero tensors are common (Adam moments at step 0, LoRA B): bf16 zeros stored
+    first, the same bytes as fp32 zeros stored after find that chunk stored. When its blob
+    must then be sent from the source (SMOLTORRENT_CHAIN=0 and a second copy wanted, or
+    its one holder down), the bytes encoded again must be that blob: encoded by fp32's
+    width they were another, and the store was abandoned as "changed while chunk 0 was
+    encoded", then queued again to make the same choice."""
+    env = {"SMOLTORRENT_CHAIN": "0"} if why == "chain off" else {}
+    c = make_cluster(3, chunks=True, SMOLTORRENT_ENCODE="zstd", **env)
+    first = c.cli_json(
+        "store",
+        str(zeros(tmp_path / "a.safetensors", torch.bfloat16)),
+        "--name",
+        "a",
+        "--replicas",
+        "1",
+    )
+    [held] = c.md.versions.manifest(first["vkey"]).chunks
+    if why == "holder down":
+        [holder] = c.md.blobs.placement(held.blob_sha256)
+        next(n for n in c.node_procs if n.client().ping() == holder).kill()
+    src = zeros(tmp_path / "b.safetensors", torch.float32)
+    out = c.cli_json("store", str(src), "--name", "b", "--replicas", "2")
+    assert c.md.versions.state(out["vkey"]) == COMMITTED
+    [chunk] = c.md.versions.manifest(out["vkey"]).chunks
+    assert chunk.raw_sha256 == held.raw_sha256
+    dest = tmp_path / "out.safetensors"
+    c.cli_json("gather", "b", "-o", str(dest))
     assert sha(dest) == sha(src)

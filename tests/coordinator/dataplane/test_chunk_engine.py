@@ -48,6 +48,31 @@ def keyed_nodes(tmp_path):
 
 
 KEY = b"chunk-engine-test-key"
+
+
+class ChunksRoom:
+    """What Redis's chunks room (coordinator/state/chunks.py) answers a store, in a dict:
+    each chunk recorded is found again by (raw digest, encoding) where its blob was made
+    with that encoding or is RAW. `asked`: the raw digests looked up, in order."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, int, str]] = {}
+        self.asked: list[str] = []
+
+    def record(self, prepared) -> None:
+        for c in prepared.manifest.chunks:
+            made = prepared.encodings[c.index]
+            self.entries[c.raw_sha256] = (c.blob_sha256, c.blob_size, made)
+
+    def __call__(self, keys):
+        self.asked.extend(raw for raw, _ in keys)
+        return {
+            (raw, encoding): entry[:2]
+            for raw, encoding in keys
+            if (entry := self.entries.get(raw)) and entry[2] in (encoding, codec.RAW_ENCODING)
+        }
+
+
 FREE = {"a": 1 << 40, "b": 1 << 40}  # two nodes with room for anything
 
 
@@ -383,16 +408,11 @@ def test_a_first_store_of_new_content_reads_each_chunk_once(tmp_path, monkeypatc
     tensors = bf16_model(layers=10)
     first, second = tmp_path / "step1.safetensors", tmp_path / "step2.safetensors"
     save_file(tensors, first)
-    stored: dict[str, tuple[str, int]] = {}
-    asked: list[str] = []
-
-    def lookup(raws):
-        asked.extend(raws)
-        return {r: stored[r] for r in raws if r in stored}
+    room = ChunksRoom()
 
     def prepare(src):
-        p = prepare_chunked_store(src, src.name, FREE, tmp_path / "spool", lookup=lookup)
-        stored.update({c.raw_sha256: (c.blob_sha256, c.blob_size) for c in p.manifest.chunks})
+        p = prepare_chunked_store(src, src.name, FREE, tmp_path / "spool", lookup=room)
+        room.record(p)
         return p
 
     reads = _counting_reads(monkeypatch)
@@ -403,7 +423,7 @@ def test_a_first_store_of_new_content_reads_each_chunk_once(tmp_path, monkeypatc
     assert sorted(set(reads)) == list(range(len(chunks)))
     assert len(twice) <= defaults.CHUNKS_NEW_BEFORE_ONE_PASS + defaults.HASH_THREADS - 1
     assert all(i < len(twice) + defaults.HASH_THREADS for i in twice)  # the first ones only
-    assert set(asked) == {c.raw_sha256 for c in chunks}  # every new chunk looked up
+    assert set(room.asked) == {c.raw_sha256 for c in chunks}  # every new chunk looked up
     assert v1.hashed_bytes == read_header(first).data_size
 
     changed = [n for n in tensors if n.endswith("up_proj.weight")]
@@ -422,7 +442,7 @@ def test_a_first_store_of_new_content_reads_each_chunk_once(tmp_path, monkeypatc
     assert sorted(os.listdir(v2.spool)) == sorted(f"{i}.chunk" for i in new)
     # The same blobs as a store that hashed every chunk first would name.
     monkeypatch.undo()
-    stored.clear()
+    room.entries.clear()
     again = prepare(second)
     assert again.manifest.chunks == v2.manifest.chunks
 

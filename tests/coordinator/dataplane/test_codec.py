@@ -350,3 +350,17 @@ def test_a_blob_says_by_its_size_whether_it_holds_the_raw_bytes_as_they_are() ->
     assert codec.raw_prefix(codec.HEADER_BYTES + 1000, 1000) == codec.raw_header(1000)
     assert codec.raw_prefix(700, 1000) is None
     assert codec.raw_prefix(0, 0) == b""
+
+
+def test_the_same_raw_bytes_grouped_otherwise_are_another_encoding_and_blob():
+    """256 KiB of zeros grouped by 1, 2 and 4 bytes encode to three blobs, and
+    encoding_of names three encodings: what Redis's chunks room tells apart."""
+    zeros = bytes(256 * 1024)
+    blobs, names = set(), set()
+    for width in (1, 2, 4):
+        layout = ((len(zeros), width),)
+        blobs.add(codec.encode_chunk(io.BytesIO(zeros), len(zeros), layout, io.BytesIO()).sha256)
+        names.add(codec.encoding_of(layout))
+    assert len(blobs) == 3 and len(names) == 3
+    assert codec.encoding_of(((len(zeros), 2),)) == codec.encoding_of(((len(zeros), 2),))
+    assert codec.RAW_ENCODING not in names

@@ -9,6 +9,7 @@ from coordinator.dataplane.chunk_engine import prepare_chunked_store
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.store_engine import prepare_store
 from coordinator.local.synthetic import write_checkpoint
+from tests.coordinator.dataplane.test_chunk_engine import ChunksRoom
 
 FREE = {"a": 1 << 40, "b": 1 << 40}
 
@@ -66,10 +67,7 @@ def test_a_chunked_store_of_an_unchanged_file_reads_none_of_its_stored_chunks(tm
     src = tmp_path / "c.safetensors"
     write_checkpoint(src, 3 << 20, hidden=256)
     cache = DigestCache(tmp_path / "cache")
-    stored: dict[str, tuple[str, int]] = {}
-
-    def lookup(raws):
-        return {r: stored[r] for r in raws if r in stored}
+    room = ChunksRoom()
 
     def prepare_chunks(encode: bool):
         p = prepare_chunked_store(
@@ -77,11 +75,11 @@ def test_a_chunked_store_of_an_unchanged_file_reads_none_of_its_stored_chunks(tm
             src.name,
             FREE,
             tmp_path / "spool",
-            lookup=lookup,
+            lookup=room,
             encode=encode,
             digest_cache=cache,
         )
-        stored.update({c.raw_sha256: (c.blob_sha256, c.blob_size) for c in p.manifest.chunks})
+        room.record(p)
         return p
 
     first = prepare_chunks(encode=True)

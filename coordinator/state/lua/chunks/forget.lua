@@ -4,7 +4,7 @@
   bytes under a new blob meanwhile keeps its entry.
 
   Input:
-    KEYS[1] CHUNKS: raw digest -> "blob size"
+    KEYS[1] CHUNKS: raw digest -> "blob size encoding"
     ARGV[1..] (raw, blob)*: each raw digest with the blob it named
 
   Output:
