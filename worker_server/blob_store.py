@@ -288,21 +288,25 @@ class BlobStore:
         buffer = bytearray(defaults.IO_CHUNK_BYTES)
         return [digest for digest in targets if not self._verify_one(digest, buffer)]
 
-    def intact(self, digest: str, size: int, progress: Callable[[int], None] | None = None) -> bool:
-        """Whether this node holds blob `digest` whole: `size` bytes that hash to its name.
+    def verified_size(
+        self, digest: str, progress: Callable[[int], None] | None = None
+    ) -> int | None:
+        """The size of this node's copy of `digest` if its bytes hash to its name (the copy
+        is whole), else None (damaged, or gone).
 
-        A put answers "exists" only after this. A blob counted as a replica must be one
-        now, not when it was written: a copy that rotted or that something appended to
-        since would make a version commit with fewer good copies than it promises. The
-        re-hash reads the node's own disk, cheaper than the network send it saves, and
-        progress(bytes hashed) lets the caller report that the node is still working.
+        A put answers "exists" only after this, at the size it announced. A blob counted as
+        a replica must be one now, not when it was written: a copy that rotted or that
+        something appended to since would make a version commit with fewer good copies than
+        it promises. The re-hash reads the node's own disk, cheaper than the network send
+        it saves, and progress(bytes hashed) lets the caller report that the node is still
+        working.
         """
         try:
-            if self.blob_path(digest).stat().st_size != size:
-                return False
+            size = self.blob_path(digest).stat().st_size
         except FileNotFoundError:
-            return False
-        return self._hash_file(digest, bytearray(defaults.IO_CHUNK_BYTES), progress) == digest
+            return None
+        buffer = bytearray(defaults.IO_CHUNK_BYTES)
+        return size if self._hash_file(digest, buffer, progress) == digest else None
 
     def _hash_file(
         self, digest: str, buffer: bytearray, progress: Callable[[int], None] | None = None

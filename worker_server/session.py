@@ -240,15 +240,9 @@ class Session:
 
     def op_put(self, request: dict[str, Any]) -> None:
         digest, size = request["digest"], request["size"]
-        if self.store.has(digest):
-            if self.store.intact(digest, size, self._ticker()):
-                wire.send_frame(self.sock, {"ok": True, "status": "exists"})
-                return
-            # Set aside first, so a failed put leaves no damaged copy in reads; a fresh copy
-            # published here deletes the quarantined one.
-            log.warning("blob %s here is damaged; quarantining it to receive it again", digest)
-            with contextlib.suppress(FileNotFoundError):
-                self.store.quarantine(digest, inode=self.store.blob_path(digest).stat().st_ino)
+        if self._held_whole(digest, size, self._ticker()):
+            wire.send_frame(self.sock, {"ok": True, "status": "exists"})
+            return
         with self.store.begin_put(digest, size) as incoming:
             wire.send_frame(self.sock, {"ok": True, "status": "continue"})
             self._unread_body = size
@@ -268,6 +262,27 @@ class Session:
         self.metrics.received(size)
         log.info("stored blob %s (%d bytes) from %s", digest, size, self.peer)
         wire.send_frame(self.sock, {"ok": True, "status": "stored"})
+
+    def _held_whole(self, digest: str, size: int, tick: Callable[[int], None]) -> bool:
+        """Before a put: True if our copy of `digest` is whole at `size` (answer "exists").
+        A damaged copy is set aside first, so a failed put leaves none in reads; the fresh
+        copy published deletes the quarantined one. A copy that hashes to its name at
+        another size is good, and the put is what is wrong (no `size` bytes can hash to
+        that name): ProtocolError, and the good copy stays."""
+        if not self.store.has(digest):
+            return False
+        held = self.store.verified_size(digest, tick)
+        if held == size:
+            return True
+        if held is not None:
+            raise ProtocolError(
+                f"blob {digest} is {held} bytes here, verified; a put of {size} bytes "
+                "cannot be that blob"
+            )
+        log.warning("blob %s here is damaged; quarantining it to receive it again", digest)
+        with contextlib.suppress(FileNotFoundError):
+            self.store.quarantine(digest, inode=self.store.blob_path(digest).stat().st_ino)
+        return False
 
     def op_chain_put(self, request: dict[str, Any]) -> None:
         """A put that passes the blob on down `forward` while it arrives (see chain.py).
@@ -290,14 +305,10 @@ class Session:
         def tick(done: int) -> None:
             pass  # the keepalive thread reports progress; nothing else may write to our sender
 
-        if self.store.has(digest):
-            if self.store.intact(digest, size, tick):
-                keepalive.send({"ok": True, "status": "exists"})
-                own = protocol.chain_entry(protocol.CHAIN_EXISTS, self.store.node_id)
-                return own, self._push_own_copy(digest, hops, tick)
-            log.warning("blob %s here is damaged; quarantining it to receive it again", digest)
-            with contextlib.suppress(FileNotFoundError):
-                self.store.quarantine(digest, inode=self.store.blob_path(digest).stat().st_ino)
+        if self._held_whole(digest, size, tick):
+            keepalive.send({"ok": True, "status": "exists"})
+            own = protocol.chain_entry(protocol.CHAIN_EXISTS, self.store.node_id)
+            return own, self._push_own_copy(digest, hops, tick)
         with self.store.begin_put(digest, size) as incoming:
             # The next node is asked before our sender is told to go, so the body passes
             # through in one go; its "continue" or refusal is known before the first byte.

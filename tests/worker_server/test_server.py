@@ -222,3 +222,28 @@ def test_put_of_a_damaged_copy_receives_it_again(
     assert path.read_bytes() == blob.content
     assert client.verify([blob.digest]) == []
     assert blob.put(client) is False  # an intact copy still moves no body
+
+
+@pytest.mark.parametrize("kind", ["put", "chain_put"])
+def test_a_put_of_the_wrong_size_never_sets_aside_a_good_copy(
+    node_factory, make_blob, kind: str
+) -> None:
+    """A put that names a blob the node holds whole, but with another size, cannot be that
+    blob (its bytes could not hash to the name): it is refused, and the good copy stays in
+    reads. The node took such a put for a damaged copy and quarantined the good one before
+    a byte of the body arrived."""
+    node = node_factory()
+    client = node.client()
+    blob: SourceBlob = make_blob(300_000)
+    assert blob.put(client) is True
+    wrong = blob.length + 7  # the source file has 7 more bytes after the range
+    with pytest.raises(NodeError, match="verified; a put of") as refused:
+        if kind == "put":
+            client.put_blob(blob.digest, blob.prefix, blob.fd, blob.offset, wrong)
+        else:
+            client.chain_put(blob.digest, blob.prefix, blob.fd, blob.offset, wrong, [])
+    assert refused.value.code == "bad_request"
+    assert _blob_file(node, blob.digest).read_bytes() == blob.content
+    assert not (node.data_dir / "quarantine" / blob.digest).exists()
+    assert client.has([blob.digest]) == {blob.digest}
+    assert blob.put(client) is False  # still counted whole: "exists", no body moves
