@@ -228,10 +228,16 @@ REMOVED_TOMBSTONE_TTL_S = 30 * 24 * 3600
 # reconcile sweep resumes the remove long before (RECONCILE_GRACE_S)
 BLOB_TOMBSTONE_TTL_S = 3600
 MANIFEST_EXTRA_TIMEOUT_S = 5.0  # seconds a non-holder gets to take a manifest (a few KB)
-# versions per Lua call of a listing (`ls`, `status`), so no one reply or Lua string grows
-# with the number of versions (~0.5 MB each); also the versions per pipeline when the
-# listing summaries are first filled
+# versions per pipeline of per-version reads (manifests, version hashes) and when the
+# listing summaries are first filled: no one reply grows with the number of versions
 LISTING_BATCH_VERSIONS = 1000
+# versions and blob digests at most per Lua call of a listing (`ls`, `status`), each call
+# alone: Redis serves no one else while a script runs, and a slice of 1,000 versions of 100
+# chunks held it ~75 ms (10 of them in one MULTI, 0.7-1.4 s; bench/scale_sweeps.py). The
+# script's work is mostly per digest (1-2 us each on a loaded 2-core box): 5,000 digests
+# hold it for about 10 ms
+LISTING_SLICE_VERSIONS = 1000
+LISTING_SLICE_DIGESTS = 5000
 # seconds the keys a listing had to read in a second run are kept for the next listing's
 # first run (the pending versions of stores in flight): a store lasts seconds to minutes,
 # and `ls` or a metrics scrape within that skip their second run; past it, one more run

@@ -76,74 +76,82 @@ class Listing:
         the nodes `among` hold it), min_copies, under_replicated and live (the same as copies
         among the nodes `live`, if given; else None). With `notable` (blob digests), only
         the versions `status` reports: pending, committed with a shard under its replicas
-        (among `live` if given), or using one of those blobs. A few round trips and one reply
-        per slice of LISTING_BATCH_VERSIONS, whatever the number of versions: no version hash
-        or manifest is read. A slice that meets a version not committed or a placement not
-        listed, whose keys it was not passed, names them; the listing runs again with them
-        (a second run at most, unless versions change in between), and names them for the
-        next listing's first run (LISTING_HINT)."""
+        (among `live` if given), or using one of those blobs. One script call per slice of
+        LISTING_SLICE_VERSIONS versions or LISTING_SLICE_DIGESTS blobs, each alone (no one
+        call holds Redis long): no version hash or manifest is read. A slice that meets a
+        version not committed or a placement not listed, whose keys it was not passed, names
+        them; that slice runs again with them (a second run at most, unless versions change
+        in between), and they are named for the next listing's first run (LISTING_HINT)."""
         zset = K.ALL_VERSIONS if name is None else K.VERSIONS.format(name=name)
         with self.r.pipeline(transaction=False) as p:
             p.exists(K.SUMMARIES_FILLED)
-            p.zcard(zset)
             p.get(K.LISTING_HINT)
-            filled, count, hint = p.execute()
+            filled, hint = p.execute()
         if not filled:
             self._fill_summaries()
-            count = self.r.zcard(zset)
         among = list(among)
         live = None if live is None else list(live)
         options = ("d" if digests else "") + ("" if notable is None else "n")
         wanted = list(notable or ())
         nodes = [len(among), *among, *([-1] if live is None else [len(live), *live])]
         nodes += [len(wanted), *wanted]
-        batch = defaults.LISTING_BATCH_VERSIONS
-        starts = range(0, count, batch)
         # What the last listing had to pass in a second run (the pending versions of stores
-        # in flight, new placements), passed in the first: most listings run once.
+        # in flight, new placements), passed in the first: most slices run once.
         hinted = json.loads(hint) if hint else {"v": [], "d": []}
-        keyed = [(list(hinted["v"]), list(hinted["d"])) for _ in starts]
-        loaded = passed_more = False
-        for _ in range(defaults.SCRIPT_KEY_RETRIES):
-            # One MULTI block: the slices see one state (a remove between two would shift the
-            # ranks), and the last runs to the end (versions added since the count).
-            with self.r.pipeline(transaction=True) as p:
-                for start, (vkeys, blobs) in zip(starts, keyed, strict=True):
-                    stop = -1 if start == starts[-1] else start + batch - 1
-                    keys = [zset, K.VERSION_ROWS, K.VERSION_STATES, K.CURRENT, K.PLACEMENTS_LISTED]
-                    for v in vkeys:
-                        keys += [K.VERSION.format(vkey=v), K.SETTLED.format(vkey=v)]
-                    keys += [K.PLACEMENT.format(digest=d) for d in blobs]
-                    args = [start, stop, options, *nodes, len(vkeys), *vkeys, *blobs]
-                    if loaded:  # run again: no SCRIPT EXISTS round trip before it
-                        self._slice.queue_loaded(p, keys, args)
-                    else:
-                        self._slice(keys=keys, args=args, client=p)
-                try:
-                    replies = p.execute() if count else []
-                except redis.exceptions.NoScriptError:  # flushed since the last run
-                    loaded = False
-                    continue
-            loaded = True
-            stale = False
-            for reply, (vkeys, blobs) in zip(replies, keyed, strict=True):
-                if reply.startswith("{"):  # what the slice needs passed: {"v": ..., "d": ...}
-                    need = json.loads(reply)
-                    vkeys += [v for v in need["v"].split() if v not in vkeys]
-                    blobs += [d for d in need["d"].split() if d not in blobs]
-                    stale = passed_more = True
-            if not stale:
-                break
-        else:
-            raise MetadataError(
-                f"the versions listed changed under the listing {defaults.SCRIPT_KEY_RETRIES}"
-                " times in a row; try again."
-            )
-        if passed_more:
-            self._keep_hint(keyed)
-        out = [row for reply in replies for row in json.loads(reply)]
+        passed: list[tuple[list[str], list[str]]] = []
+        rows: dict[str, dict] = {}
+        cursor, more, slices = ("-inf", ""), True, 0
+        while more:
+            slices += 1
+            # Each slice alone: no one call holds Redis for long (lua/listing/slice.lua).
+            # The cursor is the last version read, not a rank, so a version removed or
+            # added meanwhile shifts nothing: every version listed throughout is read.
+            vkeys, blobs = list(hinted["v"]), list(hinted["d"])
+            for _ in range(defaults.SCRIPT_KEY_RETRIES):
+                keys = [zset, K.VERSION_ROWS, K.VERSION_STATES, K.CURRENT, K.PLACEMENTS_LISTED]
+                for v in vkeys:
+                    keys += [K.VERSION.format(vkey=v), K.SETTLED.format(vkey=v)]
+                keys += [K.PLACEMENT.format(digest=d) for d in blobs]
+                args = [*cursor, defaults.LISTING_SLICE_VERSIONS, defaults.LISTING_SLICE_DIGESTS]
+                reply = self._slice(keys=keys, args=[*args, options, *nodes, len(vkeys), *vkeys,
+                                                     *blobs])  # fmt: skip
+                if not isinstance(reply, str):
+                    break
+                # What the slice needs passed: {"v": ..., "d": ...}; the same slice again.
+                need = json.loads(reply)
+                vkeys += [v for v in need["v"].split() if v not in vkeys]
+                blobs += [d for d in need["d"].split() if d not in blobs]
+                passed.append((vkeys, blobs))
+            else:
+                raise MetadataError(
+                    f"the versions listed changed under the listing {defaults.SCRIPT_KEY_RETRIES}"
+                    " times in a row; try again."
+                )
+            text, *cursor, again = reply
+            more = again == "1"
+            for row in json.loads(text):
+                # A version made latest meanwhile (a rollback) moved past the cursor and
+                # is read again there: its later place is the one kept.
+                rows.pop(row["vkey"], None)
+                rows[row["vkey"]] = row
+        if passed:
+            self._keep_hint([(list(hinted["v"]), list(hinted["d"])), *passed])
+        out = list(rows.values())
+        if slices > 1:
+            self._current_now(out)
         out.sort(key=lambda r: r["name"])  # stable: request order within a name
         return out
+
+    def _current_now(self, rows: list[dict]) -> None:
+        """Each row's "current" as CURRENT says after the last slice: a name's versions can
+        span slices, and a commit between two would have shown two current versions."""
+        names = sorted({r["name"] for r in rows})
+        current = {}
+        for start in range(0, len(names), defaults.LISTING_SLICE_VERSIONS):
+            batch = names[start : start + defaults.LISTING_SLICE_VERSIONS]
+            current.update(zip(batch, self.r.hmget(K.CURRENT, batch), strict=True))
+        for row in rows:
+            row["current"] = current[row["name"]] == row["vkey"]
 
     def _keep_hint(self, keyed: list[tuple[list[str], list[str]]]) -> None:
         """Name for the next listing what this one passed (the hint it was given and what

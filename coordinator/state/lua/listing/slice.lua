@@ -1,16 +1,19 @@
 --[[
   One slice of a listing, as the text of a JSON list (one reply parses far faster than
-  thousands of small ones): for each version at ranks `start`..`stop` of the zset that
-  has a listing row (only the notable ones if options has "n": pending, committed with a
-  shard under its replicas, or using one of the notable blobs), that row (with its digests
-  only if options has "d") with "vkey", "state", "current", "transfers_settled" (not
-  counted for a committed version, whose barrier fired: all of them), "reason" (aborted
-  only), "copies" (per shard, how many of the nodes `among` its placement lists),
-  "min_copies", "under_replicated" (shards with fewer copies than its replicas) and
-  "live" (copies per shard among the nodes `live`, if given) added: the row `ls` shows,
-  built here so the client only parses it. Placements are read from their listed copies
-  (PLACEMENTS_LISTED) in one request per slice, a missing one from its set (then kept
-  there): one request per blob made up most of a listing's time.
+  thousands of small ones): the versions of the zset after the cursor (score, then vkey:
+  the zset's own order), at most `limit` of them and no more than `budget` blob digests
+  (the first version is taken whatever its count), so no one call holds Redis for long
+  whatever the number of versions (a slice of 1,000 versions of 100 chunks held it for
+  ~75 ms). For each that has a listing row (only the notable ones if options has "n":
+  pending, committed with a shard under its replicas, or using one of the notable blobs),
+  that row (with its digests only if options has "d") with "vkey", "state", "current",
+  "transfers_settled" (not counted for a committed version, whose barrier fired: all of
+  them), "reason" (aborted only), "copies" (per shard, how many of the nodes `among` its
+  placement lists), "min_copies", "under_replicated" (shards with fewer copies than its
+  replicas) and "live" (copies per shard among the nodes `live`, if given) added: the row
+  `ls` shows, built here so the client only parses it. Placements are read from their
+  listed copies (PLACEMENTS_LISTED) in one request per slice, a missing one from its set
+  (then kept there): one request per blob made up most of a listing's time.
 
   Input:
     KEYS[1] ALL_VERSIONS|VERSIONS: the versions listed, in order
@@ -20,24 +23,27 @@
     KEYS[5] PLACEMENTS_LISTED: the listing's copy of placements
     KEYS[6..] (VERSION, SETTLED)*, PLACEMENT*: the hash and the settled transfers of each
       version passed; then the placement of each blob passed
-    ARGV[1] start: first rank
-    ARGV[2] stop: last rank (-1: the end)
-    ARGV[3] options: "d" digests, "n" notable only
-    ARGV[4] among: number of nodes among
-    ARGV[5..] node*, live, node*, notable, digest*, versions, vkey*, digest*: the ids of
-      the nodes among; the number of live nodes (-1: not asked) and their ids; the number
-      of notable blobs and their digests; the number of versions passed and their vkeys;
-      then the digest of each placement passed
+    ARGV[1] score: the cursor's score ("-inf": from the first version)
+    ARGV[2] after: the cursor's vkey (the last one listed; "" none)
+    ARGV[3] limit: versions at most
+    ARGV[4] budget: blob digests at most (the first version's taken whatever their count)
+    ARGV[5] options: "d" digests, "n" notable only
+    ARGV[6..] among, node*, live, node*, notable, digest*, versions, vkey*, digest*: the
+      number of nodes among and their ids; the number of live nodes (-1: not asked) and
+      their ids; the number of notable blobs and their digests; the number of versions
+      passed and their vkeys; then the digest of each placement passed
 
   Output:
-    the JSON list of rows; or, if a version not committed has no hash passed or a blob
-    without a listed placement has no placement passed, {"v": "vkey ...", "d": "digest
-    ..."} naming them (nothing read for the rows: the caller passes them and retries)
+    {rows, score, vkey, more}: the JSON list of rows, the cursor after this slice (the
+    last version read), and "1" if versions may follow it ("0": the zset's end); or, if a
+    version not committed has no hash passed or a blob without a listed placement has no
+    placement passed, {"v": "vkey ...", "d": "digest ..."} naming them (nothing read for
+    the rows: the caller passes them and runs the same slice again)
 ]]
-local with_digests = string.find(ARGV[3], 'd', 1, true) ~= nil
-local notable_only = string.find(ARGV[3], 'n', 1, true) ~= nil
+local with_digests = string.find(ARGV[5], 'd', 1, true) ~= nil
+local notable_only = string.find(ARGV[5], 'n', 1, true) ~= nil
 local among, live, wanted = {}, nil, {}
-local pos = 4
+local pos = 6
 local function take(into)  -- a count, then that many ARGV, into a set (-1: none, nil)
   local n = tonumber(ARGV[pos])
   pos = pos + 1
@@ -61,10 +67,28 @@ local function many(key, fields)  -- HMGET in chunks (Lua's unpack has a limit)
   end
   return out
 end
-local vkeys = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
-if #vkeys == 0 then return '[]' end
+-- The versions after the cursor: those of its score not yet listed (members of one score
+-- sort by vkey), then the next scores; a page at a time while ties at the cursor fill it.
+local limit, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
+local after, after_score = ARGV[2], tonumber(ARGV[1])
+local vkeys, scores, offset, more = {}, {}, 0, false
+while true do
+  local got = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf', 'WITHSCORES', 'LIMIT',
+    offset, limit)
+  for i = 1, #got, 2 do
+    if #vkeys < limit and not (tonumber(got[i + 1]) == after_score and got[i] <= after) then
+      vkeys[#vkeys + 1], scores[#scores + 1] = got[i], got[i + 1]
+    end
+  end
+  more = #got == 2 * limit
+  if #vkeys == limit or not more then break end
+  offset = offset + limit
+end
+more = more or #vkeys == limit  -- a page read only in part: versions may follow
+if #vkeys == 0 then return {'[]', ARGV[1], after, '0'} end
 local raws, states = many(KEYS[2], vkeys), many(KEYS[3], vkeys)
 local rows, blobs, seen, need_v, need_d = {}, {}, {}, {}, {}
+local taken, digests = 0, 0  -- versions read in this slice, and their digests
 for k, vkey in ipairs(vkeys) do
   local raw, state = raws[k], states[k]
   if raw and state then
@@ -72,9 +96,13 @@ for k, vkey in ipairs(vkeys) do
     -- digest 64 hex digits in quotes. Plain finds, then matches anchored there: far
     -- cheaper than decoding it, or than a pattern tried at every byte (a quote inside a
     -- name is escaped, so cannot match).
+    local at = string.find(raw, ',"digests":[', 1, true)
+    local count = math.floor((#raw - at - 12) / 67)
+    if taken > 0 and digests + count > budget then more = true; break end
+    digests = digests + count
     local row = {raw = raw, state = state, vkey = vkey, digests = {}}
     row.name = string.match(raw, '^{"name":(".-"),"version_id":')
-    local at = string.find(raw, ',"replicas":', 1, true)
+    at = string.find(raw, ',"replicas":', 1, true)
     row.replicas = tonumber(string.match(raw, '^%d+', at + 12))
     at = string.find(raw, ',"transfers":', at, true)
     row.settled = string.match(raw, '^%d+', at + 13)
@@ -87,6 +115,7 @@ for k, vkey in ipairs(vkeys) do
     if state ~= 'committed' and not hash_of[vkey] then need_v[#need_v + 1] = vkey end
     rows[#rows + 1] = row
   end
+  taken = k
 end
 local holders = {}  -- digest -> its placement, node ids space-separated
 local listed = many(KEYS[5], blobs)
@@ -174,4 +203,4 @@ for _, row in ipairs(rows) do
       .. '}'
   end
 end
-return '[' .. table.concat(out, ',') .. ']'
+return {'[' .. table.concat(out, ',') .. ']', scores[taken], vkeys[taken], more and '1' or '0'}
