@@ -10,6 +10,9 @@ PROTOCOL_VERSION = 3  # bumped on any incompatible frame or operation change (3:
 DEFAULT_PORT = 7411  # TCP; unassigned by IANA, easy to remember
 MAX_HEADER_BYTES = 64 * 1024  # bytes; JSON headers carry names and digests, never data
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024  # bytes; inventories and manifests, bounded per request
+# bytes a manifest may be at most, read or written in parts: a 16 GB checkpoint's is 2 MB,
+# so this covers checkpoints of several TB, and a node that declares more is refused
+MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
 # entries per page of a node's blob inventory or manifest list: a blob entry is at most 84
 # bytes of JSON, a manifest key 131, so a full page stays under MAX_JSON_BODY_BYTES however
 # many blobs a node holds (the client asks for pages until the node says there are no more)

@@ -235,6 +235,11 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
             )
         if request["total"] is None and request["offset"]:
             raise ProtocolError("a manifest part past offset 0 must say the manifest's total")
+        if (request["total"] or 0) > defaults.MAX_MANIFEST_BYTES:
+            raise FrameTooLargeError(
+                f"a manifest of {request['total']} bytes is over the"
+                f" {defaults.MAX_MANIFEST_BYTES} byte limit"
+            )
     if op == "manifest_get":
         request["offset"] = validate_length(header.get("offset", 0), "offset")
         length = header.get("length")

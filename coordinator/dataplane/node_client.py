@@ -602,15 +602,24 @@ class NodeClient:
         return response.get("deleted") is True
 
     def get_manifest(self, key: str) -> bytes:
-        """A manifest's bytes, read in parts of at most one JSON body's limit."""
+        """A manifest's bytes, read in parts of at most one JSON body's limit. The size the
+        node declares first holds for every part, and is at most MAX_MANIFEST_BYTES: a node
+        cannot have us accumulate parts without end."""
         parts, offset, size = [], 0, None
         with self._connection() as sock:
             while size is None or offset < size:
                 header = {"op": "manifest_get", "key": key, "offset": offset}
                 wire.send_frame(sock, {**header, "length": defaults.MAX_JSON_BODY_BYTES})
                 response, body_len = wire.recv_response(sock, str(self.address))
+                declared = protocol.validate_length(response.get("size"), "size")
+                if declared > defaults.MAX_MANIFEST_BYTES or size not in (None, declared):
+                    raise ProtocolError(
+                        f"node {self.address} declared manifest {key!r} as {declared} bytes"
+                        + ("" if size is None else f" after {size}")
+                        + f": over the {defaults.MAX_MANIFEST_BYTES} byte limit, or changing"
+                    )
+                size = declared
                 parts.append(wire.recv_body(sock, _bounded_body(body_len, self.address)))
-                size = protocol.validate_length(response.get("size"), "size")
                 if not parts[-1] and offset < size:
                     raise ProtocolError(f"node {self.address} sent an empty part of {key!r}")
                 offset += len(parts[-1])

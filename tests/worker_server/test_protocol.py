@@ -326,3 +326,13 @@ def test_chain_report_is_checked_entry_by_entry() -> None:
     ):
         with pytest.raises(ProtocolError):
             protocol.validate_chain_report(bad, forwarded)
+
+
+def test_a_manifest_put_over_the_manifest_limit_is_refused() -> None:
+    """Parts of a manifest declared past MAX_MANIFEST_BYTES would pile up in the node's tmp/
+    until the last one; refused at the first part."""
+    total = defaults.MAX_MANIFEST_BYTES + 1
+    put = {"op": "manifest_put", "key": "k", "offset": 0, "total": total}
+    with pytest.raises(FrameTooLargeError, match="manifest"):
+        protocol.validate_request(put, body_len=1024)
+    assert protocol.validate_request({**put, "total": total - 1}, body_len=1024)["total"]

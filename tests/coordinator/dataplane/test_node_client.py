@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -19,6 +20,7 @@ from smoltorrent.errors import (
     AuthenticationError,
     NodeError,
     NodeUnavailableError,
+    ProtocolError,
     SmoltorrentError,
 )
 from tests.nodeproc import NodeProcess, node_metric, start_node
@@ -172,6 +174,33 @@ def test_oversized_answer_is_not_read(fake_node) -> None:
 
     with pytest.raises(SmoltorrentError, match="limit"):
         NodeClient(fake_node(oversized)).list_blobs()
+
+
+@pytest.mark.parametrize("declared", ["huge", "growing"])
+def test_a_manifest_a_node_declares_without_end_is_not_accumulated(
+    fake_node, declared, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that answers every manifest_get with a full part and a size of 1 PiB (or a
+    size that grows with each part) is refused once it declares more than any manifest
+    can be, not read part after part into memory."""
+    monkeypatch.setattr(defaults, "MAX_MANIFEST_BYTES", 8 * 1024 * 1024)  # 1 GiB, scaled
+    parts = 0
+    part = b"x" * (1024 * 1024)
+
+    def endless(conn: socket.socket) -> None:
+        nonlocal parts
+        send_hello(conn)
+        with contextlib.suppress(OSError):
+            # Stops a while past the limit, so a client without one fails here, not by
+            # taking all the test machine's memory.
+            while parts < 16 and wire.recv_frame_header(conn) is not None:
+                parts += 1
+                size = 2**50 if declared == "huge" else parts * len(part) + 1
+                wire.send_frame(conn, {"ok": True, "size": size}, part)
+
+    with pytest.raises(ProtocolError, match="manifest"):
+        NodeClient(fake_node(endless)).get_manifest("k")
+    assert parts * len(part) <= defaults.MAX_MANIFEST_BYTES + len(part)
 
 
 def test_put_and_get_through_the_client(keyed_node: NodeProcess, tmp_path: Path) -> None:
