@@ -78,6 +78,7 @@ MAX_HAS_BODY_BYTES = 64 * 1024  # bytes; a `has` of HAS_BATCH_DIGESTS digests is
 HAS_BATCH_DIGESTS = 512  # digests per `has` request the client sends
 LISTEN_BACKLOG = 128  # pending accepts; bursts of parallel transfers at store time
 ACCEPT_POLL_S = 0.5  # seconds; how soon the accept loop notices SIGTERM/SIGINT
+ACCEPT_RETRY_S = 0.1  # seconds between accepts while out of file descriptors or memory
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight requests get to finish after a stop signal
 # seconds in all (not per read) spent reading a rejected peer's leftovers so it can read our
 # error frame; a trickling peer cannot stretch it

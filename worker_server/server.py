@@ -8,6 +8,7 @@ grace period, and exits cleanly.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
 import math
@@ -32,6 +33,9 @@ from worker_server.scrub import Scrubber
 from worker_server.session import Session
 
 log = logging.getLogger(__name__)
+# accept() errors that say the node is short of descriptors or memory for now, not that
+# the listener is gone: the node waits a moment and accepts again
+_ACCEPT_STARVED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 SOCKET_TIMEOUT_ENV = "SMOLTORRENT_SOCKET_TIMEOUT_S"
 METRICS_PORT_ENV = "SMOLTORRENT_METRICS_PORT"
@@ -105,12 +109,26 @@ class ShardServer:
         self._listener.close()
 
     def serve_forever(self) -> None:
+        starved = False
         try:
             while not self._stopping.is_set():
                 try:
                     conn, address = self._listener.accept()
                 except TimeoutError:
                     continue  # wake up to check for a stop request
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_STARVED:
+                        raise
+                    # Out of descriptors or memory for now: the peer waits in the backlog
+                    # and is accepted once some frees up. The node serves on.
+                    if not starved:
+                        log.warning("cannot accept connections for now: %s", exc)
+                    starved = True
+                    self._stopping.wait(defaults.ACCEPT_RETRY_S)
+                    continue
+                if starved:
+                    log.warning("accepting connections again")
+                    starved = False
                 self._start_session(conn, f"{address[0]}:{address[1]}")
         finally:
             self._listener.close()
@@ -121,34 +139,38 @@ class ShardServer:
         self.metrics.connection_accepted()
         conn.settimeout(self.socket_timeout)
         if not self._free_slots.acquire(blocking=False):
-            log.warning("refusing %s: %d connections are open", peer, defaults.MAX_CONNECTIONS)
-            message = (
+            _refuse(
+                conn,
+                f"refusing {peer}: {defaults.MAX_CONNECTIONS} connections are open",
                 f"this node is serving {defaults.MAX_CONNECTIONS} connections already:"
-                " retry shortly or use fewer parallel transfers"
+                " retry shortly or use fewer parallel transfers",
             )
-            with contextlib.suppress(OSError):
-                wire.send_frame(conn, protocol.error_header("busy", message))
-            conn.close()
             return
         if not self._address_slots.acquire(_host_of(peer)):
             self._free_slots.release()
-            log.warning(
-                "refusing %s: %d connections from that address are open",
-                peer,
-                defaults.MAX_CONNECTIONS_PER_ADDRESS,
-            )
-            message = (
+            _refuse(
+                conn,
+                f"refusing {peer}: {defaults.MAX_CONNECTIONS_PER_ADDRESS} connections from"
+                " that address are open",
                 f"this node serves at most {defaults.MAX_CONNECTIONS_PER_ADDRESS} connections"
-                " from one address: retry shortly or use fewer parallel transfers"
+                " from one address: retry shortly or use fewer parallel transfers",
             )
-            with contextlib.suppress(OSError):
-                wire.send_frame(conn, protocol.error_header("busy", message))
-            conn.close()
             return
         thread = threading.Thread(target=self._run_session, args=(conn, peer), daemon=True)
         with self._sessions_lock:
             self._sessions.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had (memory, a process limit)
+            with self._sessions_lock:
+                self._sessions.discard(thread)
+            self._address_slots.release(_host_of(peer))
+            self._free_slots.release()
+            _refuse(
+                conn,
+                f"refusing {peer}: {exc}",
+                "this node cannot start another connection now: retry shortly",
+            )
 
     def _run_session(self, conn: socket.socket, peer: str) -> None:
         try:
@@ -176,6 +198,14 @@ class ShardServer:
             thread.join(max(deadline - time.monotonic(), 0))
         if any(thread.is_alive() for thread in running):
             log.warning("leaving unfinished transfers; their temp files go at next start")
+
+
+def _refuse(conn: socket.socket, why: str, message: str) -> None:
+    """Turn a connection away with a `busy` error frame, and log why once."""
+    log.warning("%s", why)
+    with contextlib.suppress(OSError):
+        wire.send_frame(conn, protocol.error_header("busy", message))
+    conn.close()
 
 
 def _host_of(peer: str) -> str:

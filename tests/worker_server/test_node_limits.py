@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import resource
 import socket
 import threading
 import time
@@ -197,5 +199,51 @@ def test_trickled_json_body_is_cut_and_frees_the_budget(tmp_path: Path) -> None:
         sock.close()
         assert "body did not arrive within" in node.log()
         node.client().put_manifest("after", b"{}")
+    finally:
+        node.kill()
+
+
+def _vm_size_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(x for x in status if x.startswith("VmSize:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.parametrize("starved", ["thread", "file"])
+def test_a_node_out_of_threads_or_descriptors_refuses_and_serves_on(
+    tmp_path: Path, starved: str
+) -> None:
+    """A connection the node cannot give a thread (no address space for its stack) or
+    cannot even accept (no file descriptor left) is turned away; the node itself goes on,
+    and serves again once the resource is back. Both ended the whole node before: the
+    accept loop let RuntimeError and EMFILE out."""
+    node = start_node(tmp_path / "starved", CLUSTER_KEY)
+    assert node.address is not None
+    limit = resource.RLIMIT_AS if starved == "thread" else resource.RLIMIT_NOFILE
+    soft, hard = resource.prlimit(node.pid, limit)
+    try:
+        if starved == "thread":  # a new thread's stack cannot be mapped
+            resource.prlimit(node.pid, limit, (_vm_size_bytes(node.pid) + 2 * MIB, hard))
+        else:  # every descriptor above those already open is refused
+            resource.prlimit(node.pid, limit, (len(os.listdir(f"/proc/{node.pid}/fd")), hard))
+        for _ in range(3):
+            with contextlib.suppress(OSError):
+                sock = socket.create_connection((node.address.host, node.address.port), 5)
+                sock.settimeout(1)  # a peer the node cannot accept waits in the backlog
+                with contextlib.suppress(OSError):
+                    sock.recv(4096)  # a busy frame, or the close
+                sock.close()
+        time.sleep(0.5)
+        assert node.is_running(), node.log_path.read_text()[-2000:]
+        resource.prlimit(node.pid, limit, (soft, hard))
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        while True:
+            try:
+                assert node.client().ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
     finally:
         node.kill()
