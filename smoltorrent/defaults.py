@@ -79,6 +79,11 @@ HAS_BATCH_DIGESTS = 512  # digests per `has` request the client sends
 LISTEN_BACKLOG = 128  # pending accepts; bursts of parallel transfers at store time
 ACCEPT_POLL_S = 0.5  # seconds; how soon the accept loop notices SIGTERM/SIGINT
 ACCEPT_RETRY_S = 0.1  # seconds between accepts while out of file descriptors or memory
+# A node's /metrics: seconds a scrape may take to send its request and read the answer (a
+# LAN scrape takes milliseconds), and scrapes served at once (Prometheus sends one a target;
+# more is a dashboard or a flood), so idle or greedy clients cannot pile up threads
+METRICS_REQUEST_TIMEOUT_S = 5.0
+METRICS_MAX_CONNECTIONS = 8
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight requests get to finish after a stop signal
 # seconds in all (not per read) spent reading a rejected peer's leftovers so it can read our
 # error frame; a trickling peer cannot stretch it

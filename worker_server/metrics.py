@@ -155,6 +155,7 @@ class NodeMetrics:
 
 class _Handler(BaseHTTPRequestHandler):
     metrics: NodeMetrics  # set on the subclass made per server
+    timeout = defaults.METRICS_REQUEST_TIMEOUT_S  # per read and write: a silent client goes
 
     def do_GET(self) -> None:
         if self.path.split("?", 1)[0] != "/metrics":
@@ -171,10 +172,38 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("metrics %s: " + format, self.client_address[0], *args)
 
 
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per request, at most METRICS_MAX_CONNECTIONS at once: one more is closed
+    unanswered (a scraper retries at its next interval), and a thread that cannot start
+    costs that request only."""
+
+    daemon_threads = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(defaults.METRICS_MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("metrics: refusing %s: scrapes are at their cap", client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise  # socketserver logs it and closes the request; the server goes on
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def serve_metrics(metrics: NodeMetrics, host: str, port: int) -> ThreadingHTTPServer:
     """Serve /metrics on host:port from a daemon thread; the caller shuts it down."""
     handler = type("MetricsHandler", (_Handler,), {"metrics": metrics})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    server = _BoundedHTTPServer((host, port), handler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

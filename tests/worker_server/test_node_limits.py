@@ -20,7 +20,7 @@ from coordinator.dataplane.store_engine import store_checkpoint
 from smoltorrent import defaults
 from smoltorrent.errors import FrameTooLargeError, NodeError
 from tests.checkpoints import write_llm_like
-from tests.nodeproc import NodeProcess, start_node
+from tests.nodeproc import NodeProcess, node_metric, start_node
 from tests.worker_server.conftest import CLUSTER_KEY
 from worker_server import protocol, wire
 
@@ -245,5 +245,33 @@ def test_a_node_out_of_threads_or_descriptors_refuses_and_serves_on(
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+    finally:
+        node.kill()
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(x for x in status if x.startswith("Threads:")).split()[1])
+
+
+def test_silent_metrics_clients_are_capped_and_timed_out(tmp_path: Path) -> None:
+    """/metrics gives each request METRICS_REQUEST_TIMEOUT_S and serves at most
+    METRICS_MAX_CONNECTIONS at once: 30 clients that connect and say nothing neither
+    cost the node 30 threads nor stay for good, and a scrape works once they are gone."""
+    env = dict(os.environ, SMOLTORRENT_METRICS_PORT="0")
+    node = NodeProcess(tmp_path / "scraped", CLUSTER_KEY, env=env).start()
+    try:
+        port = int((node.data_dir / "metrics_port").read_text())
+        before = _threads(node.pid)
+        silent = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(30)]
+        time.sleep(1)
+        assert _threads(node.pid) <= before + defaults.METRICS_MAX_CONNECTIONS
+        deadline = time.monotonic() + defaults.METRICS_REQUEST_TIMEOUT_S + READ_TIMEOUT_S
+        for sock in silent:
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(4096) is not None  # b"" (closed) or a refusal, not a hang
+            sock.close()
+        assert node_metric(node, "smoltorrent_node_info") == 1
     finally:
         node.kill()
