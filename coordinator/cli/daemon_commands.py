@@ -24,11 +24,12 @@ def cmd_flower(args: argparse.Namespace) -> int:
     login = any(o.split("=")[0] in FLOWER_LOGINS for o in extra) or any(
         os.environ.get(name) for name in FLOWER_LOGIN_ENV
     )
-    if not (login or args.insecure or _loopback(args.address)):
+    address = _last_address(extra, args.address)  # Flower takes the last one it is given
+    if not (login or args.insecure or _loopback(address)):
         raise UsageError(
-            f"refusing to run Flower on {args.address} with no login: anyone who reaches it"
+            f"refusing to run Flower on {address} with no login: anyone who reaches it"
             " could see every task and revoke them. Give it one after `--`: `smoltorrent"
-            f" flower --address {args.address} -- --basic-auth=USER:PASS` (or --auth=... for"
+            f" flower --address {address} -- --basic-auth=USER:PASS` (or --auth=... for"
             " OAuth; or set FLOWER_BASIC_AUTH), or pass --insecure if a proxy in front already"
             " asks for one"
         )
@@ -52,6 +53,18 @@ def cmd_flower(args: argparse.Namespace) -> int:
     # Become Flower rather than wait on it: a SIGTERM or SIGKILL sent to this command
     # then reaches Flower itself, and nothing is left behind listening on the port.
     os.execve(sys.executable, command, env)
+
+
+def _last_address(options: list[str], default: str) -> str:
+    """The address Flower will listen on: the last `--address=X` or `--address X` among
+    the options passed through to it, else ours."""
+    address = default
+    for i, option in enumerate(options):
+        if option.startswith("--address="):
+            address = option.split("=", 1)[1]
+        elif option == "--address" and i + 1 < len(options):
+            address = options[i + 1]
+    return address
 
 
 def _loopback(host: str) -> bool:

@@ -265,6 +265,19 @@ def test_flower_beyond_loopback_needs_a_login_or_insecure(redis_only: LocalClust
     assert refused.returncode == 2, refused.stderr
     assert "--basic-auth" in refused.stderr and "--insecure" in refused.stderr
     assert "Traceback" not in refused.stderr
+    # Flower takes the last --address it is given: one passed through after `--` is the
+    # address it listens on, and is judged as such.
+    for passed in (["--", "--address=0.0.0.0"], ["--", "--address", "0.0.0.0"]):
+        refused = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "flower", "--port", str(free_port())]
+            + passed,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
+        assert refused.returncode == 2, (passed, refused.stderr)
+        assert "refusing to run Flower on 0.0.0.0" in refused.stderr
 
     # With a login (Flower's own option, or its variable), it listens where asked.
     flower = Flower(dict(env, FLOWER_BASIC_AUTH=AUTH), "--address", "0.0.0.0")
