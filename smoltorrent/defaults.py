@@ -62,6 +62,10 @@ MDNS_OTHER_TTL_S = 4500  # seconds; PTR and TXT records (RFC 6762 10)
 # seconds between a node's checks of its own address (announced again when it changed,
 # e.g. a DHCP renewal) and re-joins of the group on interfaces that came up since
 MDNS_RECHECK_S = 10.0
+# questions a query may ask before the responder ignores it: a browser asks one to four;
+# each costs a name to parse, and 750 of them pointing at long names cost 330 ms of CPU
+MDNS_MAX_QUESTIONS = 16
+MDNS_MAX_NAME_BYTES = 255  # a DNS name's wire length at most (RFC 1035 2.3.4)
 
 MAX_CONNECTIONS = 256  # concurrent connections per node; each costs one thread and one buffer
 # Per remote address, so one host cannot take every slot: a coordinator runs 8 transfer

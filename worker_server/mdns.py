@@ -108,9 +108,12 @@ def encode_name(name: str) -> bytes:
 
 
 def read_name(packet: bytes, offset: int) -> tuple[str, int]:
-    """The name at offset (following compression pointers) and the offset after it."""
+    """The name at offset (following compression pointers) and the offset after it.
+    ValueError past MDNS_MAX_NAME_BYTES, however its pointers assemble it, so no packet
+    makes us decode more than that per name."""
     labels: list[str] = []
     end = None
+    length_so_far = 1  # the root label's zero byte
     for _ in range(MAX_POINTER_HOPS):
         while True:
             if offset >= len(packet):
@@ -128,6 +131,9 @@ def read_name(packet: bytes, offset: int) -> tuple[str, int]:
             offset += 1
             if length == 0:
                 return ".".join(labels) + ".", end if end is not None else offset
+            length_so_far += 1 + length
+            if length_so_far > defaults.MDNS_MAX_NAME_BYTES:
+                raise ValueError(f"a name over {defaults.MDNS_MAX_NAME_BYTES} bytes long")
             labels.append(packet[offset : offset + length].decode("utf-8", "replace"))
             offset += length
     raise ValueError("compression pointer loop")
@@ -141,6 +147,8 @@ def parse_query(packet: bytes) -> tuple[int, list[tuple[str, int, bool]]]:
     query_id, flags, qdcount = struct.unpack_from("!HHH", packet)
     if flags & 0x8000:
         raise ValueError("a response, not a query")
+    if qdcount > defaults.MDNS_MAX_QUESTIONS:
+        raise ValueError(f"{qdcount} questions, over {defaults.MDNS_MAX_QUESTIONS}")
     questions = []
     offset = 12
     for _ in range(qdcount):
