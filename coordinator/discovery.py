@@ -12,7 +12,9 @@ address. A node found is registered only once it proves the cluster key in the k
 handshake (worker_server/wire.py) at the advertised address, as the id it claims. With
 no cluster key nothing found is registered (register() refuses): a keyless handshake
 proves nothing, so an advert alone could add a stranger or move a registered node's id,
-and its shards, to the advertiser. `discover` still lists what it saw.
+and its shards, to the advertiser. `discover` still lists what it saw. Nor does the proof
+bind the address: a relay forwarding the handshake to the node passes it. So a known node
+moves only once its registered address no longer answers as that node.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Ze
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.state.metadata import Metadata
+from coordinator.state.nodes import NodeRecord
 from smoltorrent import defaults
 from smoltorrent.errors import ConfigError, SmoltorrentError
 
@@ -156,6 +159,15 @@ def register(md: Metadata, found: Found, cluster_key: bytes | None) -> tuple[str
             errors.append(f"{address} answers as node {stat.node_id[:12]}")
             continue
         known = md.nodes.nodes().get(stat.node_id)
+        if known is not None and known.address != address and _answers_as(known, cluster_key):
+            # A relay passes the keyed handshake by forwarding it to the node: the proof
+            # does not bind the address. A node still answering where it is registered
+            # has not moved, whoever advertises it elsewhere.
+            raise SmoltorrentError(
+                f"node {found.node_id[:12]} advertised at {address} still answers at its"
+                f" registered address {known.address}: not moved (another machine may be"
+                " relaying it; `smoltorrent nodes add` moves a node you know has moved)"
+            )
         md.nodes.mark_alive(stat.node_id, stat.__dict__)
         if known is not None and known.address == address:
             return "known", address
@@ -165,6 +177,17 @@ def register(md: Metadata, found: Found, cluster_key: bytes | None) -> tuple[str
     raise SmoltorrentError(
         f"node {found.node_id[:12]} advertised itself but was not registered: " + "; ".join(errors)
     )
+
+
+def _answers_as(known: NodeRecord, cluster_key: bytes) -> bool:
+    """Whether the registered node still answers, as itself, at its registered address."""
+    try:
+        client = NodeClient(
+            known.address, cluster_key=cluster_key, timeout=defaults.CONNECT_TIMEOUT_S
+        )
+        return client.stat().node_id == known.node_id
+    except SmoltorrentError:
+        return False
 
 
 class Browser:

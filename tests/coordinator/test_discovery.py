@@ -20,10 +20,16 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.dataplane.node_client import NodeAddress
+from coordinator.discovery import Found, register
 from coordinator.local.synthetic import write_checkpoint
-from coordinator.state.embedded_redis import redis_server_binary
+from coordinator.state.embedded_redis import free_port, redis_server_binary, start_redis, url_for
+from coordinator.state.metadata import Metadata
 from smoltorrent import defaults
+from smoltorrent.errors import SmoltorrentError
 from tests.conftest import require_network_namespaces
+from tests.nodeproc import start_node
+from tests.tcpproxy import start_proxy
 
 SUBNET = "10.77.{}"  # a private /24 per test run, inside the namespaces only
 KEY = "discovery-test-key"  # nodes listen beyond loopback only with a key
@@ -366,3 +372,30 @@ def test_keyed_discovery_registers_only_a_node_that_proves_the_key(stack: Stack)
     wait_for(decided, "the worker to register the member and refuse both impostors")
     assert registered(stack, KEY) == {real_id: real_address, member_id: f"{member}:{NODE_PORT}"}
     assert wrong_id not in registered(stack, KEY)
+
+
+def test_a_relay_advertising_a_registered_node_does_not_move_it(tmp_path: Path) -> None:
+    """A keyless relay on the LAN that advertises a registered node's id at its own
+    address, and forwards every connection to the node, passes the keyed handshake (the
+    node answers it through the relay). While the node still answers at its registered
+    address, it is not moved: the relay would carry, and could drop, all its traffic.
+    Once that address is silent (the node really moved), the same advert moves it."""
+    key = KEY.encode()
+    pid, port = start_redis(tmp_path / "redis")
+    node = start_node(tmp_path / "node", key)
+    relay = start_proxy(str(node.address), tmp_path / "relay")
+    try:
+        md = Metadata(url_for(tmp_path / "redis", port))
+        node_id = node.client().stat().node_id
+        md.nodes.add_node(node_id, node.address)
+        advert = Found(node_id, ("127.0.0.1",), relay.port, 3, None, node_id)
+        with pytest.raises(SmoltorrentError, match="still answers"):
+            register(md, advert, key)
+        assert md.nodes.nodes()[node_id].address == node.address
+        # The node moves for real: its old address goes silent, the advert stands.
+        md.nodes.add_node(node_id, NodeAddress("127.0.0.1", free_port()))
+        assert register(md, advert, key) == ("moved", NodeAddress("127.0.0.1", relay.port))
+    finally:
+        relay.stop()
+        node.kill()
+        os.kill(pid, signal.SIGTERM)
