@@ -197,8 +197,10 @@ CODEC_FRAME_BYTES = 1024 * 1024
 CODEC_ENCODING_NAME_BYTES = 8
 # encodings (layouts) codec.encoding_of keeps computed: a checkpoint has a few dozen
 CODEC_ENCODINGS_KEPT = 4096
-# raw bytes a decoder accepts in one frame: bounds what a corrupt header makes it allocate
-CODEC_MAX_FRAME_BYTES = 64 * 1024 * 1024
+# raw bytes a decoder accepts in one frame: the encoder's own frame size, never more (it
+# has never written bigger ones), since a frame is what a corrupt or hostile header makes
+# the decoder allocate: 64 MiB frames let a 2 KB blob cost ~200 MiB a decoding thread
+CODEC_MAX_FRAME_BYTES = CODEC_FRAME_BYTES
 # zstd level 1: of levels -5..5 it gives byte-grouped N(0, 0.02) bf16 the best ratio
 # (1.46x; level 3 1.41x, level -1 1.20x) and decodes faster than any level above it
 # (`python -m bench.codec --levels`, bench/RESULTS.md)

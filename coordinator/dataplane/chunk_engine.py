@@ -575,7 +575,7 @@ def decode_chunk_from(
     if prefix == b"":  # a bare RAW chunk: its bytes are the raw bytes, its digest the raw one
         encoded, arrive, finish = raw, out, None
     else:  # encoded, or RAW behind its header: the decoder reads the header
-        decoder = codec.ChunkDecoder(chunk.blob_size, out)
+        decoder = codec.ChunkDecoder(chunk.blob_size, out, raw_length=raw_size)
         finish = decoder.finish
 
         def arrive(piece: memoryview) -> None:

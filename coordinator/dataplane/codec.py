@@ -236,16 +236,20 @@ def raw_chunk(source: BinaryIO, raw_length: int) -> EncodedChunk:
 
 
 def decode_chunk(
-    source: BinaryIO, encoded_length: int, write: Callable[[memoryview], object]
+    source: BinaryIO,
+    encoded_length: int,
+    write: Callable[[memoryview], object],
+    raw_length: int | None = None,
 ) -> ChunkHeader:
     """Decode the encoded chunk of `encoded_length` bytes that `source` reads next.
 
     `write` is called with the raw bytes in order, a piece at a time; a piece is only
     valid during the call (its buffer is reused). Anything that is not a whole, valid
-    chunk of exactly that length raises ChunkFormatError; the raw digest is the caller's
-    to check (the manifest holds it).
+    chunk of exactly that length (and of `raw_length` raw bytes, the manifest's, when
+    given: checked before anything is allocated) raises ChunkFormatError; the raw digest
+    is the caller's to check (the manifest holds it).
     """
-    steps = _decode_steps(encoded_length, write)
+    steps = _decode_steps(encoded_length, raw_length, write)
     try:
         need = next(steps)
         while True:
@@ -264,8 +268,13 @@ class ChunkDecoder:
     """decode_chunk for bytes that arrive in pieces of any size (a node's answer on a
     socket): feed() each piece, then finish(). Holds at most one frame's planes."""
 
-    def __init__(self, encoded_length: int, write: Callable[[memoryview], object]) -> None:
-        self._steps = _decode_steps(encoded_length, write)
+    def __init__(
+        self,
+        encoded_length: int,
+        write: Callable[[memoryview], object],
+        raw_length: int | None = None,
+    ) -> None:
+        self._steps = _decode_steps(encoded_length, raw_length, write)
         self._pending = bytearray()
         self._need: int | None = next(self._steps)
         self.header: ChunkHeader | None = None
@@ -315,9 +324,15 @@ class _Budget:
         return (yield count) if count else b""
 
 
-def _decode_steps(encoded_length: int, write: Callable[[memoryview], object]) -> _Steps:
+def _decode_steps(
+    encoded_length: int, raw_length: int | None, write: Callable[[memoryview], object]
+) -> _Steps:
     budget = _Budget(encoded_length)
     header = ChunkHeader.unpack((yield from budget.take(HEADER_BYTES, "its header")))
+    if raw_length is not None and header.raw_length != raw_length:
+        _corrupt(
+            f"its header declares {header.raw_length} raw bytes, not the {raw_length} expected"
+        )
     if header.encoding == RAW:
         if budget.left != header.raw_length:
             _corrupt(f"it holds {budget.left} raw bytes; its header declares {header.raw_length}")

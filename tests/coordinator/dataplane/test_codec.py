@@ -364,3 +364,37 @@ def test_the_same_raw_bytes_grouped_otherwise_are_another_encoding_and_blob():
     assert len(blobs) == 3 and len(names) == 3
     assert codec.encoding_of(((len(zeros), 2),)) == codec.encoding_of(((len(zeros), 2),))
     assert codec.RAW_ENCODING not in names
+
+
+def _hostile_blob(frame_bytes: int) -> bytes:
+    """~2 KB that declares one frame of `frame_bytes` zeros grouped by 4, every plane
+    zstd-coded: what a node may serve under any digest (it is checked at the end)."""
+    planes = [zstandard.ZstdCompressor().compress(bytes(frame_bytes // 4)) for _ in range(4)]
+    header = codec.ChunkHeader(codec.FRAMED, frame_bytes, frame_bytes).pack()
+    lengths = struct.pack("<4I", *map(len, planes))
+    return header + struct.pack("<IBB", frame_bytes, 4, 0b1111) + lengths + b"".join(planes)
+
+
+def test_a_hostile_blob_cannot_make_the_decoder_allocate_more_than_a_frame() -> None:
+    """A 2 KB blob declaring 64 MiB frames made each decoding thread allocate ~200 MiB
+    (the frame, its planes, the widening): frames are capped at the encoder's own size,
+    and a header declaring another raw length than the manifest's is refused first."""
+    hostile = _hostile_blob(64 * 1024 * 1024)
+    assert len(hostile) < 16 * 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChunkFormatError):
+            codec.decode_chunk(io.BytesIO(hostile), len(hostile), lambda _: None)
+        with pytest.raises(ChunkFormatError):
+            codec.ChunkDecoder(len(hostile), lambda _: None).feed(hostile)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * defaults.CODEC_FRAME_BYTES, peak
+    # The encoder's own frame size decodes, and only at the raw length the manifest says.
+    honest = _hostile_blob(defaults.CODEC_FRAME_BYTES)
+    out = bytearray()
+    codec.ChunkDecoder(len(honest), out.extend, raw_length=defaults.CODEC_FRAME_BYTES).feed(honest)
+    assert out == bytes(defaults.CODEC_FRAME_BYTES)
+    with pytest.raises(ChunkFormatError, match="raw bytes"):
+        codec.ChunkDecoder(len(honest), out.extend, raw_length=1000).feed(honest[:100])
