@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -78,7 +79,16 @@ EIO_POINTS = {  # libfiu's failure point (fiu-utils' function_list) per disk-err
     "eiorename": "posix/io/dir/rename",
 }
 LINK_KINDS = ("cutcoord-node", "cutpeers-node", "flap-node")
-FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+def faketime_lib(lib_dir: str = "/usr/lib") -> str:
+    """libfaketime's path here: Debian keeps it in the architecture's multiarch directory
+    (x86_64-linux-gnu, aarch64-linux-gnu, ...); the first found, else the plain one."""
+    found = sorted(glob.glob(os.path.join(lib_dir, "*", "faketime", "libfaketime.so.1")))
+    return found[0] if found else os.path.join(lib_dir, "faketime", "libfaketime.so.1")
+
+
+FAKETIME_LIB = faketime_lib()
 SKEW_S = 300  # seconds the skewed worker's clock is off, either way: minutes, as without NTP
 NODE_FS_BYTES = 256 * 1024 * 1024  # each node's tmpfs for full-node: a run stores some MB
 FLAP_HALF_PERIOD_S = 0.2  # a flapping link is out this long, then in as long: 2.5 flaps a second

@@ -10,7 +10,13 @@ import os
 
 import pytest
 
-from coordinator.local.chaos import EIO_POINTS, LINK_KINDS, ChaosRun, available_kinds
+from coordinator.local.chaos import (
+    EIO_POINTS,
+    LINK_KINDS,
+    ChaosRun,
+    available_kinds,
+    faketime_lib,
+)
 from tests.conftest import REQUIRE_FIU_ENV, REQUIRE_NETNS_ENV, REQUIRE_TMPFS_ENV
 
 # Three seeds of 20 s of faults each: about 30 s a seed with start, healing and the final
@@ -47,3 +53,13 @@ def test_a_machine_that_must_run_a_fault_kind_draws_it():
     for env, wanted in required.items():
         if os.environ.get(env) == "1":
             assert wanted <= kinds, (env, wanted - kinds)
+
+
+@pytest.mark.parametrize("arch", ["x86_64-linux-gnu", "aarch64-linux-gnu"])
+def test_libfaketime_is_found_in_any_architecture_s_directory(tmp_path, arch) -> None:
+    """Debian puts libfaketime under the machine's multiarch directory: the clock-skew
+    faults and tests looked in x86_64's only, and skipped on a Raspberry Pi or Graviton."""
+    lib = tmp_path / arch / "faketime" / "libfaketime.so.1"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    assert faketime_lib(str(tmp_path)) == str(lib)
