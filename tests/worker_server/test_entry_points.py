@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,42 @@ def test_metrics_listen_on_loopback_unless_told(
         metrics_port = int((tmp_path / "metrics_port").read_text())
         assert _listening(metrics_port) == {bound}
         assert _listening(int((tmp_path / "port").read_text())) == {"00000000"}  # the node itself
+    finally:
+        process.terminate()
+        process.wait(EXIT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("entry", [["-m", "worker_server"], ["-m", "coordinator.cli", "serve"]])
+def test_a_node_never_reads_the_homes_cluster_key(tmp_path: Path, entry: list[str]) -> None:
+    """docs/security.md: a node reads its key from --key-file, SMOLTORRENT_CLUSTER_KEY or
+    SMOLTORRENT_CLUSTER_KEY_FILE, never the home's cluster.key by itself (a key makes a
+    node listen on every interface, which must be asked for). With only the home's file,
+    it is keyless: it refuses beyond loopback, and on loopback speaks without a key."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "cluster.key").write_text("a-key-the-node-must-not-pick-up\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMOLTORRENT_CLUSTER_KEY")}
+    env["SMOLTORRENT_HOME"] = str(home)
+    wide = subprocess.run(
+        [sys.executable, *entry, "--data-dir", str(tmp_path / "wide"), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S,
+        env=env,
+    )
+    assert wide.returncode == 2 and "without a cluster key" in wide.stderr
+    data = tmp_path / "data"
+    process = subprocess.Popen(
+        [sys.executable, *entry, "--data-dir", str(data), "--port", "0"],
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while not (data / "port").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = int((data / "port").read_text())
+        assert NodeClient(NodeAddress("127.0.0.1", port), cluster_key=None).ping()
     finally:
         process.terminate()
         process.wait(EXIT_TIMEOUT_S)
