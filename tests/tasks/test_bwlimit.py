@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from coordinator.state.versions import COMMITTED
 from tests.tasks.test_chain import node_counter
@@ -83,3 +84,24 @@ def test_bwlimit_holds_the_rate_counted_at_the_nodes(make_cluster, tmp_path):
     rate = report["wire_bytes"] / report["seconds"]
     print(f"gather: {rate / 1e6:.2f} MB/s")
     assert 0.3 * LIMIT < rate < 1.5 * LIMIT, rate
+
+
+def test_the_workers_smoltorrent_bwlimit_is_the_default_for_a_store_naming_none(
+    make_cluster, tmp_path
+):
+    """docs/cli.md: SMOLTORRENT_BWLIMIT where the worker runs is the cluster's default
+    --bwlimit. A store sent by a CLI without it, naming no limit, keeps to the worker's:
+    its sends pay into the shared token bucket (a file per limited store, none otherwise).
+    Without it on the worker, the same kind of store goes unlimited."""
+    c = make_cluster(3)
+    c.stop_worker()
+    c.start_worker(env={"SMOLTORRENT_BWLIMIT": "50M"})
+    buckets = Path(c.env()["SMOLTORRENT_HOME"]) / "bwlimit"
+    assert "SMOLTORRENT_BWLIMIT" not in c.env()  # the CLI names no limit
+    limited = c.cli_json("store", str(make_ckpt(tmp_path / "a.safetensors", 400_000)))
+    assert (buckets / limited["vkey"]).exists()
+    c.stop_worker()
+    c.start_worker()
+    free = c.cli_json("store", str(make_ckpt(tmp_path / "b.safetensors", 400_000)))
+    assert free["state"] == COMMITTED
+    assert not (buckets / free["vkey"]).exists()
