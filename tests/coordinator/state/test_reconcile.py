@@ -14,6 +14,8 @@ from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
 from coordinator.state.reconcile import Held, plan, plan_reconnected
 from coordinator.state.requests import IN_PROCESS_GATHER
+from coordinator.state.versions import ABORTED
+from smoltorrent import defaults
 
 
 @pytest.fixture
@@ -81,3 +83,31 @@ def test_a_gather_its_own_process_runs_is_never_sent_to_a_worker(md):
     started = plan(md, 0.0, grace=0, stale_after=None, deadline=1e9, started_host="h1")
     assert [rid for rid, _ in started.requests] == ["r-task"]
     assert [rid for rid, _ in plan_reconnected(md, "h1", Held()).requests] == ["r-task"]
+
+
+def test_a_version_pending_past_the_deadline_is_aborted_unless_its_barrier_is_complete(
+    md, tmp_path
+):
+    """docs/how-it-works.md: reconcile aborts a version still pending PENDING_DEADLINE_S
+    (a week) after it was created, saying to store it again; not a second before, and
+    never one whose every copy settled (that one is committed)."""
+    stuck = _pending(md, tmp_path, 4, "h1", "r4")
+    done = _pending(md, tmp_path, 5, "h1", "r5")
+    for shard, nodes in enumerate(done.targets):
+        for replica, node in enumerate(nodes):
+            digest = done.manifest.entries[shard].blob_sha256
+            md.transfers.settle(done.vkey, shard, replica, node, digest)
+    md.transfers.mark_commit_enqueued(done.vkey)
+    created = float(md.versions.version(stuck.vkey)["created_at"])
+    deadline = defaults.PENDING_DEADLINE_S
+
+    def decided(now: float):
+        return plan(md, now, grace=3600, stale_after=lambda *_: 1e12, deadline=deadline)
+
+    assert decided(created + deadline - 1).aborts == []
+    late = decided(created + deadline + 1)
+    assert [vkey for vkey, _ in late.aborts] == [stuck.vkey]
+    assert "store it again" in late.aborts[0][1]
+    assert late.commits == [done.vkey]  # past its grace too: its commit goes again
+    md.versions.abort(*late.aborts[0])
+    assert md.versions.version(stuck.vkey)["state"] == ABORTED
