@@ -5,12 +5,15 @@ trainer and its writer process both SIGKILLed. Real Redis, nodes, worker and pro
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 
-from tests.smoltorrent.conftest import run_api
+from tests.smoltorrent.conftest import ROOT, run_api
 
 
 def stored(c, name: str, count: int, timeout: float = 90) -> list[dict]:
@@ -179,3 +182,44 @@ def test_a_store_that_fails_shows_on_the_handle_and_keeps_the_staged_file(make_c
     assert out["error"] is not None and out["kept"] and out["counted"] == 1.0  # in metrics too
     assert out["path"] in out["error"] and "smoltorrent store" in out["error"]
     assert list((c.root / "staging" / "journal").glob("*.json")) == []  # not retried forever
+
+
+def test_saves_while_redis_is_away_return_and_are_stored_once_it_is_back(make_cluster, tmp_path):
+    """README and docs/api.md: a save never raises into the training step while the cluster
+    is away. With Redis SIGKILLed, five save(wait=False) calls each return a handle at
+    once, nothing raises; once Redis is back, every handle reports its version stored."""
+    c = make_cluster(3)
+    go = tmp_path / "redis-is-back"
+    script = f"""
+        import json, os, sys, time, torch, smoltorrent
+        handles = []
+        for step in range(5):
+            handles.append(smoltorrent.save({{"w": torch.full((8, 8), float(step))}},
+                                            "durable/outage", wait=False))
+        print("saved", flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.1)
+        print(json.dumps([h.result(timeout=180).version_id for h in handles]))
+        """
+    c.kill_redis()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=c.env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        first = trainer.stdout.readline()  # every save returned, or the trainer raised
+        assert first.strip() == "saved", trainer.stderr.read() if trainer.stderr else first
+        c.start_redis()
+        go.touch()
+        out, err = trainer.communicate(timeout=240)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, err
+    versions = json.loads(out.strip().splitlines()[-1])
+    assert len(set(versions)) == 5
+    assert float(current_value(c, "durable/outage")) == 4.0
