@@ -13,6 +13,10 @@ import sys
 import textwrap
 import time
 
+import pytest
+
+from coordinator.local.chaos import FAKETIME_LIB
+from smoltorrent import defaults
 from tests.smoltorrent.conftest import ROOT, run_api
 
 
@@ -223,3 +227,52 @@ def test_saves_while_redis_is_away_return_and_are_stored_once_it_is_back(make_cl
     versions = json.loads(out.strip().splitlines()[-1])
     assert len(set(versions)) == 5
     assert float(current_value(c, "durable/outage")) == 4.0
+
+
+def test_the_writer_gives_up_after_an_hour_and_the_journal_keeps_the_save(make_cluster, tmp_path):
+    """docs/api.md: with the cluster away, the writer retries every 2 s for up to an hour
+    (SAVE_PATIENCE_S); then handle.result() raises, and the save stays journalled for the
+    next save or load on this machine. The hour passes at once: the trainer and its writer
+    run under libfaketime, whose offset (monotonic clock included) a file sets."""
+    if not os.path.exists(FAKETIME_LIB):
+        pytest.skip("libfaketime is not installed (Debian: faketime)")
+    c = make_cluster(2)
+    clock = tmp_path / "faketime"
+    clock.write_text("+0\n")
+    script = """
+        import json, torch, smoltorrent
+        from smoltorrent.errors import SmoltorrentError
+        handle = smoltorrent.save({"w": torch.ones(8, 8)}, "durable/patience", wait=False)
+        print("saved", flush=True)
+        try:
+            handle.result()
+            print(json.dumps(None))
+        except SmoltorrentError as exc:
+            print(json.dumps(str(exc)))
+        """
+    c.kill_redis()
+    env = dict(
+        c.env(),
+        LD_PRELOAD=FAKETIME_LIB,
+        FAKETIME_TIMESTAMP_FILE=str(clock),
+        FAKETIME_NO_CACHE="1",
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "saved"
+        time.sleep(2 * defaults.SAVE_RETRY_S)  # the writer has tried, and waits to again
+        clock.write_text(f"+{int(defaults.SAVE_PATIENCE_S) + 60}\n")
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        trainer.kill()
+    error = json.loads(out.strip().splitlines()[-1])
+    assert error is not None and "durable/patience is not stored" in error, err
+    assert "journalled" in error
+    assert len(list((c.root / "staging" / "journal").glob("*.json"))) == 1
