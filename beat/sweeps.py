@@ -54,7 +54,14 @@ def sweep(name: str):
         @functools.wraps(fn)
         def run(*args, **kwargs) -> dict:
             md = metadata()
-            lock = md.r.lock(K.SWEEP_LOCK.format(name=name), timeout=defaults.SWEEP_LOCK_TTL_S)
+            # Not thread-local: the renewing thread must see the token this one acquired
+            # with (redis-py keeps it per thread by default, and the renewal then raised
+            # LockError, suppressed, so every sweep lost its lock after the TTL).
+            lock = md.r.lock(
+                K.SWEEP_LOCK.format(name=name),
+                timeout=defaults.SWEEP_LOCK_TTL_S,
+                thread_local=False,
+            )
             holder = lock_holder(config.host_id(), BOOT_ID, uuid.uuid4().hex)
             if not lock.acquire(blocking=False, token=holder):
                 md.sweeps.sweep_skipped(name)
