@@ -38,6 +38,7 @@ from smoltorrent.errors import (
     NotFoundError,
     OutcomeUnknownError,
     SmoltorrentError,
+    UsageError,
 )
 from smoltorrent.processes import alive
 from smoltorrent.signal_event import SignalEvent
@@ -342,6 +343,28 @@ def _wait_commit(
         _pause(K.VERSION_WAKE.format(vkey=vkey))  # the commit pushes it
 
 
+def _refuse_replacing(out: str) -> None:
+    """UsageError if `out` exists and is not a file a gather may replace: an earlier
+    .safetensors checkpoint (its header reads). Anything else (a password file, a link,
+    a device) stays unless the user says --force: a typo in -o must never cost a file."""
+    if not os.path.lexists(out):
+        return
+    if os.path.islink(out):
+        what = f"a link to {os.readlink(out)}"
+    elif not os.path.isfile(out):
+        what = "not a regular file"
+    else:
+        try:
+            read_header(out)
+            return
+        except (SmoltorrentError, OSError):
+            what = f"a file of {os.path.getsize(out)} bytes that is not a checkpoint"
+    raise UsageError(
+        f"{out} exists: {what}. gather replaces only an earlier .safetensors checkpoint;"
+        " choose another -o, or pass --force to replace it"
+    )
+
+
 def submit_gather(
     name: str,
     out: str,
@@ -349,12 +372,14 @@ def submit_gather(
     tensors: list[str] | None = None,
     *,
     bwlimit: int | None = None,
+    force: bool = False,
 ) -> GatherRequest:
     """Ask for a gather of `name` (its current version, or a version id prefix) into the
     file `out` on this host: queued for this host's worker or, with none to take it, run
     by wait_gather in this process. With `tensors` (globs), of the tensors they match
     only, as a .safetensors file of their own. A glob matching no tensor fails here.
-    `bwlimit`: bytes/s it receives at most, as for submit_store."""
+    `bwlimit`: bytes/s it receives at most, as for submit_store. A file already at `out`
+    is replaced only if it is a checkpoint, or with `force` (UsageError otherwise)."""
     md = connected_metadata()
     reading = f"reading what to gather of {name}"
     vkey = ride_out(lambda: md.versions.resolve(name, version), reading, recorded=False)
@@ -369,6 +394,8 @@ def submit_gather(
         out = os.path.join(out, os.path.basename(name))
     if not os.path.isdir(os.path.dirname(out)):
         raise SmoltorrentError(f"{os.path.dirname(out)}: no such directory for the output")
+    if not force:
+        _refuse_replacing(out)
     host = config.host_id()
     request_id = new_request_id()
     bwlimit = config.bwlimit() if bwlimit is None else bwlimit

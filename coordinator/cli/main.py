@@ -248,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the tensors these names or globs match, as a .safetensors file of their"
         " own (only their byte ranges are read, each verified)",
     )
+    g.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the output even if it is a file that is not a checkpoint (without it,"
+        " only an earlier .safetensors checkpoint there is replaced)",
+    )
     _bwlimit_argument(g, "receive")
     g.add_argument("--json", action="store_true")
 

@@ -327,7 +327,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
     args.name, args.version = at_label(args.name, args.version)
 
     request = submit_gather(
-        args.name, args.output, args.version, args.tensors, bwlimit=args.bwlimit
+        args.name, args.output, args.version, args.tensors, bwlimit=args.bwlimit, force=args.force
     )
     try:
         with ctrl_c_stops_waiting(), _progress(args.json) as bar:

@@ -58,3 +58,36 @@ def test_gather_into_an_existing_directory_writes_the_file_by_its_name(make_clus
     assert (out / "model.safetensors").read_bytes() == src.read_bytes()
     c.cli("gather", "run1/model.safetensors", "-o", str(tmp_path))  # the allowed dir itself
     assert (tmp_path / "model.safetensors").read_bytes() == src.read_bytes()
+
+
+@pytest.mark.parametrize("worker", [True, False], ids=["by-the-worker", "in-process"])
+def test_gather_never_replaces_a_file_that_is_not_a_checkpoint_unless_forced(
+    make_cluster, tmp_path, worker
+):
+    """Issue 40: `gather NAME -o` pointed at the system's password file replaced it and
+    exited 0. A file there that is not a checkpoint stays, and the error says what it is
+    and how to replace it (--force); an earlier checkpoint there is replaced as before."""
+    c = make_cluster(2, worker=worker, SMOLTORRENT_GATHER_DIRS=str(tmp_path))
+    src = tmp_path / "g.safetensors"
+    write_checkpoint(src, 300_000, hidden=32)
+    past = time.time() - 60
+    os.utime(src, (past, past))
+    if not worker:
+        c.start_worker()
+    c.cli("store", str(src))
+    if not worker:
+        c.stop_worker()
+    precious = tmp_path / "passwd"
+    precious.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    refused = c.cli("gather", "g.safetensors", "-o", str(precious), check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "not a checkpoint" in refused.stderr and "--force" in refused.stderr
+    assert precious.read_text() == "root:x:0:0:root:/root:/bin/bash\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".passwd")] == []
+
+    c.cli("gather", "g.safetensors", "-o", str(precious), "--force")
+    assert precious.read_bytes() == src.read_bytes()
+    earlier = tmp_path / "earlier.safetensors"
+    write_checkpoint(earlier, 200_000, hidden=16)  # a checkpoint: replaced without asking
+    c.cli("gather", "g.safetensors", "-o", str(earlier))
+    assert earlier.read_bytes() == src.read_bytes()
