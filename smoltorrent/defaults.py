@@ -105,6 +105,11 @@ NODE_REQUEST_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 60.0, 300.0,
 # --- planning and placement (coordinator/) ----------------------------------
 
 DEFAULT_REPLICAS = 2  # R: survives any one node loss, doubles the bytes stored
+# The most a request number (the one Redis counter, st:seq) may be, as a node's copy of a
+# manifest gives it to a rebuild: 2^53 - 1, exact in JSON and far below the counter's end
+# (2^63 - 1, which a hostile copy's seq wedged: every INCR after it fails); a cluster taking
+# a thousand requests a second reaches it in 285,000 years
+MAX_SEQ = 2**53 - 1
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1000 * 1000  # bytes; the limit the safetensors spec sets
 # fraction of the roomiest node's free space under which placement tells nodes apart: nodes
 # on one disk report free bytes a few MB apart (1e-4 of 100 GB), and a node 1% smaller

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
 from coordinator import config
 from coordinator.cli.cluster import metadata, node_addresses
 from coordinator.cli.output import console, emit_json, error, numbers, table, warn
+from coordinator.plan.manifest import LABEL
 from coordinator.state import redis_keys as K
 from smoltorrent.errors import NotFoundError, SmoltorrentError, UsageError
 
@@ -185,9 +185,6 @@ def _confirmed(md, name: str, vkeys: list[str]) -> bool:
     )
     sys.stderr.flush()
     return sys.stdin.readline().strip().lower() in ("y", "yes")
-
-
-LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _committed(md, name: str, version: str | None) -> tuple[str, str]:

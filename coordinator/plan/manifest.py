@@ -29,7 +29,6 @@ import binascii
 import hashlib
 import io
 import json
-import math
 import re
 import struct
 from array import array
@@ -47,6 +46,7 @@ from coordinator.plan.safetensors_header import (
     checked_data_size,
     parse_header,
 )
+from smoltorrent import defaults
 from smoltorrent.errors import CheckpointFormatError, ManifestError, UsageError
 
 SCHEMA_VERSION = 3  # the newest: chunks
@@ -725,7 +725,7 @@ class VersionBlobs:
         was checked whole when it was recorded)."""
         try:
             document = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except _NOT_JSON as error:
             _fail(f"not JSON ({error})")
         fields = _fields(document, _manifest_fields(document), "manifest", _OPTIONAL_FIELDS)
         entries = fields.get("chunks", fields.get("shards"))
@@ -760,6 +760,13 @@ _MANIFEST_FIELDS = {
 }
 # absent from manifests that do not record them
 _OPTIONAL_FIELDS = frozenset({"seq", "marks"})
+# What json.loads raises on text that is not JSON smoltorrent could have written, besides
+# JSONDecodeError (a ValueError too): a number of over 4,300 digits (ValueError), nesting
+# deeper than the stack (RecursionError). A node's copy is input like any other: every one
+# of these is a ManifestError, so a rebuild or a crosscheck skips that copy and goes on.
+_NOT_JSON = (ValueError, UnicodeDecodeError, RecursionError)
+# A version label, as `smoltorrent tag` takes it (and a node's copy of the marks must hold)
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _CHUNK_FIELDS = {"data_start", "data_end", "raw_sha256", "blob_size", "blob_sha256"}
 _SHARD_FIELDS = {
     "index",
@@ -807,11 +814,21 @@ def _fields(
     return document
 
 
-def _count(document: dict[str, Any], key: str, what: str, minimum: int = 0) -> int:
+def _count(
+    document: dict[str, Any], key: str, what: str, minimum: int = 0, maximum: int | None = None
+) -> int:
     value = document[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        _fail(f"{what} {key} is {value!r}, not an integer >= {minimum}")
+        _fail(f"{what} {key} is {_shown(value)}, not an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        _fail(f"{what} {key} is {_shown(value)}, over {maximum}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message, cut short: a hostile one may be thousands of digits."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else "huge"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _sha256(document: dict[str, Any], key: str, what: str) -> str:
@@ -824,14 +841,17 @@ def _sha256(document: dict[str, Any], key: str, what: str) -> str:
 def _parse_marks(marks: Any) -> dict[str, Any]:
     """A node's copy's pin and labels: {"seq", "pinned", "labels"}."""
     if not isinstance(marks, dict) or set(marks) != {"seq", "pinned", "labels"}:
-        _fail(f"marks is {marks!r}, not {{seq, pinned, labels}}")
+        _fail(f"marks is {_shown(marks)}, not {{seq, pinned, labels}}")
     labels = marks["labels"]
     if not isinstance(marks["pinned"], bool) or not isinstance(labels, list):
-        _fail(f"marks {marks!r} have the wrong types")
-    if not all(isinstance(label, str) and label for label in labels):
-        _fail(f"marks labels {labels!r} are not non-empty strings")
-    seq = _count(marks, "seq", "marks", 1)
+        _fail(f"marks {_shown(marks)} have the wrong types")
+    if not all(isinstance(label, str) and LABEL.fullmatch(label) for label in labels):
+        _fail(f"marks labels {_shown(labels)} are not each a label `smoltorrent tag` takes")
+    seq = _count(marks, "seq", "marks", 1, defaults.MAX_SEQ)
     return {"marks_seq": seq, "pinned": marks["pinned"], "labels": tuple(labels)}
+
+
+_LATEST_CREATED_AT = 2**40  # unix seconds (year ~36,800): past it, not a time we wrote
 
 
 _CHUNKS_OPENING = '{"chunks":['  # to_json's first key, sorted, is a chunked manifest's list
@@ -854,7 +874,7 @@ def _canonical_document(data: bytes | str) -> dict[str, Any] | None:
         if isinstance(data, bytes):  # a node's copy: what follows the list, as text
             data, end = data[end:].decode(), 0
         return document if _decode_fields(data, end, document) else None
-    except (json.JSONDecodeError, UnicodeDecodeError, ManifestError):
+    except (*_NOT_JSON, ManifestError):
         return None
 
 
@@ -894,7 +914,7 @@ def _parse_manifest(held: list[bytes | str]) -> Manifest:
     try:
         if document is None:  # not to_json's form: any JSON form, checked field by field
             document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except _NOT_JSON as error:
         _fail(f"not JSON ({error})")
     del data
     return _manifest_of(document)
@@ -939,7 +959,7 @@ def _document_from_pieces(pieces: Iterator[str]) -> dict[str, Any] | None:
     document: dict[str, Any] = {"chunks": columns.table()}
     try:
         return document if _decode_fields(rest, 0, document) else None
-    except (json.JSONDecodeError, ManifestError):
+    except (*_NOT_JSON, ManifestError):
         return None
 
 
@@ -967,10 +987,9 @@ def _manifest_of(document: Any) -> Manifest:
     if (
         not isinstance(created_at, int | float)
         or isinstance(created_at, bool)
-        or not math.isfinite(created_at)
-        or created_at < 0
+        or not 0 <= created_at <= _LATEST_CREATED_AT  # also no float could hold it
     ):
-        _fail(f"created_at is {created_at!r}, not unix seconds")
+        _fail(f"created_at is {_shown(created_at)}, not unix seconds")
     kind = "chunks" if "chunks" in fields else "shards"
     if not isinstance(fields[kind], list | ChunkTable):
         _fail(f"{kind} is not a list")
@@ -987,7 +1006,7 @@ def _manifest_of(document: Any) -> Manifest:
         created_at=float(created_at),
         schema_version=schema,
         chunks=chunks,
-        seq=_count(fields, "seq", "manifest") if "seq" in fields else 0,
+        seq=_count(fields, "seq", "manifest", 0, defaults.MAX_SEQ) if "seq" in fields else 0,
         **(_parse_marks(fields["marks"]) if "marks" in fields else {}),
     )
     # The JSON document goes before the header is parsed to check the entries against it:

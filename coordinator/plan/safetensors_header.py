@@ -13,7 +13,6 @@ something `safetensors.safe_open` loads.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -274,8 +273,7 @@ def _tensor_fields(entry: dict[str, Any]) -> tuple[str, list, int, int] | None:
         or offsets[0] > offsets[1]
     ):
         return None
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
-    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+    if _bytes_of(shape, dtype) != offsets[1] - offsets[0]:
         return None
     return dtype, shape, offsets[0], offsets[1]
 
@@ -345,13 +343,32 @@ def _check_tensor(name: str, entry: Any, source: str) -> TensorInfo:
     ):
         fail(f"has data_offsets {offsets!r}; they must be [start, end] with 0 <= start <= end")
     start, end = offsets
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
-    if bits % 8 or bits // 8 != end - start:
+    needed = _bytes_of(shape, dtype)
+    if needed != end - start:
+        shown = repr(shape) if len(shape) <= 16 else f"of {len(shape)} dimensions"
         fail(
-            f"of dtype {dtype} and shape {shape} needs {bits / 8:g} bytes, "
-            f"but its data_offsets span {end - start}"
+            f"of dtype {dtype} and shape {shown} needs "
+            + (f"{needed:g}" if needed is not None else f"over {_MOST_BYTES}")
+            + f" bytes, but its data_offsets span {end - start}"
         )
     return TensorInfo(name, dtype, tuple(shape), start, end)
+
+
+_MOST_BYTES = 2**64  # no file holds a tensor past this: its size needs no exact figure
+
+
+def _bytes_of(shape: list[int], dtype: str) -> float | None:
+    """The bytes a tensor of `shape` and `dtype` takes (a fraction where its bits do not
+    fill whole bytes), or None past _MOST_BYTES: the product stops there, so a hostile
+    shape of many dimensions costs one pass, not a number of as many bits (quadratic)."""
+    if 0 in shape:
+        return 0
+    bits = DTYPE_BITS[dtype]
+    for dim in shape:
+        bits *= dim
+        if bits > 8 * _MOST_BYTES:
+            return None
+    return bits / 8
 
 
 def _check_layout(ranges: Iterable[tuple[int, int, str]], data_size: int, source: str) -> None:

@@ -683,3 +683,39 @@ def test_a_chunk_past_int64_is_refused():
     text = canonical(manifest, chunk_setter("data_end", 2**70, 2))
     with pytest.raises(ManifestError, match="past 2\\*\\*63"):
         Manifest.from_json(text)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+HOSTILE_EDITS = [
+    ("seq-5000-digits", '"seq":' + "9" * 5000, "not JSON"),
+    ("seq-past-the-counter", f'"seq":{2**63 - 1}', "seq"),
+    (
+        "marks-seq-past-the-counter",
+        f'"marks":{{"seq":{2**63 - 1},"pinned":false,"labels":[]}}',
+        "seq",
+    ),
+    ("created-beyond-float", '"created_at":' + "1" * 400, "created_at"),  # replaces its own
+    ("deep-nesting", '"seq":' + _nested(100_000), "not JSON"),
+    ("label-path", '"marks":{"seq":5,"pinned":false,"labels":["../../x"]}', "label"),
+    ("label-long", f'"marks":{{"seq":5,"pinned":false,"labels":["{"a" * 5000}"]}}', "label"),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "words"), [h[1:] for h in HOSTILE_EDITS], ids=[h[0] for h in HOSTILE_EDITS]
+)
+def test_a_hostile_manifest_fails_as_a_manifest_error_only(chunked, field, words):
+    """issue 38 2e: what a node returns to a rebuild is parsed as a manifest or refused as
+    one, never another exception (ValueError on a 5,000-digit integer, RecursionError,
+    OverflowError aborted the whole rebuild or every crosscheck pass), with seq and marks
+    seq below the counter's end (2^63-1 wedged st:seq) and labels as `tag` takes them."""
+    _, manifest = chunked
+    text = re.sub(r',"created_at":[0-9.]+', "", manifest.to_json().decode())
+    if not field.startswith('"created_at"'):
+        field += f',"created_at":{manifest.created_at}'
+    hostile = text[:-1] + "," + field + "}"
+    with pytest.raises(ManifestError, match=words):
+        Manifest.from_json(hostile)

@@ -385,3 +385,18 @@ def test_a_manifests_header_check_gives_the_data_size():
     prefix = struct.pack("<Q", len(raw))
     assert checked_data_size(prefix, raw, 8 + len(raw) + 5) == 5
     assert parse_header(prefix, raw, 8 + len(raw) + 5).data_size == 5
+
+
+@pytest.mark.parametrize("check", [parse_header, checked_data_size])
+def test_a_shape_of_80k_dimensions_is_refused_as_a_format_error(check):
+    """issue 38 2e: a header (a node's manifest copy carries one) whose tensor has 80,000
+    dimensions of 2 made math.prod build a 80,000-bit number, quadratic, and then the
+    message's bytes-needed figure overflowed a float (OverflowError, not a format error,
+    which aborted a whole rebuild). The product stops once past what the offsets span,
+    and the refusal is a short sentence."""
+    shape = [2] * 80_000
+    raw = json.dumps({"x": {"dtype": "U8", "shape": shape, "data_offsets": [0, 4]}}).encode()
+    prefix = struct.pack("<Q", len(raw))
+    with pytest.raises(CheckpointFormatError, match="data_offsets span 4") as refused:
+        check(prefix, raw, 8 + len(raw) + 4)
+    assert len(str(refused.value)) < 500
