@@ -411,6 +411,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
             f"rebuilt from {summary['nodes_read']} node(s): "
             f"{summary['versions']} versions of {summary['names']} checkpoints, "
             f"{summary['placements']} blob copies"
+            + (f"; {summary['skipped']} manifest(s) skipped" if summary["skipped"] else "")
         )
         for line in summary["unreachable"]:
             warn(f"not read: {line}")

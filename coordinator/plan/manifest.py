@@ -286,8 +286,9 @@ class Manifest:
     # 0: not recorded (Redis keeps it in the version's hash; older manifests).
     seq: int = 0
     # Its pin and labels, in the copies the nodes keep, so a rebuild brings them back;
-    # marks_seq: the number (from the one counter) of their last change, so of a rebuild's
-    # copies the one last written says them (coordinator/state/marks.py). 0: none recorded.
+    # marks_seq: the number (from the one counter) of their last change, or of its R's
+    # (Versions.set_replicas), so of a rebuild's copies the one last written says them and
+    # its R (coordinator/state/marks.py). 0: none recorded.
     marks_seq: int = 0
     pinned: bool = False
     labels: tuple[str, ...] = ()

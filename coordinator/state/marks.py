@@ -1,4 +1,6 @@
 """Pins and labels kept on the nodes too, so a rebuild from the nodes brings them back.
+A version's R is one of its marks as well: `store --replicas` on stored content changes it
+(Versions.set_replicas), with a marks_seq of its own.
 
 Redis holds them (`PINS`, `TAGS`, coordinator/state/versions.py); the nodes' copies of a
 version's manifest carry them as well, with `marks_seq`, a number from the one counter

@@ -77,6 +77,7 @@ def rebuild_metadata(
         md.r.incrby(K.SEQ, behind)
     restored = 0
     brought_back: set[str] = set()
+    found: set[str] = set()  # the versions not skipped: restored, or known to Redis already
     # In request order (each restored version takes a new number in turn, so the last
     # request of a name is current again); manifests that record none, by creation.
     for key, manifest in sorted(manifests.items(), key=lambda kv: (kv[1].seq, kv[1].created_at)):
@@ -91,6 +92,9 @@ def rebuild_metadata(
                 f"{manifest.name} {manifest.version_id[:12]}: shards {missing} on no node"
             )
             continue
+        if key in marked:  # its R as last set (set_replicas), like its pin and labels
+            manifest = dataclasses.replace(manifest, replicas=marked[key].replicas)
+        found.add(key)
         if md.versions.restore_committed(manifest, vkey):
             restored += 1
             brought_back.add(vkey)
@@ -100,9 +104,12 @@ def rebuild_metadata(
     directories = restore_directories(md, list(manifests.values()))
     return {
         "nodes_read": nodes_read,
-        "versions": len(manifests),
+        "versions": len(found),
         "restored": restored,
-        "names": len({m.name for m in manifests.values()}),
+        "names": len({manifests[k].name for k in found}),
+        # Manifests not restored (a shard on no node, a copy naming another version) or
+        # not read: each is said in "unreachable" too.
+        "skipped": len(skipped),
         "placements": placements,
         "steps": steps,
         "directories": directories,

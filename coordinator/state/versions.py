@@ -274,7 +274,13 @@ class Versions:
         its listing row, in one transaction. The repair sweep copies each blob up to, or
         trims it down to, the most any version using it asks for; the nodes' copies of the
         manifest are the caller's to write. The R it asked for before, or None when it is
-        not committed (nothing changed)."""
+        not committed (nothing changed).
+
+        R is one of the version's marks (coordinator/state/marks.py): the change takes a
+        fresh marks_seq, so of the nodes' copies a rebuild reads, the one written after it
+        says R. The store request that asked for it had put copies with the old R at the
+        same request number; a holder down in between kept one, and a rebuild that read it
+        first brought the old R back."""
         version, manifest_key = K.VERSION.format(vkey=vkey), K.MANIFEST.format(vkey=vkey)
 
         def change(p: redis.client.Pipeline) -> int | None:
@@ -283,8 +289,9 @@ class Versions:
             if state != COMMITTED or raw is None:
                 return None
             manifest = dataclasses.replace(Manifest.from_json(raw), replicas=replicas)
+            marks_seq = next_seq(self.r)
             p.multi()
-            p.hset(version, "replicas", replicas)
+            p.hset(version, mapping={"replicas": replicas, "marks_seq": marks_seq})
             p.set(manifest_key, manifest.to_json())
             if row is not None:
                 p.hset(K.VERSION_ROWS, vkey, json.dumps({**json.loads(row), "replicas": replicas},

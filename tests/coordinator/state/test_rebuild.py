@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 from coordinator.local.synthetic import write_checkpoint
-from tests.tasks.conftest import make_cluster  # noqa: F401  (the fixture, shared)
+from coordinator.plan.manifest import Manifest
+from tests.tasks.conftest import make_cluster, wait_until  # noqa: F401  (the fixture, shared)
 
 NAME = "run/latest.safetensors"
 
@@ -45,3 +48,58 @@ def test_pins_and_labels_come_back_after_losing_redis_and_a_rebuild(make_cluster
     out = tmp_path / "out.safetensors"
     c.cli("gather", f"{NAME}@best", "-o", str(out))
     assert out.read_bytes() == sources[2].read_bytes()
+
+
+def test_replicas_asked_for_while_a_node_was_down_come_back_after_losing_redis(
+    make_cluster,  # noqa: F811
+    tmp_path,
+):
+    """`store --replicas 3` on stored content: its store task puts the version's manifest
+    again on the live holders with that request's number, then set_replicas records R=3
+    and the replicas task puts it once more, at the same number. A holder that died
+    between the two kept R=2 at that number, and a rebuild took the first copy it read at
+    an equal number: with that node read first, R=2 came back (and repair would trim the
+    third copy the user asked for). The R change now takes a number of its own
+    (marks_seq), and a rebuild takes R from the copy that carries the highest."""
+    c = make_cluster(4)
+    src = tmp_path / "a.safetensors"
+    write_checkpoint(src, 300_000, hidden=32)
+    os.utime(src, (time.time() - 60, time.time() - 60))
+    c.cli("store", str(src), "--name", NAME, "--replicas", "2")
+    # The store task of `store --replicas 3`: every holder takes this request's number.
+    c.cli("store", str(src), "--name", NAME)
+    vkey = c.md.versions.current(NAME)
+    holding = [n for n in c.node_procs if vkey in n.client().list_manifests()]
+    down = holding[0]
+    down.kill()
+    # The rest of `store --replicas 3` (coordinator/cli/transfer_commands._change_replicas).
+    assert c.md.versions.set_replicas(vkey, 3) == 2
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tasks.enqueue import send_replicas; send_replicas(*sys.argv[1:])",
+            vkey,
+            NAME,
+        ],
+        env=c.env(),
+        check=True,
+        timeout=60,
+    )
+    live = [n for n in holding if n is not down]
+
+    def told() -> bool:
+        return all(Manifest.from_json(n.client().get_manifest(vkey)).replicas == 3 for n in live)
+
+    wait_until(told, what="the live holders' manifests to say R=3")
+    down.start()
+
+    c.kill_redis()
+    shutil.rmtree(c.root / "redis")
+    c.start_redis()
+    # The node that was down is read first.
+    order = [down, *(n for n in c.node_procs if n is not down)]
+    summary = c.cli_json("rebuild", *(str(n.address) for n in order))
+    assert summary["restored"] == 1, summary
+    [row] = c.cli_json("ls", NAME)
+    assert row["replicas"] == 3
