@@ -38,6 +38,9 @@ NONCE_BYTES = 32  # bytes; HMAC challenge size, as long as the SHA-256 output
 WRITEBACK_CHUNK_BYTES = 16 * 1024 * 1024
 SENDFILE_MAX_BYTES = 1 << 30  # bytes per sendfile call; Linux moves at most ~2 GiB per call
 MAX_KEY_CHARS = 128  # characters in a manifest key; one file name on every file system we meet
+# hex digits of a version's storage key (Manifest.storage_key): 128 bits of SHA-256 keep
+# collisions out of reach while the key stays short enough for a file name
+VERSION_KEY_CHARS = 32
 VERIFY_BATCH_DIGESTS = 512  # digests per verify request; ~35 KB of JSON, under MAX_HEADER_BYTES
 # seconds between progress frames of a node copying or re-hashing a blob; a node sends them
 # at a quarter of its socket timeout if that is shorter, so a waiting peer never times out

@@ -110,6 +110,11 @@ class DestinationNotAllowedError(SmoltorrentError):
     """A gather was asked to write outside the directories its worker allows."""
 
 
+class UnsafeNameError(SmoltorrentError):
+    """A name from the network, a broker message, Redis or a node's manifest that would
+    become a path outside the directory it belongs in (a '/', '..', a key not hex)."""
+
+
 class ConfigError(SmoltorrentError):
     """A setting (a flag or an environment variable) has a value smoltorrent cannot use."""
 

@@ -300,7 +300,8 @@ class _Run:
             else:
                 self.nodes.setdefault(node, how)
         if not outcome.failed:
-            release(span)  # every replica of this chain is placed: its spooled chunk is done
+            # Every replica of this chain is placed: its spooled chunk is done.
+            release(span, spool_dir(config.spool_root(), vkey))
         return list(outcome.failed.values())
 
 

@@ -33,10 +33,11 @@ DELIVERY_TASK_OPTIONS = {
 
 def abandon(vkey: str, version: dict, reason: str) -> None:
     """Abort a version whose source was rewritten, and store the new bytes once stable."""
+    spool = spool_dir(config.spool_root(), vkey)  # a key that is no version's: refused
     md = metadata()
     md.versions.abort(vkey, reason)  # a no-op on a version that committed meanwhile
     if md.versions.state(vkey) == ABORTED:  # its encoded chunks are of no use now
-        shutil.rmtree(spool_dir(config.spool_root(), vkey), ignore_errors=True)
+        shutil.rmtree(spool, ignore_errors=True)
     if md.versions.state(vkey) == ABORTED and md.versions.claim(vkey, "restore_enqueued"):
         log.warning("%s: %s", version["name"], reason)
         shards = int(version.get("requested_shards") or 0) or None

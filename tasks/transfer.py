@@ -105,7 +105,7 @@ def _deliver(md, v, vkey, name, span, replica, node_id, meter, attempt, same) ->
     md.transfers.record_attempt(vkey, {**attempt, "result": how})
     settle(vkey, shard, replica, node_id, digest, name, same=same)
     if len(md.blobs.placement(digest)) >= len(md.transfers.plan(vkey)[shard]):
-        release(span)  # every replica is placed: its spooled chunk is done
+        release(span, spool_dir(config.spool_root(), vkey))  # every replica is placed
     return how
 
 

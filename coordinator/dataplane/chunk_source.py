@@ -20,15 +20,17 @@ from typing import NoReturn
 
 from coordinator.dataplane import codec
 from coordinator.plan.chunks import ChunkPlan, plan_chunks
-from coordinator.plan.manifest import BlobSpan, ChunkEntry, Manifest
+from coordinator.plan.manifest import BlobSpan, ChunkEntry, Manifest, check_version_key
 from coordinator.plan.safetensors_header import CheckpointHeader, read_header
 from coordinator.plan.source_file import SourceIdentity
 from smoltorrent.errors import SourceChangedError
 
 
 def spool_dir(root: str | os.PathLike, vkey: str) -> str:
-    """Where the encoded chunks of version `vkey` wait to be sent, on the source's host."""
-    return os.path.join(os.fspath(root), vkey)
+    """Where the encoded chunks of version `vkey` wait to be sent, on the source's host.
+    The key comes from a task's arguments or Redis, and this directory is removed whole:
+    UnsafeNameError unless it is a version key (os.path.join(root, "/home/u") is /home/u)."""
+    return os.path.join(os.fspath(root), check_version_key(vkey))
 
 
 def source_changed(path: str, index: int) -> NoReturn:
@@ -131,15 +133,17 @@ def _encode_again(path: str, identity: SourceIdentity, span: BlobSpan, spool: st
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def release(span: BlobSpan) -> None:
+def release(span: BlobSpan, spool: str) -> None:
     """Drop a chunk's spooled file once its nodes hold it (and its version's spool
-    directory with the last one): a later send encodes it again if it must."""
+    directory `spool` with the last one): a later send encodes it again if it must. The
+    file is spool/<index>.chunk, where the store put it: the span's own path came from
+    Redis, and no Redis value names a file to delete."""
     if not span.spool:
         return
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(span.spool)
+        os.unlink(os.path.join(spool, f"{span.index}.chunk"))
     with contextlib.suppress(OSError):  # not empty yet: other chunks are still to send
-        os.rmdir(os.path.dirname(span.spool))
+        os.rmdir(spool)
 
 
 def clear_spool(root: str | os.PathLike, keep: set[str], older_than: float) -> int:

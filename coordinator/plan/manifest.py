@@ -47,7 +47,7 @@ from coordinator.plan.safetensors_header import (
     parse_header,
 )
 from smoltorrent import defaults
-from smoltorrent.errors import CheckpointFormatError, ManifestError, UsageError
+from smoltorrent.errors import CheckpointFormatError, ManifestError, UnsafeNameError, UsageError
 
 SCHEMA_VERSION = 3  # the newest: chunks
 SHARD_SCHEMA_VERSION = 2  # the newest of whole shards
@@ -539,7 +539,24 @@ def check_name(name: str) -> str:
 
 def storage_key(name: str, version_id: str) -> str:
     """The version key of `version_id` under `name` (see Manifest.storage_key)."""
-    return hashlib.sha256(f"{name}\0{version_id}".encode()).hexdigest()[:32]
+    digest = hashlib.sha256(f"{name}\0{version_id}".encode()).hexdigest()
+    return digest[: defaults.VERSION_KEY_CHARS]
+
+
+_VERSION_KEY = re.compile(f"[0-9a-f]{{{defaults.VERSION_KEY_CHARS}}}")
+
+
+def check_version_key(vkey: object) -> str:
+    """`vkey` if it is a version key as storage_key makes them, else UnsafeNameError. A
+    key from a broker message or Redis names a directory on the source's host (the spool's),
+    so '/home/u' or '..' must never pass for one."""
+    if not isinstance(vkey, str) or not _VERSION_KEY.fullmatch(vkey):
+        raise UnsafeNameError(
+            f"refusing the version key {str(vkey)[:80]!r}: a version key is"
+            f" {defaults.VERSION_KEY_CHARS} lowercase hex digits. A message or a Redis"
+            " value that says otherwise was not written by smoltorrent."
+        )
+    return vkey
 
 
 def version_id_for(header_bytes: bytes, blob_digests: Sequence[str]) -> str:

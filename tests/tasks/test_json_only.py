@@ -13,6 +13,7 @@ from coordinator import config
 from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
+from tests.tasks.test_delivery_policy import EMBED, task_headers
 
 # Celery's words (celery/worker/consumer/consumer.py, INVALID_TASK_ERROR, with kombu's
 # ContentDisallowed from kombu/serialization.py) for a message it would not deserialize.
@@ -44,24 +45,8 @@ def test_a_pickled_task_message_is_refused_unread_dropped_and_the_worker_serves_
     vkey = c.cli_json("store", str(src))["vkey"]
     marker = tmp_path / "unpickled"
     task_id = str(uuid.uuid4())
-    headers = {
-        "lang": "py",
-        "task": "smoltorrent.remove",
-        "id": task_id,
-        "root_id": task_id,
-        "parent_id": None,
-        "group": None,
-        "retries": 0,
-        "eta": None,
-        "expires": None,
-        "timelimit": [None, None],
-        "argsrepr": repr((vkey,)),
-        "kwargsrepr": "{}",
-        "origin": "test",
-    }
-    # Celery's protocol 2 body: (args, kwargs, embed); embed's keys go onto the request.
-    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-    body = pickle.dumps(((vkey,), {}, embed | {"marker": Touch(marker)}))
+    headers = task_headers("smoltorrent.remove", task_id, (vkey,), {})
+    body = pickle.dumps(((vkey,), {}, EMBED | {"marker": Touch(marker)}))
     with kombu.Connection(c.redis_url) as connection:
         connection.Producer().publish(
             body,

@@ -21,6 +21,7 @@ from coordinator.plan.manifest import (
     VersionBlobs,
     blob_prefixes,
     blob_spans,
+    check_version_key,
     chunk_entries,
     chunked_version_id,
     shard_entries,
@@ -29,7 +30,7 @@ from coordinator.plan.manifest import (
 )
 from coordinator.plan.planner import plan_shards
 from coordinator.plan.safetensors_header import read_header
-from smoltorrent.errors import ManifestError
+from smoltorrent.errors import ManifestError, UnsafeNameError
 from tests.checkpoints import write_llm_like, write_raw
 
 
@@ -184,6 +185,16 @@ def test_storage_key_differs_per_name_for_the_same_content(tmp_path, stored):
     assert copy.version_id == manifest.version_id
     assert copy.storage_key() != manifest.storage_key()
     assert len(manifest.storage_key()) == 32 and int(manifest.storage_key(), 16) >= 0
+
+
+@pytest.mark.parametrize(
+    "vkey", ["/home/u", "..", "../" + "0" * 29, "0" * 31, "0" * 33, "A" * 32, "0" * 31 + "/", 7]
+)
+def test_only_a_storage_key_passes_for_a_version_key(vkey, stored):
+    _, manifest, _, _ = stored
+    assert check_version_key(manifest.storage_key()) == manifest.storage_key()
+    with pytest.raises(UnsafeNameError, match="32 lowercase hex digits"):
+        check_version_key(vkey)
 
 
 def edited(manifest: Manifest, edit) -> bytes:
