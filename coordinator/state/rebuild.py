@@ -8,6 +8,7 @@ versions, current versions and placement all come back from here.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 from collections.abc import Sequence
 
@@ -35,6 +36,7 @@ def rebuild_metadata(
 ) -> dict:
     manifests: dict[str, Manifest] = {}
     marked: dict[str, Manifest] = {}  # per version, the copy whose marks were set last
+    copies: dict[str, set[bytes]] = {}  # per version, the SHA-256 of each copy parsed
     unreachable: list[str] = []
     skipped: list[str] = []
     held: set[str] = set()
@@ -54,7 +56,14 @@ def rebuild_metadata(
         # tasks/commit.py record_request_order) says where the version stands.
         for key in keys:
             try:
-                manifest = Manifest.from_json(client.get_manifest(key))
+                raw = client.get_manifest(key)
+                # A copy byte for byte like one read already says nothing new: parsed once
+                # (the nodes holding a version's blobs keep the same copy, each a parse).
+                alike = hashlib.sha256(raw).digest()
+                if alike in copies.setdefault(key, set()):
+                    continue
+                manifest = Manifest.from_json(raw)
+                copies[key].add(alike)
             except (NodeUnavailableError, NodeError, SmoltorrentError) as exc:
                 skipped.append(f"manifest {key} on {address}: {exc}")
                 continue
@@ -65,10 +74,9 @@ def rebuild_metadata(
         nodes_read += 1
         md.nodes.add_node(stat.node_id, address)
         md.nodes.mark_alive(stat.node_id, dataclasses.asdict(stat))
-        for digest in blobs:
-            md.blobs.add_placement(digest, stat.node_id)
-            held.add(digest)
-            placements += 1
+        md.blobs.add_placements(blobs, stat.node_id)
+        held.update(blobs)
+        placements += len(blobs)
     # Numbers taken from here on come after every one the nodes' copies carry: a pin or
     # label changed after this rebuild must outrank a copy a node kept from before it.
     top = max((max(m.seq, m.marks_seq) for m in [*manifests.values(), *marked.values()]), default=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bench.scale_metadata import CountedMetadata
+from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 
 
@@ -23,3 +24,18 @@ def test_placement_of_many_blobs_reads_them_in_batches_sharing_each_node_set(md)
     assert counted.sent == 3
     assert len({id(p) for p in got}) == len(nodes)
     assert counted.blobs.placement_of([]) == []
+
+
+def test_placements_added_in_batches_drop_their_listed_copies(md):
+    """A rebuild's placements: PLACEMENT_BATCH_DIGESTS a round trip, each blob's listed
+    copy (what `ls` reads) dropped with its change, as add_placement does one at a time."""
+    digests = [f"{i:064x}" for i in range(defaults.PLACEMENT_BATCH_DIGESTS + 3)]
+    md.blobs.add_placements(digests, "a")
+    md.r.hset(K.PLACEMENTS_LISTED, mapping={d: "a" for d in digests})
+    counted = CountedMetadata(md.url)
+    counted.r.ping()
+    counted.sent = 0
+    counted.blobs.add_placements(digests, "b")
+    assert counted.sent == 2
+    assert md.blobs.placement_of(digests) == [{"a", "b"}] * len(digests)
+    assert md.r.hlen(K.PLACEMENTS_LISTED) == 0
