@@ -356,6 +356,13 @@ class Manifest:
     def data_start(self) -> int:
         return LENGTH_PREFIX_BYTES + len(self.header_bytes)
 
+    def content_version_id(self) -> str:
+        """The version id its header and digests make (what a store gives it): equal to
+        version_id unless the copy was forged or damaged in a way its parse cannot see."""
+        if self.chunked:
+            return chunked_version_id(self.header_bytes, [c.raw_sha256 for c in self.chunks])
+        return version_id_for(self.header_bytes, [s.blob_sha256 for s in self.shards])
+
     def storage_key(self) -> str:
         """The key of this manifest in a node's manifest store: 32 hex, safe as a file name.
 

@@ -67,6 +67,12 @@ def rebuild_metadata(
             except (NodeUnavailableError, NodeError, SmoltorrentError) as exc:
                 skipped.append(f"manifest {key} on {address}: {exc}")
                 continue
+            if manifest.version_id != manifest.content_version_id():  # forged, or damaged
+                skipped.append(
+                    f"manifest {key} on {address}: version id {manifest.version_id[:12]} is"
+                    " not its content's"
+                )
+                continue
             if key not in manifests or manifest.seq > manifests[key].seq:
                 manifests[key] = manifest
             if manifest.marks_seq > getattr(marked.get(key), "marks_seq", 0):
