@@ -103,8 +103,7 @@ def _manifests(md: Metadata, registered, manifests: dict[str, list[str]], counts
     sure = True
     for node_id, keys in manifests.items():
         client = node_client(node_id, registered)
-        for key in keys:
-            state = md.versions.state(key)
+        for key, state in zip(keys, md.versions.states(keys), strict=True):
             try:
                 if state == REMOVED:
                     client.delete_manifest(key)

@@ -34,11 +34,14 @@ class Blobs:
         return set(self.r.smembers(K.BLOB_REFS.format(digest=digest)))
 
     def referenced(self, digests: list[str]) -> dict[str, bool]:
-        """digest -> whether any version (not removing or removed) uses it."""
-        with self.r.pipeline(transaction=False) as p:
-            for d in digests:
-                p.scard(K.BLOB_REFS.format(digest=d))
-            counts = p.execute()
+        """digest -> whether any version (not removing or removed) uses it, one round trip
+        per PLACEMENT_BATCH_DIGESTS (the crosscheck asks of every blob the nodes hold)."""
+        counts: list[int] = []
+        for start in range(0, len(digests), defaults.PLACEMENT_BATCH_DIGESTS):
+            with self.r.pipeline(transaction=False) as p:
+                for d in digests[start : start + defaults.PLACEMENT_BATCH_DIGESTS]:
+                    p.scard(K.BLOB_REFS.format(digest=d))
+                counts += p.execute()
         return {d: n > 0 for d, n in zip(digests, counts, strict=True)}
 
     def blob_deleting(self, digest: str) -> bool:
@@ -126,16 +129,31 @@ class Blobs:
             p.execute()
 
     def placements(self) -> dict[str, set[str]]:
-        """Every blob's placement: digest -> node ids holding a verified copy."""
+        """Every blob's placement: digest -> node ids holding a verified copy. The keys come
+        from a SCAN of the keyspace, their sets one round trip per PLACEMENT_BATCH_DIGESTS
+        (the crosscheck's 100,000 blobs were one pipeline, a command and a reply each held
+        at once)."""
         head, tail = K.PLACEMENT.split("{digest}")
-        keys = list(self.r.scan_iter(match=K.PLACEMENT.format(digest="*"), count=1000))
-        with self.r.pipeline(transaction=False) as p:
-            for key in keys:
-                p.smembers(key)
-            members = p.execute()
-        return {
-            k[len(head) : len(k) - len(tail)]: set(m) for k, m in zip(keys, members, strict=True)
-        }
+        out: dict[str, set[str]] = {}
+        keys: list[str] = []
+
+        def read() -> None:
+            with self.r.pipeline(transaction=False) as p:
+                for k in keys:
+                    p.smembers(k)
+                members = p.execute()
+            out.update(
+                (k[len(head) : len(k) - len(tail)], set(m))
+                for k, m in zip(keys, members, strict=True)
+            )
+            keys.clear()
+
+        for key in self.r.scan_iter(match=K.PLACEMENT.format(digest="*"), count=1000):
+            keys.append(key)
+            if len(keys) == defaults.PLACEMENT_BATCH_DIGESTS:
+                read()
+        read()
+        return out
 
     def record_copy(self, digest: str, node_id: str) -> bool:
         """Add a copy a node holds to the placement if a version uses the blob; True if it

@@ -52,12 +52,15 @@ class Listing:
 
     def versions_in(self, *states: str) -> list[tuple[str, dict[str, str]]]:
         """(vkey, version hash) of every listed version in one of `states`, in request order:
-        the states of all come from one hash, and only the matching versions are read."""
+        the states of all come from one hash, and only the matching versions are read, one
+        round trip per LISTING_BATCH_VERSIONS (verify reads every committed one)."""
         vkeys = self.vkeys_in(states)
-        with self.r.pipeline(transaction=False) as p:
-            for vkey in vkeys:
-                p.hgetall(K.VERSION.format(vkey=vkey))
-            hashes = p.execute()
+        hashes: list[dict[str, str]] = []
+        for start in range(0, len(vkeys), defaults.LISTING_BATCH_VERSIONS):
+            with self.r.pipeline(transaction=False) as p:
+                for vkey in vkeys[start : start + defaults.LISTING_BATCH_VERSIONS]:
+                    p.hgetall(K.VERSION.format(vkey=vkey))
+                hashes += p.execute()
         return [
             (vkey, v) for vkey, v in zip(vkeys, hashes, strict=True) if v.get("state") in states
         ]

@@ -305,6 +305,11 @@ class Versions:
     def state(self, vkey: str) -> str | None:
         return self.r.hget(K.VERSION.format(vkey=vkey), "state")
 
+    def states(self, vkeys: Sequence[str]) -> list[str | None]:
+        """state() of each of `vkeys`, in order: one round trip per LISTING_BATCH_VERSIONS
+        (the crosscheck asks of every manifest on every node)."""
+        return self._each(list(vkeys), lambda p, v: p.hget(K.VERSION.format(vkey=v), "state"))
+
     def abort(self, vkey: str, reason: str) -> bool:
         """pending -> aborted; True if this call aborted it (a committed version stays)."""
         aborted = bool(

@@ -39,3 +39,15 @@ def test_placements_added_in_batches_drop_their_listed_copies(md):
     assert counted.sent == 2
     assert md.blobs.placement_of(digests) == [{"a", "b"}] * len(digests)
     assert md.r.hlen(K.PLACEMENTS_LISTED) == 0
+
+
+def test_every_placement_read_in_batches_from_a_scan(md):
+    """The crosscheck's read of every placement: the keys from a SCAN, their sets a batch
+    of PLACEMENT_BATCH_DIGESTS at a time, every one of them, across batch ends."""
+    digests = [f"{i:064x}" for i in range(2 * defaults.PLACEMENT_BATCH_DIGESTS + 5)]
+    md.blobs.add_placements(digests[::2], "a")
+    md.blobs.add_placements(digests, "b")
+    md.blobs.remove_placement(digests[1], "b")  # an empty set is no key: not listed
+    want = {d: ({"a", "b"} if i % 2 == 0 else {"b"}) for i, d in enumerate(digests) if i != 1}
+    assert md.blobs.placements() == want
+    assert md.blobs.referenced(digests) == {d: False for d in digests}
