@@ -374,7 +374,12 @@ def _check_latest(final: Final, removed_names: set[str]) -> list[str]:
     for name, (seq, rec) in sorted(latest.items()):
         want = rec.get("content") or content_of.get(rec["vkey"])
         got = final.current.get(name)
-        if got != want:
+        if want is None:  # nothing to compare with: never a pass, whatever is served
+            bad.append(
+                f"{name}: the content its latest accepted request (seq {seq}, version"
+                f" {rec['vkey'][:12]}) stored is unknown, so what it serves cannot be judged"
+            )
+        elif got != want:
             bad.append(
                 f"{name} serves {str(got)[:12]}, but its latest accepted request (seq {seq},"
                 f" version {rec['vkey'][:12]}) stored {str(want)[:12]}"

@@ -123,3 +123,15 @@ def test_a_node_clock_or_link_fault_names_its_node_and_replays():
         assert abs(f.skew_s) == (SKEW_S if f.kind == "skew-node" else 0)
     described = schedule.describe()
     assert "cutpeers  node" in described and "300s" in described
+
+
+def test_a_latest_request_whose_content_nobody_knows_is_not_taken_as_served():
+    """issue 38: _check_latest passed when both sides were None (the latest request's
+    content unknown, and the name's current gather failed or was never read): a name that
+    serves nothing must not pass as serving its latest store."""
+    versions = [
+        {"vkey": "va", "state": "committed", "name": NAME, "content": A},
+        {"vkey": "vb", "state": "committed", "name": NAME, "content": None},
+    ]
+    [v] = check(OPS[:1], final(versions=versions, current={NAME: None}), NAMES)
+    assert "latest accepted request (seq 2" in v and "unknown" in v
