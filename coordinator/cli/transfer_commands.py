@@ -168,8 +168,10 @@ def _change_replicas(name: str, out: dict, replicas: int | None) -> tuple[int, i
     send_replicas(vkey, name)
     largest = max((s.blob_size for s in md.versions.manifest(vkey).entries), default=0)
     stall = max(defaults.REPLICAS_STALL_S, transfer_time_limit(largest))
-    seen, since = None, time.monotonic()
-    while (now := copies_against_wanted(md, vkey)) and any(c != w for c, w in now.values()):
+    seen, since, dead_after = None, time.monotonic(), config.dead_after()
+    while (now := copies_against_wanted(md, vkey, dead_after)) and any(
+        c != w for c, w in now.values()
+    ):
         if now != seen:
             seen, since = now, time.monotonic()
         elif time.monotonic() - since > stall:

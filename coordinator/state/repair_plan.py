@@ -21,12 +21,13 @@ it every few seconds; coordinator/state/healing.py carries each step out. Rules:
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from coordinator.state import redis_keys as K
-from coordinator.state.liveness import DEAD, UP, NodeHealth
+from coordinator.state.liveness import DEAD, UP, NodeHealth, node_health
 from coordinator.state.metadata import Metadata
 from coordinator.state.repairs import InFlight
 from coordinator.state.versions import COMMITTED, PENDING
@@ -124,17 +125,20 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
     return {d: Blob(d, sizes[d], replicas[d], tuple(sorted(names[d])), d in placing) for d in sizes}
 
 
-def copies_against_wanted(md: Metadata, vkey: str) -> dict[str, tuple[int, int]]:
-    """Digest -> (its copies, the most copies any version using it asks for), for every
-    blob of committed version `vkey`: what `store --replicas` on stored content waits on
-    until the two are equal."""
+def copies_against_wanted(md: Metadata, vkey: str, dead_after: float) -> dict[str, tuple[int, int]]:
+    """Digest -> (its copies that count, the most copies any version using it asks for),
+    for every blob of committed version `vkey`: what `store --replicas` on stored content
+    waits on until the two are equal. A copy counts as in plan(): on a node not dead
+    (silent for less than `dead_after` seconds)."""
     blobs = md.versions.version_blobs([vkey]).get(vkey)
     if blobs is None:
         return {}
     wanted = wanted_blobs(md)
     held = placements(md, (d for d, _ in blobs.blobs))
+    health = node_health(md, time.time(), dead_after)
+    counted = {n for n, h in health.items() if h.state != DEAD}
     return {
-        d: (len(held[d]), wanted[d].replicas if d in wanted else blobs.replicas)
+        d: (len(held[d] & counted), wanted[d].replicas if d in wanted else blobs.replicas)
         for d, _ in blobs.blobs
     }
 

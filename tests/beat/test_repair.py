@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
+from coordinator.state.liveness import DEAD, node_health
 from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
@@ -388,3 +389,49 @@ def test_a_store_created_while_a_trim_deletes_its_copy_ends_with_every_copy_on_d
     finally:
         for p in proxies.values():
             p.stop()
+
+
+def test_replicas_raised_counts_no_copy_on_a_dead_node(make_cluster, tiny_tmp, tmp_path):
+    """`store --replicas 3` on stored content while a holder is dead: the copies on the
+    dead node must not count. Of the two live nodes without a copy, one fails every put,
+    so one copy is made: two live copies and the dead one's in the placement. The command
+    must not report the change done (it waits, then exits 3)."""
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    c = make_cluster(4, SMOLTORRENT_DEAD_AFTER_S="3", SMOLTORRENT_REPAIR_BACKOFF_S="3600")
+    src = make_ckpt(tmp_path / "up.safetensors")
+    c.cli("store", str(src), "--name", "up.safetensors")
+    md = c.md
+    vkey = md.versions.current("up.safetensors")
+    (digest,) = {s.blob_sha256 for s in md.versions.manifest(vkey).entries}
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    dead_id = sorted(md.blobs.placement(digest))[0]
+    third, failing = sorted(set(by_id) - md.blobs.placement(digest))
+    tiny_tmp(by_id[failing])
+    by_id[dead_id].kill()
+    wait_until(
+        lambda: node_health(md, time.time(), 3)[dead_id].state == DEAD, 30, what="a dead node"
+    )
+    store = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "up.safetensors"]
+        + ["--replicas", "3"],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_until(
+            lambda: third in md.blobs.placement(digest) or store.poll() is not None,
+            60,
+            what="the copy made",
+        )
+        try:
+            code = store.wait(timeout=5)  # ten of its looks at the copies
+        except subprocess.TimeoutExpired:
+            code = None  # still waiting for a third live copy, as it should
+        assert code != 0, f"reported done with two live copies: {store.stdout.read()}"
+        assert third in md.blobs.placement(digest)
+    finally:
+        store.kill()
+        store.wait()
