@@ -3,21 +3,26 @@ shards its store is done with) back to R copies on nodes that are not dead, and 
 copies above R (a dead node that came back). coordinator/state/repair_plan.py decides
 from Redis; this sends each step as a task.
 
-send_repairs also runs outside the sweep, for the blobs just found bad (a gather's
-report, a scrub report): their repair is queued at once, not at the next sweep. The
-in-flight records and the task ids (repair-<digest>-<target>) keep the two from ever
-sending the same copy twice."""
+send_repairs also runs outside the sweep: for the blobs just found bad (a gather's
+report, a scrub report), whose repair is queued at once, and at the end of every repair
+task (tasks/repair.py), so the slot a copy frees starts the next copy at once: a lost
+node drains continuously, and the sweep only begins the drain and backs it up. One plan
+at a time (a Redis lock around plan and claims), and the in-flight records and the task
+ids (repair-<digest>-<target>) keep any two from ever sending the same copy twice."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Collection
 
 from celery.utils.log import get_task_logger
+from redis.exceptions import LockError
 
 from beat.sweeps import sweep
 from coordinator import config
+from coordinator.state import redis_keys as K
 from coordinator.state import repairs
 from coordinator.state.liveness import node_health, probe_registered
 from coordinator.state.metadata import Metadata
@@ -35,7 +40,26 @@ log = get_task_logger(__name__)
 
 def send_repairs(md: Metadata, only: Collection[str] | None = None) -> Plan:
     """Decide and send the repairs (and trims) of every wanted blob, or of the blobs in
-    `only` (then the nodes not heard from lately are probed first: no sweep may have)."""
+    `only` (then the nodes not heard from lately are probed first: no sweep may have).
+    Plans one at a time: two planners reading the in-flight records at once (a sweep and
+    a repair's end, two workers) could each send a copy of one blob to another target.
+    Nothing is sent if the lock stays taken for REPAIR_PLAN_LOCK_S (its holder plans)."""
+    lock = md.r.lock(
+        K.REPAIR_PLAN_LOCK,
+        timeout=defaults.REPAIR_PLAN_LOCK_S,
+        blocking_timeout=defaults.REPAIR_PLAN_LOCK_S,
+    )
+    if not lock.acquire():
+        log.warning("repair: another plan held the lock for %s s", defaults.REPAIR_PLAN_LOCK_S)
+        return Plan()
+    try:
+        return _plan_and_send(md, only)
+    finally:
+        with contextlib.suppress(LockError):  # expired under a very slow plan: nothing to free
+            lock.release()
+
+
+def _plan_and_send(md: Metadata, only: Collection[str] | None) -> Plan:
     now = time.time()
     nodes = md.nodes.nodes()
     if only is None:

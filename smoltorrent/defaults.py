@@ -405,6 +405,10 @@ REPAIRS_PER_NODE = 2
 # repair copies in flight in the whole cluster: each holds a worker process while its nodes
 # copy, so half of WORKER_CONCURRENCY stays free for stores, commits and gathers
 REPAIRS_MAX_IN_FLIGHT = 2
+# seconds one repair plan may hold its lock (beat/repair.py), and a planner waits for it: a
+# plan reads Redis and sends tasks (milliseconds; ~1 s at 100k blobs), so a holder that died
+# blocks the repairs a minute at most, as a sweep's lock does (SWEEP_LOCK_TTL_S)
+REPAIR_PLAN_LOCK_S = 60
 # seconds a repair target waits after its copy of a blob failed (SMOLTORRENT_REPAIR_BACKOFF_S),
 # doubling with each failure in a row: a node that errs on every put (a full or failing card)
 # is not sent the same copy every repair sweep; two sweeps at the default interval

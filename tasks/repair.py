@@ -1,10 +1,12 @@
 """Repair tasks: one node-to-node copy of a blob, one trim of a blob's surplus copies.
 
-Both are sent by the repair sweep (beat/repair.py), which records each in flight
-first; whatever happens, the task frees that record, and a failure is only logged and
-puts its target in backoff (coordinator/state/repairs.py): the next pass decides again
-from fresh liveness, so a failed copy is retried by another target or after the
-backoff, never in a loop, and never becomes a dead letter.
+Both are sent by beat/repair.py send_repairs, which records each in flight first;
+whatever happens, the task frees that record, and a failure is only logged and puts its
+target in backoff (coordinator/state/repairs.py): the next plan decides again from fresh
+liveness, so a failed copy is retried by another target or after the backoff, never in
+a loop, and never becomes a dead letter. A copy that ends, well or not, plans and sends
+the next ones itself (send_repairs): its slot is free now, and the blobs still below R
+must not wait for the next sweep (invariant 13).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 from celery.utils.log import get_task_logger
 
+from beat.repair import send_repairs
 from coordinator import config
 from coordinator.state import repairs
 from coordinator.state.healing import copy_blob, trim_blob
@@ -56,9 +59,19 @@ def repair(self, digest: str, source: str, target: str) -> str:
         return f"failed: {exc}"
     finally:
         repairs.finished(md, digest, target)
+        _next_repairs(md)
     if how in ("stored", "exists"):
         repairs.succeeded(md, digest, target)
     return how
+
+
+def _next_repairs(md) -> None:
+    """This repair's slot is free: send what waits for one now. A failure here is only
+    logged: the repair sweep sends it at the latest."""
+    try:
+        send_repairs(md)
+    except REDIS_TRANSIENT as exc:
+        log.warning("the repairs after this one wait for the next sweep: %s", exc)
 
 
 @app.task(

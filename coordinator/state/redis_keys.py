@@ -139,6 +139,8 @@ BAD_COPIES = PREFIX + "bad_copies"
 # hash "digest:target" -> JSON {source, size, at, deadline}: repair copies sent and not
 # yet finished (the throttle counts them; a record past its deadline is a dead task's)
 REPAIRS = PREFIX + "repairs"
+# lock held while one planner decides and claims repairs (beat/repair.py send_repairs)
+REPAIR_PLAN_LOCK = PREFIX + "repairs:plan_lock"
 # hash digest -> JSON {copies, replicas, reason, names}: blobs below R that no repair can
 # raise now (fewer live nodes than R, no reachable copy, no space), rewritten every pass
 UNREPAIRABLE = PREFIX + "unrepairable"

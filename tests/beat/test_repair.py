@@ -18,7 +18,7 @@ from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
 from coordinator.state.liveness import DEAD, node_health
 from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
-from tests.tasks.test_control_plane import make_ckpt, sha
+from tests.tasks.test_control_plane import make_blobs_ckpt, make_ckpt, sha
 from tests.tcpproxy import start_proxy
 
 FAST = {
@@ -389,6 +389,46 @@ def test_a_store_created_while_a_trim_deletes_its_copy_ends_with_every_copy_on_d
     finally:
         for p in proxies.values():
             p.stop()
+
+
+SWEEP_RUNS = "smoltorrent:sweep:repair:runs"
+# Only the dead timeout and the health probe are shortened: the repair sweep keeps its
+# default interval (30 s), so a test of how fast redundancy comes back sees what a user sees.
+DEAD_SOON = {"SMOLTORRENT_HEALTH_INTERVAL_S": "2", "SMOLTORRENT_DEAD_AFTER_S": "5"}
+
+
+def test_a_lost_nodes_blobs_are_all_back_at_r_within_one_or_two_repair_sweeps(
+    make_cluster, beat, tmp_path
+):
+    """Invariant 13: a node holding dozens of blobs dies for good, and every blob is back at R
+    while the repair sweep (default interval) has run at most twice: each copy that ends
+    starts the next, the sweep only begins the drain and backs it up."""
+    c = make_cluster(4, **DEAD_SOON)
+    src = make_blobs_ckpt(tmp_path / "many.safetensors", 64)
+    digests = stored(c, src, "many.safetensors")
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    held = {i: [d for d in digests if i in c.md.blobs.placement(d)] for i in by_id}
+    dead_id = max(sorted(held), key=lambda i: len(held[i]))
+    assert len(held[dead_id]) >= 24
+    beat(c)
+    runs_before = c.md.r.llen(SWEEP_RUNS)
+    by_id[dead_id].kill()
+    survivors = [n for n in c.node_procs if n is not by_id[dead_id]]
+
+    def sweeps() -> int:
+        return c.md.r.llen(SWEEP_RUNS) - runs_before
+
+    # Waits for the drain, or for a third sweep, which would mean the sweep sets the pace.
+    wait_until(
+        lambda: at_r_on(c, digests, survivors) or sweeps() > 2,
+        timeout=600,
+        what="R copies on the survivors or a third repair sweep",
+    )
+    short = [d for d in digests if len(c.md.blobs.placement(d) - {dead_id}) < 2]
+    assert not short, f"after {sweeps()} repair sweeps, {len(short)} blobs are below R"
+    assert sweeps() <= 2
+    on_disk = copies_on_disk(survivors)
+    assert {d: on_disk[d] for d in digests} == {d: 2 for d in digests}
 
 
 def test_replicas_raised_counts_no_copy_on_a_dead_node(make_cluster, tiny_tmp, tmp_path):

@@ -8,6 +8,7 @@ from collections import Counter
 from celery import Celery
 
 from coordinator.state import repairs
+from coordinator.state.repair_plan import TRIM
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt
 
@@ -39,7 +40,9 @@ def test_a_repair_sent_twice_makes_one_copy_and_a_trim_sent_twice_keeps_r(make_c
     assert outcomes <= {"stored", "exists"}
     assert md.blobs.placement(digest) == {*holders, target}
     assert copies(c, digest) == 3  # one per node: the second run found the first's copy
-    assert repairs.in_flight(md) == []
+    # No copy in flight; a trim may be: each repair's end plans the next step, and the
+    # blob is one copy above its R now.
+    assert [r for r in repairs.in_flight(md) if r.target != TRIM] == []
 
     trims = [
         send(c, "smoltorrent.trim", {"digest": digest, "replicas": 2}, f"trim-{digest}")
