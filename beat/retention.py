@@ -60,7 +60,7 @@ def run_pass(keep: int | None = None) -> dict[str, int]:
         elif outcome == "reading":
             log.info("retention: %s %s is being gathered; removed later", name, vkey[:12])
 
-    states = md.listing.version_states()  # one request, not one per version
+    states = md.listing.version_states()  # a cursor over one hash, not a request per version
     for name in md.versions.names():
         for vkey in candidates(md, name, keep, states):
             retire(name, vkey, keep)

@@ -260,6 +260,10 @@ LISTING_BATCH_VERSIONS = 1000
 # script's work is mostly per digest (1-2 us each on a loaded 2-core box): 5,000 digests
 # hold it for about 10 ms
 LISTING_SLICE_VERSIONS = 1000
+# entries a ZSCAN or HSCAN of every listed version asks for a call (the repair sweep's
+# and verify's listing of states): each call a fraction of a millisecond, where one HGETALL
+# of 10,000 versions' states held Redis 7-9 ms (bench/scale_sweeps.py)
+LISTING_SCAN_COUNT = 1000
 LISTING_SLICE_DIGESTS = 5000
 # seconds the keys a listing had to read in a second run are kept for the next listing's
 # first run (the pending versions of stores in flight): a store lasts seconds to minutes,
