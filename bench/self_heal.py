@@ -3,10 +3,13 @@ node's death to R copies on the survivors.
 
     .venv/bin/python -m bench.self_heal [--size-mb 1000] [--nodes 4] [--dead-after 5]
                                         [--interval 1] [--scrub-rate-mbps 10] [--json]
+    .venv/bin/python -m bench.self_heal --death-only --dead-after 10 [--health-interval 2]
 
 A LocalCluster (Redis, N node processes, a Celery worker, all on loopback) plus a real
-`smoltorrent beat`, every sweep interval set to --interval seconds. The checkpoint is
-stored at R=2 through the CLI. Then, with nothing but beat running:
+`smoltorrent beat`, every sweep interval set to --interval seconds. With --death-only
+only the death is timed, and every sweep keeps its default interval (the repair sweep's
+30 s included) but the health probe (--health-interval) and the dead timeout: what a user
+sees. The checkpoint is stored at R=2 through the CLI. Then, with nothing but beat running:
   flip   one byte of one copy on one node's disk is flipped; timed until that blob is
          whole on two nodes, counted twice in the placement, and nothing is quarantined.
          The node's scrub pass reaches the blob at --scrub-rate-mbps, so this depends on
@@ -33,6 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/self_heal.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.pi_cluster import git_head  # noqa: E402
 from coordinator.local.cluster import LocalCluster  # noqa: E402
 from coordinator.local.synthetic import write_checkpoint  # noqa: E402
 from coordinator.state.metadata import Metadata  # noqa: E402
@@ -85,21 +89,55 @@ def wait(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
+def flip(args, cluster, md, by_id, sizes, digests, result: dict) -> None:
+    """One byte of one copy flipped on a node's disk; timed until two verified copies."""
+    digest = digests[0]
+    victim_id = sorted(md.blobs.placement(digest))[0]
+    victim = by_id[victim_id]
+    held = sorted(victim.client().list_blobs().items())
+    ahead = sum(sz for d, sz in held if d < digest)
+    path = blob_path(victim, digest)
+    with open(path, "r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 1]))
+    log(f"flipped a byte of {digest[:12]} on {victim_id[:12]}")
+
+    def healed() -> bool:
+        whole = 0
+        for n in cluster.node_procs:
+            p = blob_path(n, digest)
+            if p.exists() and sha256(p) == digest:
+                whole += 1
+        return (
+            whole == 2
+            and len(md.blobs.placement(digest)) == 2
+            and not victim.client().scrub(start=False)["quarantined"]
+        )
+
+    result["flip_to_two_verified_copies_s"] = round(wait(healed, 3600, "the repair"), 1)
+    result["flip_bytes_scrubbed_before_blob"] = ahead
+    result["flip_blob_bytes"] = sizes[digest]
+    log(f"flip -> 2 verified copies: {result['flip_to_two_verified_copies_s']} s")
+
+
 def run(args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix="self-heal-", dir=args.dir))
     interval = str(args.interval)
-    cluster = LocalCluster(
-        root,
-        nodes=args.nodes,
-        host_id="bench",
-        extra_env={
-            "SMOLTORRENT_HEALTH_INTERVAL_S": interval,
-            "SMOLTORRENT_REPAIR_INTERVAL_S": interval,
-            "SMOLTORRENT_SCRUB_INTERVAL_S": interval,
+    env = {
+        "SMOLTORRENT_HEALTH_INTERVAL_S": interval,
+        "SMOLTORRENT_REPAIR_INTERVAL_S": interval,
+        "SMOLTORRENT_SCRUB_INTERVAL_S": interval,
+        "SMOLTORRENT_DEAD_AFTER_S": str(args.dead_after),
+        "SMOLTORRENT_SCRUB_RATE_BPS": str(int(args.scrub_rate_mbps * 1e6)),
+    }
+    if args.death_only:
+        env = {
+            "SMOLTORRENT_HEALTH_INTERVAL_S": str(args.health_interval),
             "SMOLTORRENT_DEAD_AFTER_S": str(args.dead_after),
-            "SMOLTORRENT_SCRUB_RATE_BPS": str(int(args.scrub_rate_mbps * 1e6)),
-        },
-    )
+        }
+    cluster = LocalCluster(root, nodes=args.nodes, host_id="bench", extra_env=env)
     beat = None
     try:
         cluster.start()
@@ -124,46 +162,21 @@ def run(args: argparse.Namespace) -> dict:
                 stderr=subprocess.STDOUT,
             )
         result: dict = {
+            "code": git_head(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "env": env,
             "size_bytes": size,
             "nodes": args.nodes,
             "replicas": 2,
             "blobs": len(manifest.entries),
             "blob_bytes": {d[:12]: sz for d, sz in sizes.items()},
-            "interval_s": args.interval,
+            "interval_s": None if args.death_only else args.interval,
             "dead_after_s": args.dead_after,
             "scrub_rate_bps": int(args.scrub_rate_mbps * 1e6),
         }
 
-        # --- a flipped byte ---------------------------------------------------------
-        digest = digests[0]
-        victim_id = sorted(md.blobs.placement(digest))[0]
-        victim = by_id[victim_id]
-        held = sorted(victim.client().list_blobs().items())
-        ahead = sum(sz for d, sz in held if d < digest)
-        path = blob_path(victim, digest)
-        with open(path, "r+b") as f:
-            f.seek(4096)
-            byte = f.read(1)
-            f.seek(4096)
-            f.write(bytes([byte[0] ^ 1]))
-        log(f"flipped a byte of {digest[:12]} on {victim_id[:12]}")
-
-        def healed() -> bool:
-            whole = 0
-            for n in cluster.node_procs:
-                p = blob_path(n, digest)
-                if p.exists() and sha256(p) == digest:
-                    whole += 1
-            return (
-                whole == 2
-                and len(md.blobs.placement(digest)) == 2
-                and not victim.client().scrub(start=False)["quarantined"]
-            )
-
-        result["flip_to_two_verified_copies_s"] = round(wait(healed, 3600, "the repair"), 1)
-        result["flip_bytes_scrubbed_before_blob"] = ahead
-        result["flip_blob_bytes"] = sizes[digest]
-        log(f"flip -> 2 verified copies: {result['flip_to_two_verified_copies_s']} s")
+        if not args.death_only:
+            flip(args, cluster, md, by_id, sizes, digests, result)
 
         # --- a node's death ------------------------------------------------------------
         # The node holding the most blobs: the worst single death.
@@ -174,6 +187,7 @@ def run(args: argparse.Namespace) -> dict:
         ids = set(by_id) - {dead_id}
         dead.kill()
         killed = time.monotonic()
+        runs_before = md.sweeps.sweep_runs("repair")
         log(f"killed {dead_id[:12]}, which held {len(lost)} of {len(digests)} blobs")
         declared = wait(lambda: dead_id in md.nodes.declared_dead(), 600, "the dead declaration")
 
@@ -187,6 +201,10 @@ def run(args: argparse.Namespace) -> dict:
         result["death_to_r_restored_s"] = round(total, 1)
         result["repair_after_declared_s"] = round(total - declared, 1)
         result["repaired_bytes"] = sum(sizes[d] for d in lost)
+        result["repaired_blobs"] = len(lost)
+        # Repair sweeps that ran between the kill and R restored: with copies started by
+        # the copies before them, one (the first after the death) is all it takes.
+        result["repair_sweeps_during_heal"] = len(md.sweeps.sweep_runs("repair")) - len(runs_before)
         log(f"death -> R on the survivors: {total:.1f} s (declared dead at {declared:.1f} s)")
 
         survivors[0].kill()
@@ -210,6 +228,12 @@ def main() -> None:
     parser.add_argument("--dead-after", type=float, default=5.0)
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--scrub-rate-mbps", type=float, default=10.0)
+    parser.add_argument(
+        "--death-only",
+        action="store_true",
+        help="time only a node's death, every sweep at its default interval",
+    )
+    parser.add_argument("--health-interval", type=float, default=2.0, help="with --death-only")
     parser.add_argument("--dir", default=None, help="where the cluster lives (default: tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the cluster's files")
     parser.add_argument("--json", action="store_true")
