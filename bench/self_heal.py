@@ -185,6 +185,9 @@ def run(args: argparse.Namespace) -> dict:
         dead, lost = by_id[dead_id], held_by[dead_id]
         survivors = [n for n in cluster.node_procs if n is not dead]
         ids = set(by_id) - {dead_id}
+        # Killed once beat's health sweep has seen every node, as in a cluster that has run
+        # a while: a node last seen at the store would be dead at once.
+        wait(lambda: md.sweeps.sweep_runs("health"), 600, "a health sweep")
         dead.kill()
         killed = time.monotonic()
         runs_before = md.sweeps.sweep_runs("repair")
