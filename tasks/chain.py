@@ -166,6 +166,37 @@ class _Run:
             at=self.clock.now() if attempts else 0.0,
         )
 
+    def vouch(self, digest: str, size: int, node_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Have each of `node_ids` (holders of `digest` whose copy this entry would count)
+        re-hash its copy, as a put to a node that holds the blob does (a body-less
+        chain_put: no byte sent, progress frames while it hashes): (bad, silent), the
+        nodes whose copy is not good (quarantined there and out of the placement, so the
+        chunk is sent to them again) and those that did not answer (not counted now: their
+        replica goes to a spare, or waits for a retry)."""
+        bad, silent = set(), set()
+        for node_id in sorted(node_ids):
+            if node_id not in self.registered:
+                silent.add(node_id)
+                continue
+            client = node_client(node_id, self.registered).keeping(self.kept)
+            try:
+                client.chain_put(digest, b"", None, 0, size, [])
+            except NodeError as exc:
+                if exc.code != "missing":
+                    silent.add(node_id)
+                    continue
+                self.md.blobs.remove_placement(digest, node_id)
+                bad.add(node_id)
+                log.warning(
+                    "%s: the copy of %s on %s is bad; quarantined there, sent again",
+                    self.name,
+                    digest[:12],
+                    node_id,
+                )
+            except RETRYABLE:
+                silent.add(node_id)
+        return bad, silent
+
     def deliver(self, entry: ChainEntry) -> list[tuple[str, Exception]]:
         """Place one entry's replicas and settle those placed; (node, error) of each
         replica that could not be placed."""
@@ -184,6 +215,11 @@ class _Run:
         holding, marked, unreachable = trim_marks.placement_marked(
             md, digest, (n for _, n in planned), registered
         )
+        # A copy this version counts must be good now, not when it was written: a
+        # deduplicated chunk's copy may have rotted since.
+        bad, silent = self.vouch(digest, span.size, {n for _, n in planned} & holding)
+        holding -= bad | silent
+        unreachable |= silent
         # A replica is done when its node holds a verified copy (settled is not enough: a
         # dead letter settles too, and its replay must still place the copy).
         todo = [(r, n) for r, n in planned if n not in holding]

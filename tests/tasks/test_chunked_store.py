@@ -279,3 +279,27 @@ def test_a_shared_chunk_sent_again_from_the_source_gives_the_blob_it_names(
     dest = tmp_path / "out.safetensors"
     c.cli_json("gather", "b", "-o", str(dest))
     assert sha(dest) == sha(src)
+
+
+def test_a_shared_chunk_whose_only_copy_rotted_is_sent_again_not_counted(make_cluster, tmp_path):
+    """Invariant 14: a deduplicated chunk counts as a copy only while a copy of it is known
+    good. At R=1 the one copy of a chunk two versions share rots in place (same size); the
+    store of the second version has its node re-hash the copy before counting it, finds it
+    bad (quarantined there) and sends the chunk again, so the version it reports stored
+    gathers byte-identical. Counted unchecked, the store committed and the gather failed."""
+    c = make_cluster(2, chunks=True, SMOLTORRENT_ENCODE="zstd")
+    first = write(tmp_path / "a.safetensors", model())
+    out = c.cli_json("store", str(first), "--name", "run", "--replicas", "1")
+    v1 = c.md.versions.manifest(out["vkey"])
+    (q_proj,) = [t for t in v1.header().tensors if t.name == "layers.0.q_proj.weight"]
+    (shared,) = [x for x in v1.chunks if x.data_start <= q_proj.start < x.data_end]
+    (holder,) = c.md.blobs.placement(shared.blob_sha256)
+    node = next(n for n in c.node_procs if n.client().ping() == holder)
+    flip_byte(node, shared.blob_sha256, shared.blob_size // 2)
+    second = write(tmp_path / "b.safetensors", model(changed=1))
+    out = c.cli_json("store", str(second), "--name", "run", "--replicas", "1")
+    assert shared in c.md.versions.manifest(out["vkey"]).chunks
+    dest = tmp_path / "out.safetensors"
+    c.cli_json("gather", "run", "-o", str(dest))
+    assert sha(dest) == sha(second)
+    assert any(whole(n, shared.blob_sha256) for n in c.node_procs)
