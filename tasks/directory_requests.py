@@ -27,6 +27,7 @@ from coordinator.plan.directory import (
     RECORD_FILE,
     DirectoryPlan,
     DirectoryRecord,
+    path_in,
     plan_directory,
     record_bytes,
 )
@@ -146,11 +147,11 @@ def gather_directory(name: str, out: str, version: str | None = None) -> Directo
         raise SmoltorrentError(f"{parent}: no such directory for the output")
     with staged_directory(out) as tmp:
         requests = [
-            submit_gather(m.name, os.path.join(tmp, file), m.version_id)
+            submit_gather(m.name, path_in(tmp, file, name), m.version_id)
             for file, m in sorted(found.files.items())
         ]
         for request in requests:
             wait_gather(request)
         if found.index_name is not None:
-            durable.write_file(os.path.join(tmp, found.index_name), found.index or b"")
+            durable.write_file(path_in(tmp, found.index_name, name), found.index or b"")
     return found

@@ -25,7 +25,7 @@ from coordinator.plan.safetensors_header import (
     CheckpointHeader,
     read_header,
 )
-from smoltorrent.errors import CheckpointFormatError, UsageError
+from smoltorrent.errors import CheckpointFormatError, UnsafeNameError, UsageError
 
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -107,12 +107,41 @@ def _check_index(root: str, index_name: str, raw: bytes, files: tuple[str, ...])
             fail(f"{file} and the index disagree on its tensors ({', '.join(stray)}, ...)")
 
 
+def check_file_name(file: object, directory: str) -> str:
+    """`file` if it is one file name, else UnsafeNameError. A directory's file and index
+    names come from Redis, or from a node's copy of its record in a rebuild, and a gather
+    joins them to its output: '/home/u/.bashrc' or '../x' would be written there."""
+    if (
+        not isinstance(file, str)
+        or file in ("", ".", "..")
+        or "/" in file
+        or "\\" in file
+        or any(ord(c) < 0x20 or ord(c) == 0x7F for c in file)
+    ):
+        raise UnsafeNameError(
+            f"{str(file)[:80]!r} in directory checkpoint {directory} is not one file name;"
+            " its record was not written by smoltorrent. Store the directory again."
+        )
+    return file
+
+
+def path_in(directory: str, file: str, name: str) -> str:
+    """Where a gather writes `file` of directory checkpoint `name`: inside `directory`."""
+    return os.path.join(directory, check_file_name(file, name))
+
+
 @dataclass(frozen=True)
 class DirectoryRecord:
     name: str
     files: dict[str, str]  # file -> version id
     index_name: str | None
     index_bytes: bytes | None
+
+    def __post_init__(self) -> None:  # made by a store, or parsed from a node's copy
+        for file in self.files:
+            check_file_name(file, self.name)
+        if self.index_name is not None:
+            check_file_name(self.index_name, self.name)
 
 
 def record_bytes(record: DirectoryRecord) -> bytes:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import redis
 
+from coordinator.plan.directory import check_file_name
+from coordinator.plan.manifest import check_version_key
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
 from smoltorrent.errors import NotFoundError
@@ -32,6 +34,9 @@ class Member:
     version_id: str
     size: int
 
+    def __post_init__(self) -> None:
+        check_version_key(self.vkey)
+
 
 @dataclass(frozen=True)
 class DirectoryVersion:
@@ -41,6 +46,14 @@ class DirectoryVersion:
     index_name: str | None
     index: bytes | None
     created_at: float
+
+    def __post_init__(self) -> None:
+        """Recorded by a store or a rebuild, or read back from Redis: a gather joins every
+        file name and the index name to its output, so each is one file name."""
+        for file in self.files:
+            check_file_name(file, self.name)
+        if self.index_name is not None:
+            check_file_name(self.index_name, self.name)
 
 
 class Directories:

@@ -8,9 +8,19 @@ import json
 import pytest
 from safetensors.torch import load as safetensors_load
 
-from coordinator.plan.directory import DirectoryRecord, plan_directory, record_bytes, record_of
+from coordinator.plan.directory import (
+    DIRECTORY_KEY,
+    FILES_KEY,
+    INDEX_KEY,
+    INDEX_NAME_KEY,
+    DirectoryRecord,
+    path_in,
+    plan_directory,
+    record_bytes,
+    record_of,
+)
 from coordinator.plan.safetensors_header import read_header
-from smoltorrent.errors import CheckpointFormatError, UsageError
+from smoltorrent.errors import CheckpointFormatError, UnsafeNameError, UsageError
 from tests.checkpoints import write_hf_dir
 
 INDEX = "model.safetensors.index.json"
@@ -73,3 +83,28 @@ def test_the_record_is_a_tensorless_safetensors_file_that_says_it_all(tmp_path):
 def test_other_headers_are_no_record(tmp_path):
     write_hf_dir(tmp_path / "m", parts=1)
     assert record_of(read_header(tmp_path / "m" / "model-00001-of-00001.safetensors")) is None
+
+
+UNSAFE = ["/home/u/.bashrc", "../../x", "..", ".", "", "a/b.safetensors", "a\\b", "a\nb"]
+
+
+@pytest.mark.parametrize("bad", UNSAFE)
+def test_a_file_or_index_name_is_one_file_name_when_made_and_when_parsed(tmp_path, bad):
+    with pytest.raises(UnsafeNameError, match="is not one file name"):
+        DirectoryRecord("hf/m", {bad: "1" * 64}, None, None)
+    with pytest.raises(UnsafeNameError, match="is not one file name"):
+        DirectoryRecord("hf/m", {"a.safetensors": "1" * 64}, bad, b"{}")
+    with pytest.raises(UnsafeNameError):
+        path_in(str(tmp_path), bad, "hf/m")
+    # A node's copy of a record holding it: its parse refuses it too.
+    metadata = {
+        DIRECTORY_KEY: "hf/m",
+        FILES_KEY: json.dumps({"a.safetensors": "1" * 64}),
+        INDEX_NAME_KEY: bad,
+        INDEX_KEY: "{}",
+    }
+    raw = json.dumps({"__metadata__": metadata}).encode()
+    path = tmp_path / "r.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    with pytest.raises(UnsafeNameError):
+        record_of(read_header(path))
