@@ -86,11 +86,23 @@ while true do
 end
 more = more or #vkeys == limit  -- a page read only in part: versions may follow
 if #vkeys == 0 then return {'[]', ARGV[1], after, '0'} end
-local raws, states = many(KEYS[2], vkeys), many(KEYS[3], vkeys)
+-- Rows read a page at a time as the budget allows: a row of 100 chunks is 6.5 KB, and
+-- reading all `limit` of them for the ~50 the budget takes cost more than the slice.
+local ROWS_AT_ONCE = 32
+local raws, states, read = {}, {}, 0
+local function row_of(k)
+  if k > read then
+    local page = {unpack(vkeys, read + 1, math.min(read + ROWS_AT_ONCE, #vkeys))}
+    local r, st = redis.call('HMGET', KEYS[2], unpack(page)), redis.call('HMGET', KEYS[3], unpack(page))
+    for j = 1, #page do raws[read + j], states[read + j] = r[j], st[j] end
+    read = read + #page
+  end
+  return raws[k], states[k]
+end
 local rows, blobs, seen, need_v, need_d = {}, {}, {}, {}, {}
 local taken, digests = 0, 0  -- versions read in this slice, and their digests
 for k, vkey in ipairs(vkeys) do
-  local raw, state = raws[k], states[k]
+  local raw, state = row_of(k)
   if raw and state then
     -- The row is written by listing_row (listing.py): name first, digests last, each
     -- digest 64 hex digits in quotes. Plain finds, then matches anchored there: far
