@@ -41,7 +41,7 @@ from smoltorrent.errors import (
 from tasks.app import app
 from tasks.chain_batches import ChainEntry, chain_entries
 from tasks.context import metadata, node_client
-from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
+from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon, wait_for_remove
 from tasks.enqueue import settle_all
 from tasks.sent_progress import SentRecorder, delivery_meter, record_wire
 
@@ -91,7 +91,9 @@ def chain_transfer(
         }
     )
     if md.blobs.any_deleting(e.digest for e in entries):
-        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
+        wait_for_remove(
+            self, next((e.digest for e in entries if md.blobs.blob_deleting(e.digest)), "")
+        )
     run = _Run(self, md, vkey, name, v, entries)
     failures: list[tuple[str | None, Exception]] = []
     trimming = False

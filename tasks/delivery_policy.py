@@ -5,7 +5,9 @@ to the version. One place, so the two tasks can never drift apart."""
 from __future__ import annotations
 
 import shutil
+from typing import NoReturn
 
+from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
 from coordinator import config
@@ -50,3 +52,22 @@ def abandon(vkey: str, version: dict, reason: str) -> None:
             countdown=defaults.STABLE_AFTER_S,
             bwlimit=int(version["bwlimit"]) if "bwlimit" in version else None,
         )
+
+
+def wait_for_remove(task, digest: str) -> NoReturn:
+    """A remove is deleting blob `digest` from the nodes (its tombstone): a copy found there
+    now may vanish, so `task` is sent again in REMOVING_WAIT_S to send the blob afresh once
+    the remove is done with it. A wait is no failed try, so it does not count toward the
+    task's retries: a remove a down node holds open keeps the tombstone until it is sent
+    again (reconcile, every minute) and sees this version use the blob, and retries
+    counted that way dead-lettered the store in about 30 s. Ignore is raised."""
+    log.info(
+        "%s waits for the remove deleting %s; again in %.0f s",
+        task.name,
+        digest[:12],
+        defaults.REMOVING_WAIT_S,
+    )
+    task.signature_from_request(
+        task.request, countdown=defaults.REMOVING_WAIT_S, retries=task.request.retries
+    ).apply_async()
+    raise Ignore()

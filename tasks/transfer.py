@@ -23,7 +23,7 @@ from smoltorrent.errors import (
 )
 from tasks.app import app
 from tasks.context import metadata, node_client
-from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon
+from tasks.delivery_policy import DELIVERY_TASK_OPTIONS, RETRYABLE, abandon, wait_for_remove
 from tasks.enqueue import settle
 from tasks.sent_progress import delivery_meter, record_wire, sent_recorder
 
@@ -51,9 +51,7 @@ def transfer(
     if v["state"] in (ABORTED, REMOVING, REMOVED):
         return f"version {v['state']}"
     if md.blobs.blob_deleting(digest):
-        # A remove is deleting this very blob from the nodes: a copy found there now may
-        # vanish, so send it afresh once the remove is done with it.
-        raise self.retry(countdown=defaults.REMOVING_WAIT_S)
+        wait_for_remove(self, digest)
     if trim_marks.marked(md, digest, [node_id]):
         # A trim is deleting the node's copy: a put now could land before that delete.
         raise self.retry(countdown=defaults.REMOVING_WAIT_S)

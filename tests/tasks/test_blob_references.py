@@ -3,12 +3,14 @@ back, and a blob is deleted only when no version uses it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED
+from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_ckpt, sha
 
 
@@ -114,6 +116,47 @@ def test_a_stalled_remove_sent_again_never_deletes_a_newer_versions_blobs(make_c
     assert before  # B's bytes are on a live node (the copy A's remove deleted is not counted)
     c.cli("rm", "a", "--yes")  # the remove sent again (reconcile does, every minute)
     assert holding() == before
+    out = tmp_path / "out.safetensors"
+    c.cli("gather", "b", "-o", str(out))
+    assert sha(out) == sha(src)
+
+
+def test_a_store_sharing_a_blob_a_stalled_remove_holds_waits_it_out_then_sends_it(
+    make_cluster, tmp_path
+):
+    """rm of A while one holder of its chunk is SIGKILLed (still registered): the remove
+    deletes the other copy and stays open, its tombstone on the blob until the remove is
+    sent again. B with the same bytes, stored meanwhile, must wait for it however long
+    (a wait is no failed try: it dead-lettered once its retries ran out, 5 s each), and
+    send the chunk again once the remove, sent again, sees B use it and lets it go."""
+    c = make_cluster(3)  # SMOLTORRENT_TRANSFER_RETRIES=2: a chain task dead-letters at 3
+    src = make_ckpt(tmp_path / "a.safetensors")
+    c.cli("store", str(src), "--name", "a")
+    [digest] = [s.blob_sha256 for s in c.md.versions.manifest(c.md.versions.current("a")).entries]
+    holders = sorted(c.md.blobs.placement(digest))
+    next(n for n in c.node_procs if n.client().ping() == holders[0]).kill()
+    proc = c.cli("rm", "a", "--yes")
+    assert "left behind" in " ".join(proc.stdout.split() + proc.stderr.split())
+    assert c.md.blobs.blob_deleting(digest)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "b", "--json"],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        waits = f"waits for the remove deleting {digest[:12]}"
+        wait_until(
+            lambda: c.md.dead_letters.dead_letters() or c.worker_log().count(waits) > 3,
+            timeout=120,
+            what="a dead letter, or the store waiting past its retries",
+        )
+        assert c.md.dead_letters.dead_letters() == []
+        c.cli("rm", "a", "--yes")  # sent again (reconcile does, every minute)
+        assert store.wait(timeout=120) == 0
+    finally:
+        store.kill()
+    assert json.loads(store.stdout.read())["state"] == COMMITTED
     out = tmp_path / "out.safetensors"
     c.cli("gather", "b", "-o", str(out))
     assert sha(out) == sha(src)
