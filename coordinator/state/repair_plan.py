@@ -5,7 +5,8 @@ Decided from Redis alone (placement, liveness, repairs in flight), so the sweep 
 it every few seconds; coordinator/state/healing.py carries each step out. Rules:
 - A copy counts unless its node is dead (silent past the dead timeout); only nodes that
   answer now (up) send or receive a copy.
-- Fewest copies first: a blob down to its last copy before one missing only its second.
+- Order: fewest copies first (a blob down to its last copy before one missing only its
+  second), then blobs of a pinned or current version, then the newest versions' blobs.
 - Never two copies on one node: a target holds no copy and is not receiving one.
 - Throttled: at most `per_node` repair copies touch a node at once (as sender or
   receiver), at most `max_in_flight` in the whole cluster.
@@ -43,6 +44,8 @@ class Blob:
     replicas: int  # the most copies any version using it asks for
     names: tuple[str, ...]  # checkpoints using it, for status
     placing: bool = False  # a pending version's store is still placing it: never trimmed
+    favoured: bool = False  # a pinned or current version uses it: repaired before the others
+    newest: int = 0  # the listing position of the newest version using it (higher: newer)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,13 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
     replicas: dict[str, int] = {}
     names: dict[str, set[str]] = defaultdict(set)
     placing: set[str] = set()
+    favoured: set[str] = set()
+    newest: dict[str, int] = {}
+    with md.r.pipeline(transaction=False) as p:
+        p.hkeys(K.PINS)
+        p.hvals(K.CURRENT)
+        pins, currents = p.execute()
+    kept = set(pins) | set(currents)
     chosen = [(vkey, None) for vkey in vkeys]
     for vkey in pending:
         try:
@@ -111,6 +121,8 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
         recorded.update(md.versions.version_blobs(v for v, done in chosen if done is not None))
     else:
         recorded = md.versions.version_blobs(vkeys)
+    # Request order: the committed ones listed first, then the pending ones, each in order.
+    position = {vkey: i for i, (vkey, _) in enumerate(chosen)}
     for vkey, done in chosen:
         version = recorded.get(vkey)
         if version is None:
@@ -122,7 +134,21 @@ def wanted_blobs(md: Metadata, vkeys: Iterable[str] | None = None) -> dict[str, 
             sizes[d] = size
             replicas[d] = max(replicas.get(d, 0), version.replicas)
             names[d].add(version.name)
-    return {d: Blob(d, sizes[d], replicas[d], tuple(sorted(names[d])), d in placing) for d in sizes}
+            newest[d] = max(newest.get(d, 0), position[vkey])
+            if vkey in kept:
+                favoured.add(d)
+    return {
+        d: Blob(
+            d,
+            sizes[d],
+            replicas[d],
+            tuple(sorted(names[d])),
+            d in placing,
+            d in favoured,
+            newest[d],
+        )
+        for d in sizes
+    }
 
 
 def copies_against_wanted(md: Metadata, vkey: str, dead_after: float) -> dict[str, tuple[int, int]]:
@@ -191,7 +217,8 @@ def plan(
         elif len(holders & up) > blob.replicas and not arriving[d] and not blob.placing:
             out.trims.append(d)
 
-    for copies, d in sorted(short):
+    short.sort(key=lambda cd: (cd[0], not blobs[cd[1]].favoured, -blobs[cd[1]].newest, cd[1]))
+    for copies, d in short:
         blob, holders = blobs[d], placement.get(d, set())
         wanted = blob.replicas - copies - len(arriving[d])
         if wanted <= 0:

@@ -104,3 +104,17 @@ def test_a_blob_a_pending_store_is_placing_is_never_trimmed():
     placing = Blob("x", 1000, 2, ("ckpt",), placing=True)
     assert decide([placing], {"x": {"a", "b", "c"}}, nodes).trims == []
     assert decide([blob("x")], {"x": {"a", "b", "c"}}, nodes).trims == ["x"]
+
+
+def test_after_fewest_copies_a_pinned_or_current_versions_blobs_then_the_newest():
+    nodes = health(a=UP, b=UP, c=UP, d=UP, z=DEAD)
+    blobs = [
+        Blob("a-old", 1000, 3, ("ckpt",), newest=1),
+        Blob("b-new", 1000, 3, ("ckpt",), newest=5),
+        Blob("c-kept", 1000, 3, ("ckpt",), favoured=True, newest=0),
+        Blob("d-last", 1000, 3, ("ckpt",), newest=0),
+    ]
+    two = {"a", "b", "z"}  # two copies that count
+    placement = {"a-old": two, "b-new": two, "c-kept": two, "d-last": {"a", "z"}}
+    p = decide(blobs, placement, nodes, per_node=10)
+    assert [r.digest for r in p.repairs] == ["d-last", "d-last", "c-kept", "b-new", "a-old"]
