@@ -284,7 +284,10 @@ def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluste
     on its way when a new store of the same bytes at R=3 settles on all three copies. The
     trim must not leave the new version with fewer than 3. The trim is held mid-way, as
     it re-hashes the copies it keeps, by freezing every node's link (SIGSTOP on the
-    proxies the nodes are registered through) until the new store has settled."""
+    proxies the nodes are registered through) until the new store has settled. The new
+    store re-hashes the copies it counts too (invariant 14), so once the trim is held the
+    nodes are registered again at their own addresses: the store reaches them, the
+    trim's connection stays frozen in the stopped proxy."""
     c = make_cluster(3, SMOLTORRENT_SOCKET_TIMEOUT_S="300")
     src = make_ckpt(tmp_path / "shared.safetensors")
     blob, ids = stored_with_a_surplus_copy(c, src)
@@ -296,6 +299,8 @@ def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluste
             os.kill(p.process.pid, signal.SIGSTOP)
         assert run_sweep(c, "repair")["trims"] == 1
         wait_until(lambda: f"smoltorrent.trim[trim-{blob}]" in c.worker_log(), 60, what="trim")
+        wait_until(lambda: any(connected_to(p.port) for p in proxies), 60, what="trim held")
+        c.cli("nodes", "add", *(str(n.address) for n in c.node_procs))
         store = subprocess.Popen(
             [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "new"]
             + ["--replicas", "3", "--shards", "1"],

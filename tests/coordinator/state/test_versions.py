@@ -122,7 +122,7 @@ def test_the_repair_sweep_reads_every_manifest_in_a_few_round_trips(md, tmp_path
     counted.sent = 0
     blobs = wanted_blobs(counted)
     assert len(blobs) == 2 * len(vkeys)
-    assert counted.sent <= 10
+    assert counted.sent <= 12  # the listing, pins and currents, the manifests in batches
 
 
 def test_the_repair_sweep_parses_a_committed_manifest_once_while_its_commit_stands(md):
