@@ -10,7 +10,8 @@ it sends, so encoding pays when
 With the encode rate of two cores here (defaults.CODEC_ENCODE_BPS) and bf16's 1.46x, that
 is links below about CODEC_ENCODE_PAYS_BELOW_BPS: every LAN up to gigabit Ethernet, never
 loopback, where sending is a copy in memory at gigabytes a second. So the policy, by the
-cluster setting SMOLTORRENT_ENCODE (or `store --encode`):
+setting SMOLTORRENT_ENCODE where the store task runs (the worker's environment; there is
+no command-line option for it):
 
     auto  (default) encode, unless every node the store can place on is on this host
           (a loopback address): there the codec could only make the store slower
