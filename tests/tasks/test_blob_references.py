@@ -11,6 +11,7 @@ from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED
 from tests.tasks.conftest import wait_until
+from tests.tasks.test_chunked_store import model, write
 from tests.tasks.test_control_plane import make_ckpt, sha
 
 
@@ -160,3 +161,45 @@ def test_a_store_sharing_a_blob_a_stalled_remove_holds_waits_it_out_then_sends_i
     out = tmp_path / "out.safetensors"
     c.cli("gather", "b", "-o", str(out))
     assert sha(out) == sha(src)
+
+
+def referencing(c, vkey: str) -> set[str]:
+    """The blobs whose reference set names `vkey`."""
+    pattern = K.BLOB_REFS.format(digest="*")
+    head, tail = pattern.split("*")
+    return {
+        key[len(head) : -len(tail)]
+        for key in c.md.r.scan_iter(match=pattern, count=1000)
+        if c.md.r.sismember(key, vkey)
+    }
+
+
+def test_a_store_joining_a_version_in_another_encoding_leaves_no_reference_behind(
+    make_cluster, tmp_path
+):
+    """The same bytes stored encoded (SMOLTORRENT_ENCODE=zstd), Redis lost and rebuilt
+    (its chunk entries then name no encoding, so no store counts on them), then stored
+    again by a worker that sends RAW: the second store joins the committed version (same
+    content, same id) but its plan names other blobs, the RAW ones. versions/create added
+    the version to those blobs' reference sets, which no remove takes away (it reads the
+    recorded manifest): after rm they still named it, for good."""
+    c = make_cluster(3, SMOLTORRENT_ENCODE="zstd")
+    src = write(tmp_path / "a.safetensors", model())
+    c.cli("store", str(src), "--name", "a")
+    vkey = c.md.versions.current("a")
+    manifest = c.md.versions.manifest(vkey)
+    recorded = {s.blob_sha256 for s in manifest.entries}
+    raws = {ch.raw_sha256 for ch in manifest.chunks}
+    assert recorded != raws  # stored encoded
+    c.md.r.flushall()
+    c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
+    assert referencing(c, vkey) == recorded
+    c.kill_worker()
+    c.start_worker(env={"SMOLTORRENT_ENCODE": "raw"})
+    row = c.cli_json("store", str(src), "--name", "a")
+    assert (row["state"], row["new"]) == (COMMITTED, False)  # joined
+    assert referencing(c, vkey) == recorded
+    c.cli("rm", "a", "--yes")
+    assert c.md.versions.version(vkey)["state"] == "removed"
+    assert referencing(c, vkey) == set()
+    assert all(blobs == {} and manifests == [] for blobs, manifests in inventories(c))

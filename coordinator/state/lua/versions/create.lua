@@ -2,7 +2,10 @@
   Records the version a store request asks for: a new pending version, or joins the
   existing one (the same bytes again), raising its sequence number to this request's; a
   committed version a later request asks for again becomes current (a rollback moves no
-  bytes). The version joins the reference set of each of its blobs in the same step.
+  bytes). A new version joins the reference set of each of its blobs in the same step.
+  A version joined keeps the references its recorded manifest made: the caller's blobs
+  may be others (the same content encoded otherwise: SMOLTORRENT_ENCODE, auto as the
+  live nodes change, another zstd), and a reference to them no remove would take away.
 
   Input:
     KEYS[1] VERSION: the version hash
@@ -20,7 +23,8 @@
     KEYS[13] ALL_VERSIONS: every listed version
     KEYS[14] SUMMARIES_FILLED: marker that the listing holds every version
     KEYS[15] MANIFEST_STAGED: its manifest JSON, written in pieces by the caller
-    KEYS[16..] (BLOB_REFS)*: the reference set of each of its blobs
+    KEYS[16..] (BLOB_REFS)*: the reference set of each of the caller's blobs (written only
+      for a new version)
     ARGV[1] seq: the request's sequence number
     ARGV[2] name: the checkpoint name
     ARGV[3] vkey: the version key
@@ -43,7 +47,6 @@ if state == 'removing' then
 end
 local joined = state == 'pending' or state == 'committed'
 if not joined and redis.call('EXISTS', KEYS[15]) == 0 then return 'unstaged' end
-for i = 16, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
 if joined then
   redis.call('DEL', KEYS[15])
   if seq > tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') then
@@ -60,6 +63,7 @@ redis.call('HSET', KEYS[1], 'state', 'pending', 'seq', seq)
 -- Whole, and only now: a manifest half staged is never a version's.
 redis.call('RENAME', KEYS[15], KEYS[2])
 redis.call('PERSIST', KEYS[2])
+for i = 16, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
 for i, t in ipairs(cjson.decode(ARGV[5])) do redis.call('HSET', KEYS[3], tostring(i - 1), t) end
 -- No name yet: nothing recorded before the listing summaries, none to fill.
 if redis.call('SCARD', KEYS[7]) == 0 then redis.call('SET', KEYS[14], 1) end
