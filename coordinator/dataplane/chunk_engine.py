@@ -60,6 +60,7 @@ from smoltorrent import defaults
 from smoltorrent.errors import (
     ChunkFormatError,
     DigestMismatchError,
+    ManifestError,
     NodeError,
     NodeUnavailableError,
     ProtocolError,
@@ -495,21 +496,19 @@ def gather_chunks(
     # The disk writes the chunks while more arrive: the final fsync finds little left.
     written = writeback.Scattered(fd)
 
+    for chunk in manifest.chunks:  # before a byte is read or written
+        check_raw_chunk(chunk)
+
     def one(chunk: ChunkEntry) -> str | None:
         def read(client: NodeClient) -> None:
             at = manifest.data_start + chunk.data_start
-            prefix = codec.raw_prefix(chunk.blob_size, chunk.data_end - chunk.data_start)
-            if prefix is not None:
-                # A RAW chunk: the raw bytes (behind its header in older versions). Received
-                # as a shard is (hashed and written in one loop, a header skipped); the
-                # blob's digest covers every raw byte, so it vouches for the raw digest too.
+            if codec.raw_prefix(chunk.blob_size, chunk.data_end - chunk.data_start) == b"":
+                # A bare RAW chunk: its blob is its raw bytes, received as a shard is
+                # (hashed and written in one loop); check_raw_chunk made its blob digest
+                # its raw digest, so the one check vouches for both. A RAW chunk behind a
+                # header (older versions) is decoded: its raw digest is checked there.
                 client.get_blob_to_file(
-                    chunk.blob_sha256,
-                    fd,
-                    at,
-                    size=chunk.blob_size,
-                    skip=len(prefix),
-                    progress=progress,
+                    chunk.blob_sha256, fd, at, size=chunk.blob_size, progress=progress
                 )
                 return
             _read_chunk(client, chunk, fd, at, progress)
@@ -530,6 +529,21 @@ def gather_chunks(
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         missing = [m for m in ordered_map(pool, one, manifest.chunks) if m]
     return served, fallbacks, missing
+
+
+def check_raw_chunk(chunk: ChunkEntry) -> None:
+    """A bare RAW chunk's blob is its raw bytes, so its blob digest is its raw digest. A
+    manifest naming another blob for it (a hostile copy, Redis edited by hand) names bytes
+    that are not the chunk's, whose own digest holds: ManifestError before a byte is read
+    (not a bad copy: the node's copy is what it is asked for)."""
+    if chunk.blob_size == chunk.data_end - chunk.data_start and (
+        chunk.blob_sha256 != chunk.raw_sha256
+    ):
+        raise ManifestError(
+            f"the manifest does not hold up: chunk {chunk.index} is stored RAW (its blob is"
+            f" as large as its bytes) but names blob {chunk.blob_sha256[:12]} for raw bytes"
+            f" {chunk.raw_sha256[:12]}, and a RAW blob is its raw bytes. Nothing was written."
+        )
 
 
 def _read_chunk(
@@ -559,6 +573,7 @@ def decode_chunk_from(
     """Read one replica's copy of a chunk and pass its raw bytes to write(), in order, a
     piece at a time as they decode; both digests checked at the end, so a caller keeps
     nothing of a copy that raises DigestMismatchError (bad bytes, or not decoding)."""
+    check_raw_chunk(chunk)
     raw_size = chunk.data_end - chunk.data_start
     encoded, raw = hashlib.sha256(), hashlib.sha256()
     written = 0

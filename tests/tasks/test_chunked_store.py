@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from coordinator.dataplane import codec
+from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED
 from tests.beat.test_retention import removed, sweep
 from tests.beat.test_scrub import flip_byte, whole
@@ -303,3 +304,36 @@ def test_a_shared_chunk_whose_only_copy_rotted_is_sent_again_not_counted(make_cl
     c.cli_json("gather", "run", "-o", str(dest))
     assert sha(dest) == sha(second)
     assert any(whole(n, shared.blob_sha256) for n in c.node_procs)
+
+
+def test_a_raw_chunk_whose_blob_is_not_its_raw_digest_is_refused_at_gather(make_cluster, tmp_path):
+    """A bare RAW chunk's blob is its raw bytes, so its blob digest is its raw digest. A
+    manifest that names another blob for it (edited by hand, a hostile copy) names bytes
+    that are not the chunk's: the blob's own digest holds, and the gather wrote them into
+    the chunk's range before (issue 37 4g). It must refuse the chunk, write nothing."""
+    c = make_cluster(3, chunks=True, SMOLTORRENT_ENCODE="raw")
+    generator = torch.Generator().manual_seed(7)
+    tensors = {  # two chunks of one size (each at least a chunk of its own), not alike
+        name: torch.randint(0, 256, (2 * 1024 * 1024,), dtype=torch.uint8, generator=generator)
+        for name in ("a", "b")
+    }
+    src = write(tmp_path / "m.safetensors", tensors)
+    vkey = c.cli_json("store", str(src), "--name", "m")["vkey"]
+    manifest = c.md.versions.manifest(vkey)
+    first, second = manifest.chunks[0], manifest.chunks[1]
+    assert first.blob_size == first.data_end - first.data_start == second.blob_size  # bare RAW
+    assert first.blob_sha256 == first.raw_sha256 != second.blob_sha256
+    key = K.MANIFEST.format(vkey=vkey)
+    text = c.md.r.get(key)
+    c.md.r.set(
+        key,
+        text.replace(
+            f'"blob_sha256":"{first.blob_sha256}"', f'"blob_sha256":"{second.blob_sha256}"', 1
+        ),
+    )
+    assert c.md.versions.manifest(vkey).chunks[0].blob_sha256 == second.blob_sha256
+    dest = tmp_path / "out.safetensors"
+    gathered = c.cli("gather", "m", "-o", str(dest), check=False)
+    assert gathered.returncode == 1, gathered.stdout + gathered.stderr
+    assert "raw" in gathered.stderr and first.raw_sha256[:12] in gathered.stderr, gathered.stderr
+    assert not dest.exists()
