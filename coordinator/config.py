@@ -301,6 +301,22 @@ def repairs_per_node() -> int:
     return max(value, 1)
 
 
+REPAIR_BPS_ENV = "SMOLTORRENT_REPAIR_BPS"
+
+
+def repair_bps() -> int:
+    """The bytes/s each node's repair pushes keep to together (SMOLTORRENT_REPAIR_BPS, a
+    rate as SMOLTORRENT_BWLIMIT takes it, e.g. 10M or 80Mbit; 0: no limit). Read where the
+    repair tasks run and sent with each push: the node paces its pushes at it."""
+    text = os.environ.get(REPAIR_BPS_ENV, "").strip()
+    if not text:
+        return defaults.REPAIR_BPS
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise ConfigError(f"{REPAIR_BPS_ENV}: {exc}") from None
+
+
 DISCOVER_ENV = "SMOLTORRENT_DISCOVER"
 
 
@@ -324,6 +340,7 @@ def check_environment() -> None:
     dead_after()
     repair_interval()
     repairs_per_node()
+    repair_bps()
     scrub_interval()
     retention_interval()
     crosscheck_interval()

@@ -406,6 +406,12 @@ REPAIR_INTERVAL_S = 30.0
 # repair copies touching one node at once, as sender or receiver (SMOLTORRENT_REPAIRS_PER_NODE):
 # one out and one in keeps a Pi's 100 Mbit/s port and SD card free enough for gathers
 REPAIRS_PER_NODE = 2
+# bytes/s each node's repair pushes keep to together (SMOLTORRENT_REPAIR_BPS; the node pays
+# every slice to one token bucket, worker_server/token_bucket.py): 10 MB/s is 80 Mbit/s, so
+# a Pi's 100 Mbit/s port keeps a fifth for gathers while a lost node heals, and three
+# survivors sending at it carry its bytes back within 1.25x of what their links could
+# (issue 37: within 1.5x); 0 lifts the limit (a fast LAN, a node lost with nothing to read)
+REPAIR_BPS = 10_000_000
 # repair copies in flight in the whole cluster: each holds a worker process while its nodes
 # copy, so half of WORKER_CONCURRENCY stays free for stores, commits and gathers
 REPAIRS_MAX_IN_FLIGHT = 2

@@ -45,7 +45,9 @@ def repair(self, digest: str, source: str, target: str) -> str:
         nodes = md.nodes.nodes()
         if source not in nodes or target not in nodes:
             return "node removed"
-        how = copy_blob(md, nodes, config.cluster_key(), digest, source, target)
+        how = copy_blob(
+            md, nodes, config.cluster_key(), digest, source, target, rate=config.repair_bps()
+        )
     except NODE_FAILURES as exc:
         until = repairs.failed(md, digest, target, str(exc))
         log.warning(

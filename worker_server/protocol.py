@@ -87,7 +87,9 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     "get": (BODY_NONE, frozenset({"digest", "offset", "length"})),
     "verify": (BODY_NONE, frozenset({"digests"})),
     "delete": (BODY_NONE, frozenset({"digest"})),
-    "replicate": (BODY_NONE, frozenset({"digest", "peer"})),
+    # A push of our copy to `peer`, paced at `rate` bytes/s (0 or absent: unpaced) on the
+    # node's one repair bucket, shared with its other repair pushes.
+    "replicate": (BODY_NONE, frozenset({"digest", "peer", "rate"})),
     # A manifest over one JSON body's limit travels in parts: each puts the bytes at
     # `offset` of a manifest of `total` bytes, published once the last one arrives.
     "manifest_put": (BODY_JSON, frozenset({"key", "offset", "total"})),
@@ -258,6 +260,7 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
         request["start"] = start
     if op == "replicate":
         request["peer"] = validate_peer(header.get("peer"))
+        request["rate"] = validate_rate(header.get("rate", 0))
     if op == "auth":
         request["mac"] = _validate_hex(header.get("mac"), DIGEST_CHARS, "mac")
         request["nonce"] = _validate_hex(header.get("nonce"), NONCE_CHARS, "nonce")
@@ -308,6 +311,11 @@ def validate_length(value: Any, name: str) -> int:
     if not 0 <= value <= defaults.MAX_BLOB_BYTES:
         raise ProtocolError(f"{name} {value} is outside 0..{defaults.MAX_BLOB_BYTES}")
     return value
+
+
+def validate_rate(value: Any) -> int:
+    """A rate in bytes/s: a JSON integer in 0..MAX_BLOB_BYTES (0: no limit)."""
+    return validate_length(value, "rate")
 
 
 def validate_peer(value: Any) -> tuple[str, int]:

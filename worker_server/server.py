@@ -31,6 +31,7 @@ from worker_server.mdns import Advert, start_advert
 from worker_server.metrics import NodeMetrics, serve_metrics
 from worker_server.scrub import Scrubber
 from worker_server.session import Session
+from worker_server.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
 # accept() errors that say the node is short of descriptors or memory for now, not that
@@ -80,6 +81,8 @@ class ShardServer:
         self._stopping = threading.Event()
         self.metrics = NodeMetrics(store.node_id, self._gauges, self._address())
         self.scrubber = Scrubber(store, scrub_rate_bps, self.metrics)
+        # One for every session: a node's repair pushes keep to one rate together.
+        self.repair_bucket = TokenBucket(defaults.REPAIR_BPS)
 
     def _address(self) -> str:
         """host:port as the cluster registers it: the bound host, or this machine's name
@@ -183,6 +186,7 @@ class ShardServer:
                 body_budget=self.body_budget,
                 metrics=self.metrics,
                 scrubber=self.scrubber,
+                repair_bucket=self.repair_bucket,
             ).run()
         finally:
             self._address_slots.release(_host_of(peer))

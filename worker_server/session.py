@@ -36,6 +36,7 @@ from worker_server.blob_store import BlobStore
 from worker_server.limits import MemoryBudget
 from worker_server.metrics import NodeMetrics
 from worker_server.scrub import Scrubber
+from worker_server.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,11 @@ class Session:
         body_budget: MemoryBudget,
         metrics: NodeMetrics | None = None,
         scrubber: Scrubber | None = None,
+        repair_bucket: TokenBucket | None = None,
     ) -> None:
         self.body_budget = body_budget
+        # Every repair push this node makes pays into it, whichever session asked for it.
+        self.repair_bucket = repair_bucket or TokenBucket(defaults.REPAIR_BPS)
         self.scrubber = scrubber
         self.sock = wire.session_socket(sock)
         self.metrics = metrics or NodeMetrics(store.node_id)
@@ -444,7 +448,9 @@ class Session:
         peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         fd, size = self.store.open_blob(digest)
         try:
-            stored = self._push_blob(peer, host, port, digest, fd, size, self._ticker())
+            stored = self._push_blob(
+                peer, host, port, digest, fd, size, self._ticker(), self._repair_pace(request)
+            )
         finally:
             os.close(fd)
         if stored:
@@ -461,12 +467,13 @@ class Session:
         fd: int,
         size: int,
         progress: Callable[[int], None],
+        pace: Callable[[int], None] | None,
     ) -> bool:
         """Put our copy on the peer; progress frames to our client keep a long copy alive."""
         try:
             with wire.connect(host, port, self.socket_timeout) as peer_sock:
                 wire.client_handshake(peer_sock, self.cluster_key, peer)
-                return wire.send_put(peer_sock, peer, digest, b"", fd, 0, size, progress)
+                return wire.send_put(peer_sock, peer, digest, b"", fd, 0, size, progress, pace=pace)
         except AuthenticationError as exc:
             raise NodeError("peer_unavailable", f"peer {peer} refused this node: {exc}") from exc
         except (OSError, PeerClosedError) as exc:
@@ -475,6 +482,15 @@ class Session:
                 f"cannot push blob {digest[:12]} to peer {peer} ({exc}): check that the peer"
                 " is running and reachable from this node",
             ) from exc
+
+    def _repair_pace(self, request: dict[str, Any]) -> Callable[[int], None] | None:
+        """What a repair push pays each slice to: the node's repair bucket at the rate the
+        request names (the coordinator's SMOLTORRENT_REPAIR_BPS), so this node's repair
+        pushes together keep to it and its port stays free for gathers; None unpaced."""
+        if not request["rate"]:
+            return None
+        self.repair_bucket.set_rate(request["rate"])
+        return self.repair_bucket.take
 
     def op_manifest_put(self, request: dict[str, Any]) -> None:
         data = self._read_body()

@@ -6,7 +6,8 @@ A transfer (a store, a gather) makes one `WireMeter`; every node client it uses 
 each slice of at most BWLIMIT_SLICE_BYTES that leaves or arrives, sendfile included. So
 however many sends run at once, threads of one process or Celery children sending the
 shards of one store (`TokenBucket.shared`: its state in a file on this host), the bytes
-they move together keep to one rate.
+they move together keep to one rate. The bucket itself is worker_server/token_bucket.py:
+a node paces its repair pushes with it too.
 
 Wire bytes are counted at the socket; raw bytes (what those bytes are in the checkpoint,
 decoded) by the engine or task that knows what a blob holds, with `meter.raw(n)`. Stored
@@ -16,82 +17,13 @@ the wire than the raw ones it carries.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import struct
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from coordinator.plan.manifest import BlobSpan
 from smoltorrent import defaults
-
-_STATE = struct.Struct("<d")  # the bucket's theoretical arrival time (time.monotonic)
-
-
-class TokenBucket:
-    """At most `rate` bytes/s on average, with bursts of BWLIMIT_BURST_S of it after an idle
-    spell (a generic cell rate algorithm: the state is the time by which every byte paid
-    for so far may have gone). take(n) waits until n more bytes may go."""
-
-    def __init__(self, rate: int, path: str | os.PathLike | None = None) -> None:
-        if rate <= 0:
-            raise ValueError(f"a bandwidth limit must be above 0 bytes/s, not {rate}")
-        self.rate = rate
-        self.burst_s = defaults.BWLIMIT_BURST_S
-        self.path = None if path is None else os.fspath(path)
-        self._lock = threading.Lock()
-        self._due = 0.0  # in-process state, when there is no file
-
-    @classmethod
-    def shared(cls, rate: int, directory: str | os.PathLike, key: str) -> TokenBucket:
-        """The bucket every process on this host that names `key` shares (the Celery
-        children sending one store's shards). Monotonic time is one clock per host."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / key
-        if not path.exists():
-            _prune(directory)
-        return cls(rate, path)
-
-    def take(self, n: int) -> None:
-        """Pay for n bytes: return once they may go (at once within the burst)."""
-        with self._lock:
-            if self.path is None:
-                wait, self._due = self._charge(self._due, n)
-            else:
-                wait = self._charge_file(n)
-        if wait > 0:
-            time.sleep(wait)
-
-    def _charge(self, due: float, n: int) -> tuple[float, float]:
-        now = time.monotonic()
-        due = max(due, now)
-        return due - self.burst_s - now, due + n / self.rate
-
-    def _charge_file(self, n: int) -> float:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the close
-            data = os.pread(fd, _STATE.size, 0)
-            due = _STATE.unpack(data)[0] if len(data) == _STATE.size else 0.0
-            wait, due = self._charge(due, n)
-            os.pwrite(fd, _STATE.pack(due), 0)
-        finally:
-            os.close(fd)
-        return wait
-
-
-def _prune(directory: Path) -> None:
-    """Remove bucket files of transfers long over (best effort: another process may too)."""
-    cutoff = time.time() - defaults.BWLIMIT_STATE_MAX_AGE_S
-    for entry in directory.iterdir():
-        try:
-            if entry.stat().st_mtime < cutoff:
-                entry.unlink()
-        except OSError:
-            continue
+from worker_server.token_bucket import TokenBucket
 
 
 @dataclass(frozen=True)

@@ -565,12 +565,17 @@ class NodeClient:
         response, _ = self._call({"op": "delete", "digest": digest})
         return response.get("deleted") is True
 
-    def replicate(self, digest: str, peer: NodeAddress) -> bool:
+    def replicate(self, digest: str, peer: NodeAddress, rate: int = 0) -> bool:
         """Ask this node to push its copy of digest to peer; True if peer stored it, False if
-        it already had it. However large the blob, each read waits one socket timeout: the
-        node sends progress frames while it copies, so only a stalled copy times out."""
+        it already had it. With a rate (bytes/s), the node paces the push on its repair
+        bucket, which all its repair pushes share. However large the blob, each read waits
+        one socket timeout: the node sends progress frames while it copies, so only a
+        stalled copy times out."""
+        request = {"op": "replicate", "digest": digest, "peer": str(peer)}
+        if rate:
+            request["rate"] = rate
         with self._connection() as sock:
-            wire.send_frame(sock, {"op": "replicate", "digest": digest, "peer": str(peer)})
+            wire.send_frame(sock, request)
             response, body_len = wire.recv_final_response(sock, str(self.address))
             wire.recv_body(sock, _bounded_body(body_len, self.address))
         return response.get("status") == "stored"

@@ -33,17 +33,19 @@ def copy_blob(
     source: str,
     target: str,
     timeout: float | None = None,
+    rate: int = 0,
 ) -> str:
-    """Make `target` hold a verified copy of `digest`, pushed by `source`, and only then
-    count it in the placement. What happened, as a word: stored, exists, unused,
-    source-bad, source-missing. NodeUnavailableError or NodeError if a node failed."""
+    """Make `target` hold a verified copy of `digest`, pushed by `source` at `rate` bytes/s
+    at most (with its other repair pushes; 0: unpaced), and only then count it in the
+    placement. What happened, as a word: stored, exists, unused, source-bad,
+    source-missing. NodeUnavailableError or NodeError if a node failed."""
     if target in md.blobs.placement(digest):
         return "exists"  # a redelivery of a repair that finished
     if not md.blobs.blob_refs(digest) or md.blobs.blob_deleting(digest):
         return "unused"  # removed meanwhile: nothing to repair
     sender = NodeClient(nodes[source].address, cluster_key=cluster_key, timeout=timeout)
     try:
-        stored = sender.replicate(digest, nodes[target].address)
+        stored = sender.replicate(digest, nodes[target].address, rate)
     except DigestMismatchError:
         # The target hashed other bytes than the digest: the sender's copy is bad, or the
         # target corrupts what it receives. The sender re-hashes its copy to tell (and
