@@ -39,7 +39,9 @@ def test_a_repair_sent_twice_makes_one_copy_and_a_trim_sent_twice_keeps_r(make_c
     outcomes = {r.get(timeout=60) for r in results}
     assert outcomes <= {"stored", "exists"}
     assert md.blobs.placement(digest) == {*holders, target}
-    assert copies(c, digest) == 3  # one per node: the second run found the first's copy
+    # One per node: the second run found the first's copy. The repair's end plans the next
+    # step, and the blob is one copy above its R now: that trim may have deleted one already.
+    assert copies(c, digest) in (2, 3)
     # No copy in flight; a trim may be: each repair's end plans the next step, and the
     # blob is one copy above its R now.
     assert [r for r in repairs.in_flight(md) if r.target != TRIM] == []
