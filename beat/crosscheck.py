@@ -11,7 +11,8 @@
   it again). A blob of a pending version has references, so it is never one; a
   blob named by a manifest Redis does not know (Redis lost, not yet rebuilt) is
   never collected either.
-- A manifest of a version Redis has removed is deleted from the node.
+- A manifest of a version Redis has removed is deleted from the node; one of a
+  committed version is recorded as held there (a remove waits for that node too).
 
 Placement is read before the inventories, so a copy settled meanwhile (stored on
 the node before its settle) is never taken for missing.
@@ -28,7 +29,7 @@ from beat.sweeps import sweep
 from coordinator import config
 from coordinator.plan.manifest import Manifest
 from coordinator.state.metadata import Metadata
-from coordinator.state.versions import REMOVED
+from coordinator.state.versions import COMMITTED, REMOVED
 from smoltorrent.errors import SmoltorrentError
 from tasks.context import metadata, node_client
 
@@ -103,7 +104,13 @@ def _manifests(md: Metadata, registered, manifests: dict[str, list[str]], counts
     sure = True
     for node_id, keys in manifests.items():
         client = node_client(node_id, registered)
-        for key, state in zip(keys, md.versions.states(keys), strict=True):
+        states = md.versions.states(keys)
+        # A copy found where none was recorded (a version committed before the nodes
+        # sent a copy were recorded, a copy put by hand): its remove waits for it too.
+        md.versions.note_manifests_held(
+            node_id, [k for k, s in zip(keys, states, strict=True) if s == COMMITTED]
+        )
+        for key, state in zip(keys, states, strict=True):
             try:
                 if state == REMOVED:
                     client.delete_manifest(key)

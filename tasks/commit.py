@@ -84,6 +84,7 @@ def record_request_order(md, vkey: str) -> int:
     registered = md.nodes.nodes()
     placed = set().union(*(md.blobs.placement(digest) for digest, _ in manifest.blobs))
     holders = sorted(placed & set(md.nodes.alive(registered)))
+    md.versions.note_manifest_nodes(vkey, holders)
     try:
         return write_manifest(manifest, [node_client(n, registered) for n in holders])
     except SmoltorrentError:
@@ -95,8 +96,12 @@ def write_manifest_durably(md, manifest, holders: set[str], registered) -> None:
     anything less raises ManifestNotDurableError and the commit retries. An
     under-replicated (or empty) version also puts it on other live nodes, up to
     min(R, live): a node that cannot take a few KB within MANIFEST_EXTRA_TIMEOUT_S does
-    not count as live, so a hung node delays the commit by that much, not for ever."""
+    not count as live, so a hung node delays the commit by that much, not for ever.
+    Every node is recorded as a manifest holder before it is sent the copy (a remove
+    deletes it there, Versions.manifest_nodes)."""
+    vkey = manifest.storage_key()
     if holders:
+        md.versions.note_manifest_nodes(vkey, holders)
         try:
             written = write_manifest(manifest, [node_client(n, registered) for n in holders])
         except SmoltorrentError as exc:  # no node took it at all
@@ -111,6 +116,7 @@ def write_manifest_durably(md, manifest, holders: set[str], registered) -> None:
         if kept >= manifest.replicas:
             break
         extra = client(registered[node_id].address, timeout=defaults.MANIFEST_EXTRA_TIMEOUT_S)
+        md.versions.note_manifest_nodes(vkey, [node_id])
         try:
             kept += write_manifest(manifest, [extra])
         except SmoltorrentError:

@@ -30,8 +30,13 @@ def remove(self, vkey: str) -> dict:
     registered = md.nodes.nodes()
     manifest = md.versions.manifest(vkey)
     # Nodes that may hold its manifest: every holder of one of its blobs (a holder whose
-    # copy is deleted below leaves the placement only once it answered).
-    involved = set().union(*(md.blobs.placement(s.blob_sha256) for s in manifest.entries))
+    # copy is deleted below leaves the placement only once it answered), and every node
+    # it was ever put on or found on: an extra holder of an under-replicated commit, a
+    # node whose blob copies were trimmed since. A copy left on any of them lets a
+    # rebuild bring the version back, its chunks held by the versions sharing them.
+    involved = md.versions.manifest_nodes(vkey).union(
+        *(md.blobs.placement(s.blob_sha256) for s in manifest.entries)
+    )
     chunks: dict[str, list] = {}
     for chunk in manifest.chunks:
         chunks.setdefault(chunk.blob_sha256, []).append(chunk)
@@ -64,7 +69,7 @@ def remove(self, vkey: str) -> dict:
             for node_id in gone:
                 md.blobs.remove_placement(digest, node_id)
     # Ask every node: a manifest left on any of them would let rebuild bring it back.
-    # Only a node that held its blobs and cannot answer keeps the remove open.
+    # Only a node that may hold it (involved) and cannot answer keeps the remove open.
     for node_id in registered:
         try:
             node_client(node_id, registered).delete_manifest(vkey)

@@ -52,11 +52,9 @@ def publish(md: Metadata, vkeys: Iterable[str], cluster_key: bytes | None) -> in
     for vkey in vkeys:
         manifest = node_manifest(md, vkey)
         placed = set().union(*(md.blobs.placement(d) for d, _ in manifest.blobs))
-        holders = [
-            NodeClient(registered[n].address, cluster_key=cluster_key)
-            for n in sorted(placed & live)
-            if n in registered
-        ]
+        to = [n for n in sorted(placed & live) if n in registered]
+        md.versions.note_manifest_nodes(vkey, to)  # before the copies: a remove finds them
+        holders = [NodeClient(registered[n].address, cluster_key=cluster_key) for n in to]
         try:
             written += write_manifest(manifest, holders)
         except SmoltorrentError:

@@ -40,6 +40,7 @@ def rebuild_metadata(
     unreachable: list[str] = []
     skipped: list[str] = []
     held: set[str] = set()
+    listed: dict[str, list[str]] = {}  # node id -> the manifest keys it holds
     placements = 0
     nodes_read = 0
     for address in addresses:
@@ -78,6 +79,7 @@ def rebuild_metadata(
             if manifest.marks_seq > getattr(marked.get(key), "marks_seq", 0):
                 marked[key] = manifest
         nodes_read += 1
+        listed[stat.node_id] = keys
         md.nodes.add_node(stat.node_id, address)
         md.nodes.mark_alive(stat.node_id, dataclasses.asdict(stat))
         md.blobs.add_placements(blobs, stat.node_id)
@@ -113,6 +115,10 @@ def rebuild_metadata(
             restored += 1
             brought_back.add(vkey)
         md.chunks.record(manifest.chunks)  # so a store finds them stored again
+    # Where each copy is: a remove of the version deletes it there, so a later rebuild
+    # cannot bring the version back from a node outside its blobs' placement.
+    for node_id, keys in listed.items():
+        md.versions.note_manifests_held(node_id, [k for k in keys if k in found])
     marks = restore_marks(md, [m for k, m in marked.items() if k in brought_back])
     steps = restore_steps(md, list(manifests.values()))
     directories = restore_directories(md, list(manifests.values()))

@@ -130,6 +130,11 @@ CHUNKS = PREFIX + "chunks"
 TRIM_MARK = PREFIX + "trim:{digest}:{node_id}"
 # set of blob digests a removing version left unreferenced, still to delete from nodes
 REMOVE_BLOBS = PREFIX + "version:{vkey}:remove_blobs"
+# set of node ids that were sent (or were found holding) a copy of a version's manifest:
+# its blob holders, extra holders of an under-replicated commit, nodes whose blob copies
+# were trimmed since. A remove waits for every one of them (tasks/remove.py): a copy left
+# on any of them lets a rebuild bring the version back
+MANIFEST_NODES = PREFIX + "version:{vkey}:manifest_nodes"
 # hash "digest:node_id" -> when (Redis clock, s) the crosscheck first found that node holding
 # a blob no version uses; collected once older than the grace period
 ORPHANS = PREFIX + "orphans"

@@ -156,6 +156,7 @@ class Removals:
                     K.VERSION_ROWS,
                     K.VERSION_STATES,
                     K.ALL_VERSIONS,
+                    K.MANIFEST_NODES.format(vkey=vkey),
                 ],
                 args=[name, vkey, time.time(), defaults.REMOVED_TOMBSTONE_TTL_S],
             )

@@ -170,6 +170,27 @@ class Versions:
         manifest.write_json_pieces(send, defaults.MANIFEST_PIECE_BYTES)
         return staged
 
+    def note_manifest_nodes(self, vkey: str, node_ids: Iterable[str]) -> None:
+        """Record that `node_ids` are sent a copy of `vkey`'s manifest, before it is put
+        there: a remove waits for each of them (manifest_nodes), whatever blobs they hold
+        by then. A copy recorded and never put costs a remove one delete of nothing."""
+        node_ids = list(node_ids)
+        if node_ids:
+            self.r.sadd(K.MANIFEST_NODES.format(vkey=vkey), *node_ids)
+
+    def note_manifests_held(self, node_id: str, vkeys: Sequence[str]) -> None:
+        """`node_id` was found holding a copy of each of `vkeys`' manifests (a rebuild, the
+        crosscheck), LISTING_BATCH_VERSIONS a round trip."""
+        for start in range(0, len(vkeys), defaults.LISTING_BATCH_VERSIONS):
+            with self.r.pipeline(transaction=False) as p:
+                for vkey in vkeys[start : start + defaults.LISTING_BATCH_VERSIONS]:
+                    p.sadd(K.MANIFEST_NODES.format(vkey=vkey), node_id)
+                p.execute()
+
+    def manifest_nodes(self, vkey: str) -> set[str]:
+        """The nodes that were sent, or found holding, a copy of `vkey`'s manifest."""
+        return set(self.r.smembers(K.MANIFEST_NODES.format(vkey=vkey)))
+
     def version(self, vkey: str) -> dict[str, str]:
         data = self.r.hgetall(K.VERSION.format(vkey=vkey))
         if not data:

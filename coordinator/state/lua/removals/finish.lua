@@ -16,6 +16,7 @@
     KEYS[10] VERSION_ROWS: listing rows
     KEYS[11] VERSION_STATES: listing states
     KEYS[12] ALL_VERSIONS: every listed version
+    KEYS[13] MANIFEST_NODES: the nodes sent a copy of its manifest
     ARGV[1] name: the checkpoint name
     ARGV[2] vkey: the version key
     ARGV[3] now: unix time (s)
@@ -25,7 +26,7 @@
     1 if this call finished it, 0 if the version is not removing
 ]]
 if redis.call('HGET', KEYS[1], 'state') ~= 'removing' then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[9])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[9], KEYS[13])
 redis.call('HDEL', KEYS[10], ARGV[2])
 redis.call('HDEL', KEYS[11], ARGV[2])
 redis.call('ZREM', KEYS[12], ARGV[2])
