@@ -20,6 +20,7 @@ from tasks.context import metadata
 from tasks.enqueue import (
     redrive_request,
     send_commit,
+    send_drop_spool,
     send_remove,
     send_transfers,
     transfer_time_limit,
@@ -143,7 +144,8 @@ def execute(md, actions: decide.Actions) -> dict[str, int]:
         send_commit(vkey)
         md.transfers.mark_commit_enqueued(vkey)
     for vkey, reason in actions.aborts:
-        md.versions.abort(vkey, reason)
+        if md.versions.abort(vkey, reason):
+            send_drop_spool(vkey, md.versions.version(vkey)["host"])
     for vkey in actions.removes:
         send_remove(vkey)
     return actions.counts()

@@ -296,6 +296,18 @@ def send_remove(vkey: str, name: str | None = None) -> None:
     )
 
 
+def send_drop_spool(vkey: str, host: str) -> None:
+    """Have `host`, where the store of `vkey` encoded its chunks, remove them: the version
+    is no longer pending (aborted), so nothing will send from them. The sweep deciding it
+    may run on another host, and a spool is a host's own disk."""
+    app.send_task(
+        "smoltorrent.drop_spool",
+        kwargs={"vkey": vkey},
+        task_id=f"drop-spool-{vkey}",
+        queue=config.host_queue(host),
+    )
+
+
 def send_repair(digest: str, source: str, target: str, time_limit: int) -> None:
     """Copy a blob node to node; one id per (blob, target), so a copy is sent once."""
     app.send_task(

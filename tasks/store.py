@@ -212,6 +212,18 @@ def _store(
     return {**result, "under_replicated_at_plan": replicas > len(live)}
 
 
+@app.task(name="smoltorrent.drop_spool", trail=False)
+def drop_spool(vkey: str) -> bool:
+    """Remove the spool of version `vkey` on this host (its store's encoded chunks) once
+    it is no longer pending: reconcile aborted it, and nothing will send from it; whether
+    it was removed. A version pending under that key (stored afresh since) keeps it."""
+    spool = spool_dir(config.spool_root(), vkey)  # a key that is no version's: refused
+    if metadata().versions.state(vkey) == PENDING:
+        return False
+    shutil.rmtree(spool, ignore_errors=True)
+    return True
+
+
 def _result(request: dict[str, str]) -> dict:
     return {
         "vkey": request["vkey"],

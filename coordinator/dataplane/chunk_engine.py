@@ -171,6 +171,10 @@ def prepare_chunked_store(
             schema_version=SCHEMA_VERSION,
             chunks=chunk_entries(plans, digests),
         )
+        # Placed before the chunks leave the scratch directory: a placement that fails
+        # (no room) leaves no spool behind, where nothing would ever send from it.
+        size_of = [size for _, _, size in digests]
+        places = place(size_of, free_bytes, place_replicas or replicas) if plans else []
         kept = spool_dir(spool, manifest.storage_key())
         os.makedirs(kept, exist_ok=True)
         spans = []
@@ -196,8 +200,6 @@ def prepare_chunked_store(
                 chunk.blob_size, chunk.data_end - chunk.data_start, encodings[chunk.index]
             ),
         )
-    size_of = [size for _, _, size in digests]
-    places = place(size_of, free_bytes, place_replicas or replicas) if plans else []
     return PreparedChunks(
         path=path,
         manifest=manifest,
