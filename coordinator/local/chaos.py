@@ -44,6 +44,9 @@ from coordinator.local import netns
 from coordinator.local.cluster import LocalCluster, _alive
 from coordinator.local.synthetic import write_checkpoint
 from coordinator.state import redis_keys as K
+from coordinator.state.leaks import find_leaks
+from coordinator.state.metadata import Metadata
+from smoltorrent.errors import SmoltorrentError
 
 # The faults the nemesis draws from: (what it does, which process kind).
 PROCESS_KINDS = ("node", "worker", "beat", "redis")
@@ -135,6 +138,10 @@ FAST_ENV = {
 GATHER_DIRS_ENV = "SMOLTORRENT_GATHER_DIRS"
 CLI_TIMEOUT_S = 120.0  # an operation still running after this is recorded as timed out
 SETTLE_TIMEOUT_S = 90.0  # after healing: requests closed, nothing pending, R restored
+# Leaks found once settled are looked for again after this many crosscheck periods: a blob
+# that stopped being used as the run settled is noted by then (only a run that found one
+# waits)
+LEAK_RECHECK_PERIODS = 2
 NAMES = ("run/latest.safetensors", "run/best.safetensors", "eval/model.safetensors")
 GATHER_AT_LEAST_EVERY = 3  # a client's operations between gathers at most, once it stored
 
@@ -466,7 +473,7 @@ class ChaosRun:
             for op in self.ops:
                 if op.kind.startswith("store") and op.content:
                     content_names.setdefault(op.name, set()).add(op.content)
-            violations = check(self.ops, final, content_names)
+            violations = check(self.ops, final, content_names) + self.leaks()
         finally:
             with contextlib.suppress(Exception):
                 self.heal()
@@ -874,6 +881,29 @@ class ChaosRun:
             )
             current = dict(zip(NAMES, pool.map(self._final_gather, NAMES), strict=True))
         return Final(requests, versions, gathered, current, open_rids, unsettled, under)
+
+    def leaks(self) -> list[str]:
+        """Invariant 14 once the sweeps have run (coordinator/state/leaks.py): references
+        in Redis against the manifests, and every blob on a node used by a version or
+        noted by the crosscheck for collection. A node that does not answer is said."""
+        md = Metadata(self.cluster.redis_url)
+        try:
+            for attempt in range(2):
+                inventories, unread = {}, []
+                for node in self.cluster.node_procs:
+                    try:
+                        client = node.client()
+                        inventories[client.ping()] = set(client.list_blobs())
+                    except SmoltorrentError as exc:
+                        unread.append(f"leak check: node {node.address} not read: {exc}")
+                found = find_leaks(md, inventories) + unread
+                if not found or attempt:
+                    return [f"leak: {x}" for x in found]
+                period = float(FAST_ENV["SMOLTORRENT_CROSSCHECK_INTERVAL_S"])
+                time.sleep(LEAK_RECHECK_PERIODS * period)
+        finally:
+            md.close()
+        return []
 
     def _content_of_source(self, path: str) -> str | None:
         """The content a store's source holds: each is a hard link to one of them."""
