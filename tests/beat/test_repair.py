@@ -15,8 +15,10 @@ from collections import Counter
 import pytest
 
 from coordinator.dataplane.store_engine import prepare_store, store_checkpoint
+from coordinator.state import redis_keys as K
 from coordinator.state.liveness import DEAD, node_health
 from coordinator.state.versions import COMMITTED
+from smoltorrent import defaults
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_control_plane import make_blobs_ckpt, make_ckpt, sha
 from tests.tcpproxy import start_proxy
@@ -480,3 +482,52 @@ def test_replicas_raised_counts_no_copy_on_a_dead_node(make_cluster, tiny_tmp, t
     finally:
         store.kill()
         store.wait()
+
+
+def test_a_failing_targets_backoff_doubles_from_a_minute_up_to_an_hour(
+    make_cluster, tiny_tmp, tmp_path
+):
+    """self-healing.md: a copy that fails sends that target into a backoff for that blob,
+    REPAIR_BACKOFF_S (60 s) after the first failure, doubling with each one after, up to
+    1 h. Default backoff and repair interval; each wait is skipped by setting the record's
+    `until` back in Redis, and the repair sweep run at once (run_sweep), not waited for."""
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    c = make_cluster(3, SMOLTORRENT_DEAD_AFTER_S="3")
+    src = make_ckpt(tmp_path / "b.safetensors")
+    c.cli("store", str(src), "--name", "b", "--shards", "1")
+    md = c.md
+    (digest,) = [s.blob_sha256 for s in md.versions.manifest(md.versions.current("b")).entries]
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    dead_id = min(md.blobs.placement(digest))
+    (failing_id,) = set(by_id) - md.blobs.placement(digest)
+    tiny_tmp(by_id[failing_id])  # the only target left: every put it takes fails
+    by_id[dead_id].kill()
+    wait_until(
+        lambda: node_health(md, time.time(), 3)[dead_id].state == DEAD, 30, what="a dead node"
+    )
+    run_sweep(c, "health")
+    field = f"{digest}:{failing_id}"
+
+    def record() -> dict | None:
+        raw = md.r.hget(K.REPAIR_BACKOFF, field)
+        return json.loads(raw) if raw else None
+
+    delays = []
+    for failures in range(1, 8):
+        run_sweep(c, "repair")
+        got = wait_until(
+            lambda n=failures: (r := record()) and r["failures"] == n and r,
+            60,
+            what=f"failure {failures} recorded",
+        )
+        delays.append(got["until"] - time.time())
+        # Its wait over (the record's time set back, not waited): the next sweep sends it.
+        md.r.hset(K.REPAIR_BACKOFF, field, json.dumps(got | {"until": time.time() - 1}))
+    wanted = [
+        min(defaults.REPAIR_BACKOFF_S * 2**n, defaults.REPAIR_BACKOFF_MAX_S) for n in range(7)
+    ]
+    assert wanted == [60, 120, 240, 480, 960, 1920, 3600]
+    # Each recorded `until` is the failure's time plus the backoff; read a moment later.
+    assert all(w - 30 < d <= w for d, w in zip(delays, wanted, strict=True)), delays
+    assert failing_id not in md.blobs.placement(digest)  # no copy was ever counted there
