@@ -531,3 +531,34 @@ def test_a_failing_targets_backoff_doubles_from_a_minute_up_to_an_hour(
     # Each recorded `until` is the failure's time plus the backoff; read a moment later.
     assert all(w - 30 < d <= w for d, w in zip(delays, wanted, strict=True)), delays
     assert failing_id not in md.blobs.placement(digest)  # no copy was ever counted there
+
+
+def test_a_trim_that_finds_its_kept_copies_rotten_deletes_no_surplus(make_cluster, tmp_path):
+    """self-healing.md: copies above R are trimmed keeping R copies that re-hash clean
+    first. Three copies of a blob at R=2, two of them rotted in place (same size): a trim
+    that kept two unchecked copies would delete the third, maybe the only clean one.
+    It must find fewer than R clean copies and delete nothing."""
+    from tests.beat.test_scrub import flip_byte, whole  # test_scrub imports this module
+
+    c = make_cluster(3)
+    src = make_ckpt(tmp_path / "old.safetensors")
+    blob, ids = stored_with_a_surplus_copy(c, src)
+    clean_id, *rotten_ids = sorted(c.md.blobs.placement(blob))
+    assert len(rotten_ids) == 2
+    for node_id in rotten_ids:
+        flip_byte(ids[node_id], blob, 100)
+    from celery import Celery
+
+    app = Celery(broker=c.redis_url, backend=c.redis_url)
+    try:
+        result = app.send_task(
+            "smoltorrent.trim", kwargs={"digest": blob, "replicas": 2}, queue="control"
+        ).get(timeout=120)
+    finally:
+        app.close()
+    assert result["deleted"] == [], result
+    assert result["kept"] == [clean_id], result
+    assert whole(ids[clean_id], blob)
+    # The rotten copies leave the placement (their nodes quarantined them); the clean one
+    # stays counted, and repair makes the second copy from it.
+    assert c.md.blobs.placement(blob) == {clean_id}
