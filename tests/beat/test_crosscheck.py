@@ -123,3 +123,58 @@ def test_blobs_of_a_manifest_redis_does_not_know_are_never_collected(make_cluste
         assert result.get("collected", 0) == 0 and result["manifests_unknown"] >= 1
     on_nodes = set().union(*(held(n) for n in c.node_procs))
     assert digests <= on_nodes
+
+
+def test_an_orphan_claimed_while_a_store_starts_using_it_is_sent_again_by_the_store(
+    make_cluster, tmp_path
+):
+    """self-healing.md: an orphan is deleted under the tombstone a remove sets, only if no
+    version uses it at that instant, and a store that starts using it meanwhile waits, then
+    sends it again. The crosscheck's own steps (claim_orphan, the node's delete,
+    orphan_deleted) are taken here at the instants that race: claimed, then a real store
+    of the very bytes records its version, then the delete lands. The store must end
+    committed at R with the blob on its nodes, and gather byte for byte."""
+    import struct
+    import subprocess
+    import sys
+
+    c = make_cluster(3)
+    src = make_ckpt(tmp_path / "race.safetensors")
+    raw = src.read_bytes()
+    data = raw[8 + struct.unpack("<Q", raw[:8])[0] :]  # one RAW chunk (loopback): its blob
+    node = c.node_procs[0]
+    orphan = drop_blob_file(node, data)
+    owner = "crosscheck-test"
+    assert c.md.blobs.claim_orphan(orphan, owner)  # no version uses it: tombstoned
+    store = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "race"],
+        env=c.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # The store's version uses the blob, and its delivery met the tombstone and waits
+        # (tasks/delivery_policy.py wait_for_remove: sent again in REMOVING_WAIT_S).
+        wait_until(
+            lambda: f"waits for the remove deleting {orphan[:12]}" in c.worker_log(),
+            60,
+            what="the store's delivery waiting on the tombstone",
+        )
+        assert c.md.blobs.referenced([orphan])[orphan]
+        # The crosscheck's delete, decided before the store began, lands now.
+        NodeClient(node.address).delete(orphan)
+        c.md.blobs.orphan_deleted(orphan, owner, [node_id(node)])
+        out, _ = store.communicate(timeout=120)
+    finally:
+        store.kill()
+    assert store.returncode == 0, out
+    vkey = c.md.versions.current("race")
+    assert c.md.versions.version(vkey)["state"] == COMMITTED
+    (chunk,) = c.md.versions.manifest(vkey).chunks
+    assert chunk.blob_sha256 == orphan
+    holders = [n for n in c.node_procs if orphan in held(n)]
+    assert len(holders) == 2 and {node_id(n) for n in holders} == c.md.blobs.placement(orphan)
+    dest = tmp_path / "out.safetensors"
+    c.cli("gather", "race", "-o", str(dest))
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == hashlib.sha256(raw).hexdigest()
