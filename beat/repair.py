@@ -8,7 +8,8 @@ report, a scrub report), whose repair is queued at once, and at the end of every
 task (tasks/repair.py), so the slot a copy frees starts the next copy at once: a lost
 node drains continuously, and the sweep only begins the drain and backs it up. One plan
 at a time (a Redis lock around plan and claims), and the in-flight records and the task
-ids (repair-<digest>-<target>) keep any two from ever sending the same copy twice."""
+ids (repair-<first digest>-<target>) keep any two from ever sending the same copy twice.
+Copies between the same two nodes go as one task, one session (repair_plan.Plan.sessions)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from smoltorrent.errors import NotFoundError
 from tasks.app import app
 from tasks.commit import record_request_order
 from tasks.context import REDIS_TRANSIENT, metadata
-from tasks.enqueue import send_repair, send_trim, transfer_time_limit
+from tasks.enqueue import repair_time_limit, send_repair, send_trim
 
 log = get_task_logger(__name__)
 
@@ -82,14 +83,27 @@ def _plan_and_send(md: Metadata, only: Collection[str] | None) -> Plan:
         max_in_flight=defaults.REPAIRS_MAX_IN_FLIGHT,
         backoff=repairs.waiting_targets(md, now),
     )
-    for r in decided.repairs:
-        limit = transfer_time_limit(r.size)
-        # Recorded before it is sent: the throttle counts it, and a second sweep (another
-        # beat) cannot send the same copy; the record expires if the task dies.
-        if repairs.claim(
-            md, r.digest, r.target, r.source, r.size, limit + config.reconcile_grace()
-        ):
-            send_repair(r.digest, r.source, r.target, limit)
+    rate = config.repair_bps()
+    for session in decided.sessions():
+        limit = repair_time_limit(sum(r.size for r in session), rate)
+        first = session[0]
+        # Recorded before it is sent: the throttle counts its session, and a second sweep
+        # (another beat) cannot send the same copy; the records expire if the task dies.
+        claimed = [
+            r.digest
+            for r in session
+            if repairs.claim(
+                md,
+                r.digest,
+                r.target,
+                r.source,
+                r.size,
+                limit + config.reconcile_grace(),
+                session=f"{first.digest}:{first.target}",
+            )
+        ]
+        if claimed:
+            send_repair(claimed[0], first.source, first.target, limit, claimed[1:])
     for digest in decided.trims:
         if repairs.claim(md, digest, TRIM, "", 0, defaults.TRIM_TIME_LIMIT_S):
             send_trim(digest, blobs[digest].replicas)

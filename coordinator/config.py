@@ -294,7 +294,8 @@ def repair_backoff_max() -> float:
 
 
 def repairs_per_node() -> int:
-    """Repair copies one node takes part in at once (SMOLTORRENT_REPAIRS_PER_NODE)."""
+    """Repair sessions one node takes part in at once (SMOLTORRENT_REPAIRS_PER_NODE): a
+    safety cap beside the repair rate (repair_bps)."""
     value = _int_from_env(
         "SMOLTORRENT_REPAIRS_PER_NODE", defaults.REPAIRS_PER_NODE, "a number of copies"
     )

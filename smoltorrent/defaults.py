@@ -403,8 +403,9 @@ SCRUB_INTERVAL_S = 3600.0
 # sends copies, so it can run often; a shard below R waits at most this (plus the dead
 # timeout when a node died) before its copy starts
 REPAIR_INTERVAL_S = 30.0
-# repair copies touching one node at once, as sender or receiver (SMOLTORRENT_REPAIRS_PER_NODE):
-# one out and one in keeps a Pi's 100 Mbit/s port and SD card free enough for gathers
+# repair sessions touching one node at once, as sender or receiver (SMOLTORRENT_REPAIRS_PER_NODE):
+# a safety cap beside the rate (REPAIR_BPS), which is the throttle: one out and one in lets
+# a node send at its rate and receive, and keeps its SD card free enough for gathers
 REPAIRS_PER_NODE = 2
 # bytes/s each node's repair pushes keep to together (SMOLTORRENT_REPAIR_BPS; the node pays
 # every slice to one token bucket, worker_server/token_bucket.py): 10 MB/s is 80 Mbit/s, so
@@ -412,9 +413,20 @@ REPAIRS_PER_NODE = 2
 # survivors sending at it carry its bytes back within 1.25x of what their links could
 # (issue 37: within 1.5x); 0 lifts the limit (a fast LAN, a node lost with nothing to read)
 REPAIR_BPS = 10_000_000
-# repair copies in flight in the whole cluster: each holds a worker process while its nodes
+# repair sessions in flight in the whole cluster: each holds a worker process while its nodes
 # copy, so half of WORKER_CONCURRENCY stays free for stores, commits and gathers
 REPAIRS_MAX_IN_FLIGHT = 2
+# blobs one repair session carries between two nodes (one task, one node-to-node connection,
+# replicate_batch): a lost node's chunks go in a few sessions, not a task and a handshake
+# each; 128 digests are ~9 KB of the request's header (MAX_HEADER_BYTES) and the answer
+REPAIR_BATCH_BLOBS = 128
+# bytes one repair session carries (a first blob may be larger): 6.7 s at REPAIR_BPS, so a
+# session's connect and handshake are nothing beside it, and the order (fewest copies
+# first) is decided afresh every few seconds as sessions end
+REPAIR_BATCH_BYTES = 64 * 1024 * 1024
+# characters of one blob's outcome a replicate_batch answer keeps (a peer's error message):
+# enough to say why, and 128 of them stay far under a JSON answer's limit
+REPAIR_OUTCOME_CHARS = 300
 # seconds one repair plan may hold its lock (beat/repair.py), and a planner waits for it: a
 # plan reads Redis and sends tasks (milliseconds; ~1 s at 100k blobs), so a holder that died
 # blocks the repairs a minute at most, as a sweep's lock does (SWEEP_LOCK_TTL_S)

@@ -308,11 +308,26 @@ def send_drop_spool(vkey: str, host: str) -> None:
     )
 
 
-def send_repair(digest: str, source: str, target: str, time_limit: int) -> None:
-    """Copy a blob node to node; one id per (blob, target), so a copy is sent once."""
+def repair_time_limit(size: int, rate: int) -> int:
+    """Hard limit for a repair session moving `size` bytes, its source paced at `rate`
+    bytes/s (0: unpaced): a transfer's, at the slower of that rate and the slowest we
+    accept."""
+    slowest = min(rate, defaults.MIN_TRANSFER_RATE_BPS) if rate else defaults.MIN_TRANSFER_RATE_BPS
+    seconds = config.transfer_time_base() + size // slowest
+    return int(min(seconds, defaults.MAX_TRANSFER_TIME_S))
+
+
+def send_repair(
+    digest: str, source: str, target: str, time_limit: int, more: list[str] = ()
+) -> None:
+    """Copy a blob (and `more`, over the same session) node to node; one id per (first
+    blob, target), so a session is sent once."""
+    kwargs = {"digest": digest, "source": source, "target": target}
+    if more:
+        kwargs["more"] = list(more)
     app.send_task(
         "smoltorrent.repair",
-        kwargs={"digest": digest, "source": source, "target": target},
+        kwargs=kwargs,
         task_id=f"repair-{digest}-{target}",
         queue=config.CONTROL_QUEUE,
         time_limit=time_limit,

@@ -1,4 +1,5 @@
-"""Repair tasks: one node-to-node copy of a blob, one trim of a blob's surplus copies.
+"""Repair tasks: one node-to-node repair session (a blob, or several with the same source
+and target, over one connection), one trim of a blob's surplus copies.
 
 Both are sent by beat/repair.py send_repairs, which records each in flight first;
 whatever happens, the task frees that record, and a failure is only logged and puts its
@@ -18,7 +19,7 @@ from celery.utils.log import get_task_logger
 from beat.repair import send_repairs
 from coordinator import config
 from coordinator.state import repairs
-from coordinator.state.healing import copy_blob, trim_blob
+from coordinator.state.healing import copy_blobs, trim_blob
 from coordinator.state.repair_plan import TRIM
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, ProtocolError
@@ -39,20 +40,33 @@ NODE_FAILURES = (NodeUnavailableError, NodeError, ProtocolError)
     max_retries=config.transfer_retries(),
     default_retry_delay=defaults.RETRY_BACKOFF_BASE_S,
 )
-def repair(self, digest: str, source: str, target: str) -> str:
+def repair(
+    self, digest: str, source: str, target: str, more: list[str] | None = None
+) -> str | dict[str, str]:
+    """Copy digest (and `more`: blobs with the same source and target, one session) from
+    source to target. The outcome's word (copy_blobs) for one blob, or digest -> word."""
     md = metadata()
+    digests = [digest, *(more or [])]
     try:
         nodes = md.nodes.nodes()
         if source not in nodes or target not in nodes:
             return "node removed"
-        how = copy_blob(
-            md, nodes, config.cluster_key(), digest, source, target, rate=config.repair_bps()
+        outcomes = copy_blobs(
+            md, nodes, config.cluster_key(), digests, source, target, config.repair_bps()
         )
+        # Before the next plan (below): a copy that failed must be backing off by then.
+        for d, how in outcomes.items():
+            if how in ("stored", "exists"):
+                repairs.succeeded(md, d, target)
+            elif how.startswith("failed: "):
+                repairs.failed(md, d, target, how.removeprefix("failed: "))
+                log.warning("repair of %s from %s to %s %s", d, source, target, how)
     except NODE_FAILURES as exc:
-        until = repairs.failed(md, digest, target, str(exc))
+        for d in digests:
+            until = repairs.failed(md, d, target, str(exc))
         log.warning(
-            "repair of %s from %s to %s failed: %s; that target waits %.0f s",
-            digest,
+            "repair of %d blob(s) from %s to %s failed: %s; that target waits %.0f s",
+            len(digests),
             source,
             target,
             exc,
@@ -60,11 +74,9 @@ def repair(self, digest: str, source: str, target: str) -> str:
         )
         return f"failed: {exc}"
     finally:
-        repairs.finished(md, digest, target)
+        repairs.finished(md, digest, target, more or [])
         _next_repairs(md)
-    if how in ("stored", "exists"):
-        repairs.succeeded(md, digest, target)
-    return how
+    return outcomes[digest] if not more else outcomes
 
 
 def _next_repairs(md) -> None:

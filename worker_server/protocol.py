@@ -90,6 +90,9 @@ OPERATIONS: dict[str, tuple[str, frozenset[str]]] = {
     # A push of our copy to `peer`, paced at `rate` bytes/s (0 or absent: unpaced) on the
     # node's one repair bucket, shared with its other repair pushes.
     "replicate": (BODY_NONE, frozenset({"digest", "peer", "rate"})),
+    # The same for several blobs to one peer over one connection (a repair session); the
+    # answer is a JSON object: digest -> its outcome.
+    "replicate_batch": (BODY_NONE, frozenset({"digests", "peer", "rate"})),
     # A manifest over one JSON body's limit travels in parts: each puts the bytes at
     # `offset` of a manifest of `total` bytes, published once the last one arrives.
     "manifest_put": (BODY_JSON, frozenset({"key", "offset", "total"})),
@@ -258,9 +261,19 @@ def validate_request(header: dict[str, Any], body_len: int = 0) -> dict[str, Any
         if not isinstance(start, bool):
             raise ProtocolError(f"scrub's start must be true or false, got {start!r}")
         request["start"] = start
-    if op == "replicate":
+    if op in ("replicate", "replicate_batch"):
         request["peer"] = validate_peer(header.get("peer"))
         request["rate"] = validate_rate(header.get("rate", 0))
+    if op == "replicate_batch":
+        digests = validate_digest_list(header.get("digests"))
+        if not 1 <= len(digests) <= defaults.REPAIR_BATCH_BLOBS:
+            raise ProtocolError(
+                f"replicate_batch names {len(digests)} blobs; one session carries"
+                f" 1..{defaults.REPAIR_BATCH_BLOBS}"
+            )
+        if len(set(digests)) != len(digests):
+            raise ProtocolError("replicate_batch names a blob twice")
+        request["digests"] = digests
     if op == "auth":
         request["mac"] = _validate_hex(header.get("mac"), DIGEST_CHARS, "mac")
         request["nonce"] = _validate_hex(header.get("nonce"), NONCE_CHARS, "nonce")

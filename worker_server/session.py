@@ -458,6 +458,69 @@ class Session:
         log.info("replicated blob %s to %s (%s)", digest, peer, "stored" if stored else "exists")
         wire.send_frame(self.sock, {"ok": True, "status": "stored" if stored else "exists"})
 
+    def op_replicate_batch(self, request: dict[str, Any]) -> None:
+        """Push our copies of `digests` to one peer over one connection, one after the other
+        at the repair rate; the answer says, per digest, stored, exists, missing (we hold
+        no whole copy), mismatch (the peer hashed other bytes) or failed: <why>. One blob's
+        fate never spoils the others: a connection the peer broke is opened again for the
+        next one, and only a peer that cannot be reached at all fails the rest."""
+        host, port = request["peer"]
+        peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        pace, tick = self._repair_pace(request), self._ticker()
+        outcomes: dict[str, str] = {}
+        link: socket.socket | None = None
+        unreachable = ""
+        try:
+            for digest in request["digests"]:
+                if unreachable:
+                    outcomes[digest] = f"failed: {unreachable}"
+                    continue
+                try:
+                    fd, size = self.store.open_blob(digest)
+                except NotFoundError:
+                    outcomes[digest] = "missing"
+                    continue
+                try:
+                    if link is None:
+                        link = self._peer_link(peer, host, port)
+                    stored = wire.send_put(link, peer, digest, b"", fd, 0, size, tick, pace=pace)
+                    outcomes[digest] = "stored" if stored else "exists"
+                    if stored:
+                        self.metrics.sent(size)
+                except DigestMismatchError:
+                    outcomes[digest] = "mismatch"
+                except NodeError as exc:
+                    if exc.code == "peer_unavailable":  # our connect or handshake failed
+                        unreachable = str(exc)
+                    outcomes[digest] = f"failed: {exc}"
+                except (OSError, ProtocolError) as exc:
+                    # The stream is broken or out of step: the next blob gets a new one.
+                    outcomes[digest] = f"failed: the push to {peer} broke off ({exc})"
+                    if link is not None:
+                        link.close()
+                    link = None
+                finally:
+                    os.close(fd)
+        finally:
+            if link is not None:
+                link.close()
+        copied = sum(1 for how in outcomes.values() if how == "stored")
+        log.info("replicated %d of %d blobs to %s", copied, len(outcomes), peer)
+        self._reply_json({d: how[: defaults.REPAIR_OUTCOME_CHARS] for d, how in outcomes.items()})
+
+    def _peer_link(self, peer: str, host: str, port: int) -> socket.socket:
+        """An authenticated connection to the peer; NodeError peer_unavailable if none."""
+        try:
+            sock = wire.connect(host, port, self.socket_timeout)
+        except OSError as exc:
+            raise _peer_unavailable(peer, exc) from exc
+        try:
+            wire.client_handshake(sock, self.cluster_key, peer)
+        except (AuthenticationError, OSError, PeerClosedError) as exc:
+            sock.close()
+            raise _peer_unavailable(peer, exc) from exc
+        return sock
+
     def _push_blob(
         self,
         peer: str,
@@ -533,6 +596,13 @@ class Session:
         if self.cluster_key:
             raise ProtocolError("this connection is authenticated already")
         raise ProtocolError("this node has no cluster key, so there is nothing to authenticate")
+
+
+def _peer_unavailable(peer: str, exc: Exception) -> NodeError:
+    return NodeError(
+        "peer_unavailable",
+        f"cannot reach peer {peer} ({exc}): check that it is running and reachable from this node",
+    )
 
 
 HANDLERS: dict[str, Callable[[Session, dict[str, Any]], None]] = {

@@ -580,6 +580,29 @@ class NodeClient:
             wire.recv_body(sock, _bounded_body(body_len, self.address))
         return response.get("status") == "stored"
 
+    def replicate_batch(
+        self, digests: list[str], peer: NodeAddress, rate: int = 0
+    ) -> dict[str, str]:
+        """Ask this node to push its copies of `digests` to peer over one connection, paced
+        as replicate is; digest -> stored, exists, missing, mismatch or "failed: why", one
+        for each digest asked. Progress frames keep each read to one socket timeout."""
+        request: dict = {"op": "replicate_batch", "digests": digests, "peer": str(peer)}
+        if rate:
+            request["rate"] = rate
+        with self._connection() as sock:
+            wire.send_frame(sock, request)
+            _, body_len = wire.recv_final_response(sock, str(self.address))
+            answer = wire.recv_json_body(sock, body_len, what=f"answer from node {self.address}")
+        if (
+            not isinstance(answer, dict)
+            or set(answer) != set(digests)
+            or not all(isinstance(how, str) for how in answer.values())
+        ):
+            raise ProtocolError(
+                f"node {self.address} answered replicate_batch without one outcome per blob"
+            )
+        return answer
+
     def put_manifest(self, key: str, data: bytes) -> None:
         """Put a manifest; one over a JSON body's limit goes in parts over one connection."""
         part = defaults.MAX_JSON_BODY_BYTES

@@ -33,19 +33,18 @@ def copy_blob(
     source: str,
     target: str,
     timeout: float | None = None,
-    rate: int = 0,
 ) -> str:
-    """Make `target` hold a verified copy of `digest`, pushed by `source` at `rate` bytes/s
-    at most (with its other repair pushes; 0: unpaced), and only then count it in the
-    placement. What happened, as a word: stored, exists, unused, source-bad,
-    source-missing. NodeUnavailableError or NodeError if a node failed."""
+    """Make `target` hold a verified copy of `digest`, pushed by `source` unpaced (verify's
+    copies: the repair task's go by copy_blobs), and only then count it in the placement.
+    What happened, as a word: stored, exists, unused, source-bad, source-missing.
+    NodeUnavailableError or NodeError if a node failed."""
     if target in md.blobs.placement(digest):
         return "exists"  # a redelivery of a repair that finished
     if not md.blobs.blob_refs(digest) or md.blobs.blob_deleting(digest):
         return "unused"  # removed meanwhile: nothing to repair
     sender = NodeClient(nodes[source].address, cluster_key=cluster_key, timeout=timeout)
     try:
-        stored = sender.replicate(digest, nodes[target].address, rate)
+        stored = sender.replicate(digest, nodes[target].address)
     except DigestMismatchError:
         # The target hashed other bytes than the digest: the sender's copy is bad, or the
         # target corrupts what it receives. The sender re-hashes its copy to tell (and
@@ -68,6 +67,70 @@ def copy_blob(
     repairs.count(md, "repaired")
     log.info("repaired %s: %s -> %s", digest, source, target)
     return "stored" if stored else "exists"
+
+
+def copy_blobs(
+    md: Metadata,
+    nodes: dict[str, NodeRecord],
+    cluster_key: bytes | None,
+    digests: list[str],
+    source: str,
+    target: str,
+    rate: int = 0,
+) -> dict[str, str]:
+    """copy_blob for several blobs from one source to one target, in one node-to-node
+    session (replicate_batch) at `rate` bytes/s at most: digest -> what happened, in
+    copy_blob's words, or "failed: why" for a copy the target did not take (the caller
+    backs that target off for that blob alone). NodeUnavailableError or NodeError if the
+    source could not be asked at all."""
+    out: dict[str, str] = {}
+    asked = []
+    for digest in digests:
+        if target in md.blobs.placement(digest):
+            out[digest] = "exists"  # a redelivery of a repair that finished
+        elif not md.blobs.blob_refs(digest) or md.blobs.blob_deleting(digest):
+            out[digest] = "unused"  # removed meanwhile: nothing to repair
+        else:
+            asked.append(digest)
+    if not asked:
+        return out
+    sender = NodeClient(nodes[source].address, cluster_key=cluster_key)
+    answers = sender.replicate_batch(asked, nodes[target].address, rate)
+    mismatched = [d for d in asked if answers[d] == "mismatch"]
+    # The target hashed other bytes than the digest: the sender's copy is bad, or the
+    # target corrupts what it receives. The sender re-hashes its copies to tell (and
+    # quarantines the bad ones); a good one leaves the fault with the target.
+    bad = set(sender.verify(mismatched)) if mismatched else set()
+    unused = []
+    for digest in asked:
+        how = answers[digest]
+        if how in ("stored", "exists"):
+            if repairs.placed(md, digest, target):
+                repairs.count(md, "repaired")
+                out[digest] = how
+            else:
+                unused.append(digest)
+                out[digest] = "unused"
+        elif how == "missing":
+            md.blobs.remove_placement(digest, source)
+            log.error("repair of %s: %s no longer holds it; out of the placement", digest, source)
+            out[digest] = "source-missing"
+        elif how == "mismatch" and digest in bad:
+            md.blobs.remove_placement(digest, source)
+            log.error("repair of %s: the copy on %s is bad; quarantined there", digest, source)
+            out[digest] = "source-bad"
+        elif how == "mismatch":
+            out[digest] = f"failed: {target} hashed other bytes than a good copy of it"
+        else:
+            out[digest] = how if how.startswith("failed: ") else f"failed: {how}"
+    copied = sum(1 for how in out.values() if how == "stored")
+    log.info("repaired %d of %d blobs: %s -> %s", copied, len(digests), source, target)
+    for digest in unused:  # removed while it travelled: the copy is an orphan at once
+        try:
+            NodeClient(nodes[target].address, cluster_key=cluster_key).delete(digest)
+        except UNREACHABLE:
+            continue  # the crosscheck collects it
+    return out
 
 
 def trim_blob(

@@ -8,8 +8,14 @@ it every few seconds; coordinator/state/healing.py carries each step out. Rules:
 - Order: fewest copies first (a blob down to its last copy before one missing only its
   second), then blobs of a pinned or current version, then the newest versions' blobs.
 - Never two copies on one node: a target holds no copy and is not receiving one.
-- Throttled: at most `per_node` repair copies touch a node at once (as sender or
-  receiver), at most `max_in_flight` in the whole cluster.
+- Blobs that go between the same two nodes travel together: one repair session (one
+  task, one node-to-node connection) carries up to REPAIR_BATCH_BLOBS blobs and
+  REPAIR_BATCH_BYTES. A copy joins a session of this pass when its source holds the blob
+  and its target may take it, unless a holder that sends nothing yet can open its own:
+  each node paces its pushes at its repair rate (SMOLTORRENT_REPAIR_BPS), so bytes move
+  faster from more senders, not from more sessions of one.
+- A safety cap on top of the rate: at most `per_node` sessions touch a node at once (as
+  sender or receiver), at most `max_in_flight` in the whole cluster.
 - A blob that no step can raise now (fewer live nodes than R, no reachable copy, no
   space) is reported, not retried in a loop: the next pass looks again.
 - A blob with more copies on up nodes than R, and nothing in flight for it, is trimmed,
@@ -32,6 +38,7 @@ from coordinator.state.liveness import DEAD, UP, NodeHealth, node_health
 from coordinator.state.metadata import Metadata
 from coordinator.state.repairs import InFlight
 from coordinator.state.versions import COMMITTED, PENDING
+from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError
 
 TRIM = "trim"  # the target of an in-flight record that is a trim, not a copy
@@ -55,19 +62,29 @@ class Repair:
     target: str
     size: int
     copies: int  # copies that count before this repair
+    session: int = 0  # which of the plan's sessions carries it (Plan.sessions)
 
 
 @dataclass
 class Plan:
-    repairs: list[Repair] = field(default_factory=list)
+    repairs: list[Repair] = field(default_factory=list)  # in the order decided
     trims: list[str] = field(default_factory=list)  # digests with copies to spare
     unrepairable: dict[str, dict] = field(default_factory=dict)
     throttled: int = 0  # copies needed that wait for a free slot
     waiting: int = 0  # copies needed whose only targets wait out a backoff
 
+    def sessions(self) -> list[list[Repair]]:
+        """The repairs grouped by the session that carries them (one source, one target),
+        each in the order decided, the sessions in the order they were opened."""
+        grouped: dict[int, list[Repair]] = {}
+        for r in self.repairs:
+            grouped.setdefault(r.session, []).append(r)
+        return list(grouped.values())
+
     def counts(self) -> dict[str, int]:
         return {
             "repairs": len(self.repairs),
+            "sessions": len(self.sessions()),
             "trims": len(self.trims),
             "unrepairable": len(self.unrepairable),
             "throttled": self.throttled,
@@ -196,16 +213,22 @@ def plan(
     out = Plan()
     up = {n for n, h in health.items() if h.state == UP}
     counted = {n for n, h in health.items() if h.state != DEAD}
+    # Sessions, not copies, load a node: the copies of one session share its connection
+    # and its sender's rate. A record without a session (sent alone) is a session of one.
     load: Counter[str] = Counter()
+    sending: Counter[str] = Counter()
     arriving: dict[str, set[str]] = defaultdict(set)
-    in_flight = 0
+    running: dict[str, tuple[str, str]] = {}
     for r in busy:
         arriving[r.digest].add(r.target)
-        if r.target == TRIM:
-            continue
-        load[r.source] += 1
-        load[r.target] += 1
-        in_flight += 1
+        if r.target != TRIM:
+            running[r.session or f"{r.digest}:{r.target}"] = (r.source, r.target)
+    for source, target in running.values():
+        load[source] += 1
+        load[target] += 1
+        sending[source] += 1
+    in_flight = len(running)
+    opened: list[_Session] = []
     free = dict(free_bytes)
 
     short: list[tuple[int, str]] = []
@@ -252,20 +275,56 @@ def plan(
             }
         for _ in range(min(wanted, len(room)) if sources else 0):
             source = min(
-                (s for s in sources if load[s] < per_node), key=load.__getitem__, default=None
+                (s for s in sources if load[s] < per_node),
+                key=lambda s: (sending[s], load[s]),
+                default=None,
             )
             target = max(
                 (t for t in room if load[t] < per_node),
                 key=lambda t: free.get(t, 0),
                 default=None,
             )
-            if in_flight >= max_in_flight or source is None or target is None:
+            can_open = in_flight < max_in_flight and source is not None and target is not None
+            joined = None
+            if not (can_open and sending[source] == 0):
+                joined = next(
+                    (o for o in opened if o.source in sources and o.takes(blob.size, room)),
+                    None,
+                )
+            if joined is None and not can_open:
                 out.throttled += 1
                 continue
-            out.repairs.append(Repair(d, source, target, blob.size, copies))
-            room.remove(target)
-            load[source] += 1
-            load[target] += 1
-            free[target] = free.get(target, 0) - blob.size
-            in_flight += 1
+            if joined is None:
+                joined = _Session(len(opened), source, target)
+                opened.append(joined)
+                load[source] += 1
+                load[target] += 1
+                sending[source] += 1
+                in_flight += 1
+            joined.blobs += 1
+            joined.bytes += blob.size
+            out.repairs.append(
+                Repair(d, joined.source, joined.target, blob.size, copies, joined.index)
+            )
+            room.remove(joined.target)
+            free[joined.target] = free.get(joined.target, 0) - blob.size
     return out
+
+
+@dataclass
+class _Session:
+    """A session opened by this pass: what it carries so far."""
+
+    index: int
+    source: str
+    target: str
+    blobs: int = 0
+    bytes: int = 0
+
+    def takes(self, size: int, room: list[str]) -> bool:
+        """Whether a blob of `size` bytes that may go to a node in `room` joins it."""
+        return (
+            self.target in room
+            and self.blobs < defaults.REPAIR_BATCH_BLOBS
+            and (self.blobs == 0 or self.bytes + size <= defaults.REPAIR_BATCH_BYTES)
+        )

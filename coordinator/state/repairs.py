@@ -32,6 +32,7 @@ class InFlight:
     size: int
     at: float
     deadline: float
+    session: str = ""  # the copies sent in one session (one task) share it; "" if alone
 
 
 def _field(digest: str, target: str) -> str:
@@ -49,16 +50,28 @@ def placed(md: Metadata, digest: str, node_id: str) -> bool:
     return bool(load(md.r, "repairs/placed")(keys=keys, args=[node_id, digest]))
 
 
-def claim(md: Metadata, digest: str, target: str, source: str, size: int, limit_s: float) -> bool:
-    """Record a repair about to be sent; False if the same copy is in flight already."""
+def claim(
+    md: Metadata,
+    digest: str,
+    target: str,
+    source: str,
+    size: int,
+    limit_s: float,
+    session: str = "",
+) -> bool:
+    """Record a repair about to be sent (in `session`, the task that carries it with
+    others); False if the same copy is in flight already."""
     now = time.time()
     record = {"source": source, "size": size, "at": now, "deadline": now + limit_s}
+    if session:
+        record["session"] = session
     return bool(md.r.hsetnx(K.REPAIRS, _field(digest, target), json.dumps(record)))
 
 
-def finished(md: Metadata, digest: str, target: str) -> None:
-    """The repair ended (well or not): its throttle slot is free."""
-    md.r.hdel(K.REPAIRS, _field(digest, target))
+def finished(md: Metadata, digest: str, target: str, more: list[str] = ()) -> None:
+    """The repair (of digest and `more`, one session's) ended, well or not: its records
+    are gone, and its session slot is free."""
+    md.r.hdel(K.REPAIRS, *(_field(d, target) for d in [digest, *more]))
 
 
 def in_flight(md: Metadata, now: float | None = None) -> list[InFlight]:
@@ -74,7 +87,13 @@ def in_flight(md: Metadata, now: float | None = None) -> list[InFlight]:
             continue
         out.append(
             InFlight(
-                digest, target, record["source"], record["size"], record["at"], record["deadline"]
+                digest,
+                target,
+                record["source"],
+                record["size"],
+                record["at"],
+                record["deadline"],
+                record.get("session", ""),
             )
         )
     for key in stale:

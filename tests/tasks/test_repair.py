@@ -10,7 +10,7 @@ from celery import Celery
 from coordinator.state import repairs
 from coordinator.state.repair_plan import TRIM
 from tests.tasks.conftest import wait_until
-from tests.tasks.test_control_plane import make_ckpt
+from tests.tasks.test_control_plane import make_blobs_ckpt, make_ckpt
 
 
 def send(c, name: str, kwargs: dict, task_id: str):
@@ -56,3 +56,33 @@ def test_a_repair_sent_twice_makes_one_copy_and_a_trim_sent_twice_keeps_r(make_c
     assert len(md.blobs.placement(digest)) == 2
     for node_id in md.blobs.placement(digest):
         assert by_id[node_id].client().verify([digest]) == []
+
+
+def test_a_repair_session_copies_its_blobs_together_and_a_bad_source_copy_spoils_no_other(
+    make_cluster, tmp_path
+):
+    c = make_cluster(3)
+    src = make_blobs_ckpt(tmp_path / "many.safetensors", 9)
+    c.cli("store", str(src), "--name", "many.safetensors")
+    md = c.md
+    entries = md.versions.manifest(md.versions.current("many.safetensors")).entries
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    held = {e.blob_sha256: md.blobs.placement(e.blob_sha256) for e in entries}
+    # The pair with the most blobs the source holds and the target lacks.
+    source, target = max(
+        ((s, t) for s in by_id for t in by_id if s != t),
+        key=lambda st: sum(st[0] in h and st[1] not in h for h in held.values()),
+    )
+    digests = sorted(d for d, h in held.items() if source in h and target not in h)
+    assert len(digests) >= 3, held
+    rotten = digests[1]
+    path = by_id[source].data_dir / "blobs" / rotten[:2] / rotten
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # rotten in place, same size: only a hash tells
+    path.write_bytes(bytes(data))
+    kwargs = {"digest": digests[0], "source": source, "target": target, "more": digests[1:]}
+
+    outcomes = send(c, "smoltorrent.repair", kwargs, f"repair-{digests[0]}-{target}").get(60)
+
+    assert outcomes == {d: "source-bad" if d == rotten else "stored" for d in digests}
+    assert repairs.counts(md)["repaired"] >= len(digests) - 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from coordinator.state.liveness import DEAD, DOWN, UP, NodeHealth
 from coordinator.state.repair_plan import TRIM, Blob, plan
 from coordinator.state.repairs import InFlight
+from smoltorrent import defaults
 
 GB = 10**9
 
@@ -55,13 +56,57 @@ def test_never_a_target_that_holds_or_is_receiving_a_copy():
     assert len(set(targets)) == len(targets)
 
 
-def test_one_node_takes_part_in_at_most_per_node_copies():
+def test_one_node_takes_part_in_at_most_per_node_sessions_its_blobs_travel_together():
     nodes = health(a=UP, b=UP, c=UP, d=UP, z=DEAD)
     blobs = [blob(f"x{i}") for i in range(4)]
     placement = {f"x{i}": {"a", "z"} for i in range(4)}
     p = decide(blobs, placement, nodes, per_node=1)
-    assert len(p.repairs) == 1  # every copy needs a, and a sends one at a time
-    assert p.throttled == 3
+    # Every copy needs a, which takes part in one session at a time: all four go in it.
+    assert [[(r.digest, r.source) for r in s] for s in p.sessions()] == [
+        [("x0", "a"), ("x1", "a"), ("x2", "a"), ("x3", "a")]
+    ]
+    assert len({r.target for r in p.repairs}) == 1 and p.throttled == 0
+    # A session of a's already in flight: nothing more touches a.
+    busy = [InFlight("y", "b", "a", 1000, 0.0, 1e18, session="y:b")]
+    p = decide(blobs, placement, nodes, busy=busy, per_node=1)
+    assert p.repairs == [] and p.throttled == 4
+
+
+def test_a_holder_that_sends_nothing_opens_its_own_session_the_others_join():
+    nodes = health(a=UP, b=UP, c=UP, z=DEAD)
+    blobs = [blob(f"a{i}") for i in range(3)] + [blob(f"b{i}") for i in range(3)]
+    placement = {
+        **{f"a{i}": {"a", "z"} for i in range(3)},
+        **{f"b{i}": {"b", "z"} for i in range(3)},
+    }
+    p = decide(blobs, placement, nodes, per_node=2, max_in_flight=2)
+    # Each node paces its own pushes: two senders move twice the bytes one would.
+    sessions = p.sessions()
+    assert [sorted(r.digest for r in s) for s in sessions] == [
+        ["a0", "a1", "a2"],
+        ["b0", "b1", "b2"],
+    ]
+    assert {(s[0].source, len({r.target for r in s})) for s in sessions} == {("a", 1), ("b", 1)}
+    # Copies of one session's records count it once: a second plan opens no other.
+    busy = [
+        InFlight(r.digest, r.target, r.source, r.size, 0.0, 1e18, session=f"s{r.session}")
+        for r in p.repairs
+    ]
+    more = [blob(f"a{i}") for i in range(3, 5)]
+    again = decide(more, {b.digest: {"a", "z"} for b in more}, nodes, busy=busy, max_in_flight=2)
+    assert again.repairs == [] and again.throttled == 2
+
+
+def test_a_session_stops_at_its_byte_and_blob_limits():
+    nodes = health(a=UP, b=UP, z=DEAD)
+    big = defaults.REPAIR_BATCH_BYTES // 2 + 1
+    blobs = [Blob(f"x{i}", big, 2, ("ckpt",)) for i in range(3)]
+    placement = {b.digest: {"a", "z"} for b in blobs}
+    p = decide(blobs, placement, nodes, per_node=10, free={"a": GB, "b": GB})
+    assert [len(s) for s in p.sessions()] == [1, 1, 1]  # two would pass the byte limit
+    many = [blob(f"y{i:04}") for i in range(defaults.REPAIR_BATCH_BLOBS + 1)]
+    p = decide(many, {b.digest: {"a", "z"} for b in many}, nodes, per_node=10)
+    assert [len(s) for s in p.sessions()] == [defaults.REPAIR_BATCH_BLOBS, 1]
 
 
 def test_fewer_live_nodes_than_r_is_unrepairable_and_sends_nothing():
