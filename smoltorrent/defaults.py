@@ -17,6 +17,11 @@ MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
 # bytes of JSON, a manifest key 131, so a full page stays under MAX_JSON_BODY_BYTES however
 # many blobs a node holds (the client asks for pages until the node says there are no more)
 LIST_PAGE_ENTRIES = 100_000
+# manifest reads a rebuild keeps in flight on its one connection to a node (NodeClient.
+# get_manifests): enough that the node reads the next copies while the coordinator parses
+# the last; each request is ~150 bytes, so the window never fills a socket buffer and the
+# node's answers never wait on a request stuck behind them
+MANIFEST_GET_WINDOW = 16
 MAX_BLOB_BYTES = 1 << 50  # bytes (1 PiB); a sanity cap far above any shard, below 2^63 lies
 IO_CHUNK_BYTES = 1024 * 1024  # bytes; one fixed buffer per stream keeps memory flat
 SOCKET_TIMEOUT_S = 30.0  # seconds without progress before a peer counts as stalled
@@ -175,6 +180,15 @@ PLACEMENT_BATCH_DIGESTS = 512
 # 256 KiB: 8 round trips each way at 16 GB (a millisecond each); a 1 GB checkpoint's
 # 0.1 MB manifest is one piece.
 MANIFEST_PIECE_BYTES = 256 * 1024
+# A rebuild (coordinator/state/rebuild.py) records the versions it restores this many at
+# a time (Versions.restore_committed_many): a handful of round trips for the batch, where
+# five a version took ~40% of a rebuild of 10,000 versions (75 s, docs/benchmarks.md).
+REBUILD_BATCH_VERSIONS = 32
+# Bytes of manifests one pipeline of those versions' create scripts stages before it is
+# sent, so Redis runs a few scripts at a time (~8 versions of 100 chunks, their manifests
+# ~32 KB: a few ms), never the batch's 32 in one go (25 ms a PING waited at 1 MB), and
+# the pipeline holds little in memory (a 16 GB checkpoint's 2 MB manifest goes alone).
+REBUILD_PIPELINE_BYTES = 256 * 1024
 # Seconds a staged manifest lasts whose version was never recorded (its store crashed
 # between the two): long past any store's staging, which takes milliseconds.
 MANIFEST_STAGED_TTL_S = 3600

@@ -14,7 +14,7 @@ import ipaddress
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -652,6 +652,63 @@ class NodeClient:
                     raise ProtocolError(f"node {self.address} sent an empty part of {key!r}")
                 offset += len(parts[-1])
         return b"".join(parts)
+
+    def get_manifests(
+        self, keys: Sequence[str], window: int = defaults.MANIFEST_GET_WINDOW
+    ) -> Iterator[tuple[str, bytes | SmoltorrentError]]:
+        """(key, its manifest's bytes or the error reading it met) for every key, as
+        get_manifest gives them, over one connection with up to `window` requests sent
+        ahead of their answers: the node reads the next copies while this process parses
+        the last (a connection and a wait per copy were a quarter of a rebuild's time,
+        docs/benchmarks.md). A manifest larger than one answer is read afterwards on its
+        own; once the connection fails, so is every key not answered yet: one copy's
+        failure still costs only itself."""
+        keys = list(keys)
+        answered = 0
+        larger: list[str] = []
+        try:
+            for key, data in self._manifests_in_a_row(keys, window):
+                answered += 1
+                if data is None:
+                    larger.append(key)
+                else:
+                    yield key, data
+        except SmoltorrentError:
+            pass  # the connection is out of step or gone: the rest one by one
+        for key in larger + keys[answered:]:
+            try:
+                yield key, self.get_manifest(key)
+            except SmoltorrentError as exc:
+                yield key, exc
+
+    def _manifests_in_a_row(
+        self, keys: list[str], window: int
+    ) -> Iterator[tuple[str, bytes | SmoltorrentError | None]]:
+        """get_manifests over one connection: each key's bytes, the error frame the node
+        answered it with (an error frame has no body: the stream stays in step), or None
+        for a manifest over one answer. Anything else raised ends the connection."""
+        with self._connection() as sock:
+            sent = 0
+            for done, key in enumerate(keys):
+                while sent < len(keys) and sent - done < window:
+                    wire.send_frame(
+                        sock,
+                        {
+                            "op": "manifest_get",
+                            "key": keys[sent],
+                            "offset": 0,
+                            "length": defaults.MAX_JSON_BODY_BYTES,
+                        },
+                    )
+                    sent += 1
+                try:
+                    response, body_len = wire.recv_response(sock, str(self.address))
+                except NodeError as exc:
+                    yield key, exc
+                    continue
+                size = protocol.validate_length(response.get("size"), "size")
+                body = wire.recv_body(sock, _bounded_body(body_len, self.address))
+                yield key, body if len(body) == size else None
 
 
 def _bounded_body(body_len: int, address: NodeAddress) -> int:

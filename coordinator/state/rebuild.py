@@ -28,6 +28,7 @@ from coordinator.state.steps import (
     Steps,
 )
 from coordinator.state.versions import COMMITTED
+from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, SmoltorrentError
 
 
@@ -55,9 +56,10 @@ def rebuild_metadata(
         # One unreadable manifest costs only itself, never the node's whole inventory.
         # Every copy is read: the one with the highest request number (a rollback's,
         # tasks/commit.py record_request_order) says where the version stands.
-        for key in keys:
+        for key, raw in client.get_manifests(keys):
             try:
-                raw = client.get_manifest(key)
+                if isinstance(raw, SmoltorrentError):
+                    raise raw
                 # A copy byte for byte like one read already says nothing new: parsed once
                 # (the nodes holding a version's blobs keep the same copy, each a parse).
                 alike = hashlib.sha256(raw).digest()
@@ -94,6 +96,20 @@ def rebuild_metadata(
     restored = 0
     brought_back: set[str] = set()
     found: set[str] = set()  # the versions not skipped: restored, or known to Redis already
+    headers = _Headers()
+    batch: list[tuple[Manifest, str, int]] = []
+
+    def record(batch: list[tuple[Manifest, str, int]]) -> None:
+        nonlocal restored
+        done = md.versions.restore_committed_many(batch)
+        for (_, vkey, _), brought in zip(batch, done, strict=True):
+            if brought:
+                restored += 1
+                brought_back.add(vkey)
+        # So a store finds them stored again.
+        md.chunks.record(chunk for manifest, _, _ in batch for chunk in manifest.chunks)
+        batch.clear()
+
     # In request order (each restored version takes a new number in turn, so the last
     # request of a name is current again); manifests that record none, by creation.
     for key, manifest in sorted(manifests.items(), key=lambda kv: (kv[1].seq, kv[1].created_at)):
@@ -111,16 +127,18 @@ def rebuild_metadata(
         if key in marked:  # its R as last set (set_replicas), like its pin and labels
             manifest = dataclasses.replace(manifest, replicas=marked[key].replicas)
         found.add(key)
-        if md.versions.restore_committed(manifest, vkey):
-            restored += 1
-            brought_back.add(vkey)
-        md.chunks.record(manifest.chunks)  # so a store finds them stored again
+        # Recorded REBUILD_BATCH_VERSIONS at a time, still oldest first.
+        batch.append((manifest, vkey, headers.tensor_count(manifest)))
+        if len(batch) >= defaults.REBUILD_BATCH_VERSIONS:
+            record(batch)
+    if batch:
+        record(batch)
     # Where each copy is: a remove of the version deletes it there, so a later rebuild
     # cannot bring the version back from a node outside its blobs' placement.
     for node_id, keys in listed.items():
         md.versions.note_manifests_held(node_id, [k for k in keys if k in found])
     marks = restore_marks(md, [m for k, m in marked.items() if k in brought_back])
-    steps = restore_steps(md, list(manifests.values()))
+    steps = restore_steps(md, list(manifests.values()), headers)
     directories = restore_directories(md, list(manifests.values()))
     return {
         "nodes_read": nodes_read,
@@ -158,6 +176,32 @@ def restore_marks(md: Metadata, marked: Sequence[Manifest]) -> int:
 def _header(manifest: Manifest) -> CheckpointHeader:
     length = struct.pack("<Q", len(manifest.header_bytes))
     return parse_header(length, manifest.header_bytes, manifest.source_size)
+
+
+class _Headers:
+    """Each distinct source header parsed once for the whole rebuild: a name's versions
+    mostly keep one layout (a fine-tune changes values, not tensors), and parsing it again
+    for every version's tensor count and again for its step was a fifth of a rebuild's
+    time. A header that does not parse is not kept: each use raises as it did."""
+
+    def __init__(self) -> None:
+        self._parsed: dict[tuple[bytes, int], CheckpointHeader] = {}
+
+    def of(self, manifest: Manifest) -> CheckpointHeader:
+        """_header(manifest)."""
+        key = (manifest.header_bytes, manifest.source_size)
+        if key not in self._parsed:
+            self._parsed[key] = _header(manifest)
+        return self._parsed[key]
+
+    def tensor_count(self, manifest: Manifest) -> int:
+        """manifest.tensor_count()."""
+        if not manifest.chunked:
+            return manifest.tensor_count()
+        key = (manifest.header_bytes, manifest.source_size)
+        if key not in self._parsed:
+            self._parsed[key] = manifest.header()  # raising as tensor_count does
+        return len(self._parsed[key].tensors)
 
 
 def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
@@ -202,13 +246,16 @@ def restore_directories(md: Metadata, manifests: Sequence[Manifest]) -> int:
     return restored
 
 
-def restore_steps(md: Metadata, manifests: Sequence[Manifest]) -> int:
+def restore_steps(
+    md: Metadata, manifests: Sequence[Manifest], headers: _Headers | None = None
+) -> int:
     """Steps of sharded checkpoints whose every rank's part is a committed version again:
     each part says in its own header which step, rank and world size it belongs to."""
+    headers = headers or _Headers()
     found: dict[tuple[str, int, int], dict[int, Part]] = {}
     for manifest in manifests:
         try:
-            meta = _header(manifest).metadata or {}
+            meta = headers.of(manifest).metadata or {}
             key = (meta[STEP_NAME_KEY], int(meta[STEP_KEY]), int(meta[WORLD_SIZE_KEY]))
             rank = int(meta[RANK_KEY])
         except (KeyError, ValueError, SmoltorrentError):

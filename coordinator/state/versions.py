@@ -110,65 +110,83 @@ class Versions:
         at plan time), for the listing row."""
         if seq is None:
             seq = next_seq(self.r)
-        transfers = sum(len(t) for t in plan)
         while True:
-            staged = self._stage(manifest, vkey)
-            found = self._create(
-                keys=[
-                    *version_keys(vkey),
-                    K.NAMES,
-                    K.VERSIONS.format(name=manifest.name),
-                    K.CURRENT,
-                    K.CURRENT_SEQ,
-                    K.VERSION_ROWS,
-                    K.VERSION_STATES,
-                    K.ALL_VERSIONS,
-                    K.SUMMARIES_FILLED,
-                    staged,
-                    *(K.BLOB_REFS.format(digest=d) for d in digests(manifest)),
-                ],
-                args=[
-                    seq,
-                    manifest.name,
-                    vkey,
-                    json.dumps(
-                        {
-                            **{k: str(v) for k, v in fields.items()},
-                            "name": manifest.name,
-                            "version_id": manifest.version_id,
-                            "size": str(manifest.source_size),
-                            "shards": str(len(manifest.entries)),
-                            "replicas": str(manifest.replicas),
-                            "transfers": str(transfers),
-                            "created_at": repr(manifest.created_at),
-                        }
-                    ),
-                    _plan_json(plan),
-                    listing_row(manifest, transfers, tensors),
-                ],
-            )
+            staged, _ = self._stage(manifest, vkey)
+            keys, args = self._create_call(manifest, vkey, fields, plan, seq, tensors, staged)
+            found = self._create(keys=keys, args=args)
             if found != "unstaged":  # else it expired before the script ran: stage it again
                 return found
 
-    def _stage(self, manifest: Manifest, vkey: str) -> str:
+    def _create_call(
+        self,
+        manifest: Manifest,
+        vkey: str,
+        fields: dict,
+        plan: list[tuple[str, ...]],
+        seq: int,
+        tensors: int | None,
+        staged: str,
+    ) -> tuple[list[str], list]:
+        """The keys and arguments of the create script for create_pending."""
+        transfers = sum(len(t) for t in plan)
+        keys = [
+            *version_keys(vkey),
+            K.NAMES,
+            K.VERSIONS.format(name=manifest.name),
+            K.CURRENT,
+            K.CURRENT_SEQ,
+            K.VERSION_ROWS,
+            K.VERSION_STATES,
+            K.ALL_VERSIONS,
+            K.SUMMARIES_FILLED,
+            staged,
+            *(K.BLOB_REFS.format(digest=d) for d in digests(manifest)),
+        ]
+        args = [
+            seq,
+            manifest.name,
+            vkey,
+            json.dumps(
+                {
+                    **{k: str(v) for k, v in fields.items()},
+                    "name": manifest.name,
+                    "version_id": manifest.version_id,
+                    "size": str(manifest.source_size),
+                    "shards": str(len(manifest.entries)),
+                    "replicas": str(manifest.replicas),
+                    "transfers": str(transfers),
+                    "created_at": repr(manifest.created_at),
+                }
+            ),
+            _plan_json(plan),
+            listing_row(manifest, transfers, tensors),
+        ]
+        return keys, args
+
+    def _stage(
+        self, manifest: Manifest, vkey: str, client: redis.client.Pipeline | None = None
+    ) -> tuple[str, int]:
         """Write the manifest's JSON to a key of its own (MANIFEST_STAGED, fresh for this
-        call), MANIFEST_PIECE_BYTES a round trip; the create script renames it to the
-        version's manifest, whole. Sent as the script's argument, a 16 GB checkpoint's 2 MB
-        manifest was held at once beside the rest of its ~5 MB of arguments. A store that
-        dies before the script leaves it unread, and it expires."""
+        call), MANIFEST_PIECE_BYTES a round trip (or a command queued on `client`); its key
+        and the bytes written. The
+        create script renames it to the version's manifest, whole. Sent as the script's
+        argument, a 16 GB checkpoint's 2 MB manifest was held at once beside the rest of
+        its ~5 MB of arguments. A store that dies before the script leaves it unread, and
+        it expires."""
         staged = K.MANIFEST_STAGED.format(vkey=vkey, token=secrets.token_hex(8))
         written = 0
+        to = self.r if client is None else client
 
         def send(piece: bytes) -> None:
             nonlocal written
             if written:
-                self.r.append(staged, piece)
+                to.append(staged, piece)
             else:
-                self.r.set(staged, piece, ex=defaults.MANIFEST_STAGED_TTL_S)
-            written += 1
+                to.set(staged, piece, ex=defaults.MANIFEST_STAGED_TTL_S)
+            written += len(piece)
 
         manifest.write_json_pieces(send, defaults.MANIFEST_PIECE_BYTES)
-        return staged
+        return staged, written
 
     def note_manifest_nodes(self, vkey: str, node_ids: Iterable[str]) -> None:
         """Record that `node_ids` are sent a copy of `vkey`'s manifest, before it is put
@@ -362,13 +380,66 @@ class Versions:
         """Record a version read back from a node's manifest (rebuild); False if Redis
         knows it already, in any state (a removing or removed one is never brought back).
         Rebuild calls this oldest first, so sequence numbers keep their order."""
-        if self.r.exists(K.VERSION.format(vkey=vkey)):
-            return False
-        state = self.create_pending(manifest, vkey, {"rebuilt": 1}, [])
-        if state != "created":
-            return False
-        self.commit(vkey, manifest.name)
-        return True
+        return self.restore_committed_many([(manifest, vkey, None)])[0]
+
+    def restore_committed_many(
+        self, restores: Sequence[tuple[Manifest, str, int | None]]
+    ) -> list[bool]:
+        """restore_committed of each (manifest, vkey, its tensor count) in turn, as the same
+        steps but each queued for every version at once: a round trip for which are known,
+        one for their sequence numbers, a pipeline of stage and create scripts
+        (REBUILD_PIPELINE_BYTES of manifests each at most), one of commits, one of their
+        clean-up. Five round trips a version were most of a rebuild's time at 10,000
+        versions (docs/benchmarks.md). Rebuild passes at most REBUILD_BATCH_VERSIONS."""
+        with self.r.pipeline(transaction=False) as p:
+            for _, vkey, _ in restores:
+                p.exists(K.VERSION.format(vkey=vkey))
+            known = p.execute()
+        new = [item for item, found in zip(restores, known, strict=True) if not found]
+        if not new:
+            return [False] * len(restores)
+        # One number each, in order, as next_seq gives them one at a time.
+        first = int(self.r.incrby(K.SEQ, len(new))) - len(new) + 1
+        found: list[str] = []
+        at: list[int] = []  # where each queued create's answer is among its pipeline's
+        queued = 0
+        with self.r.pipeline(transaction=False) as p:
+            for n, (manifest, vkey, tensors) in enumerate(new):
+                staged, written = self._stage(manifest, vkey, p)
+                keys, args = self._create_call(
+                    manifest, vkey, {"rebuilt": 1}, [], first + n, tensors, staged
+                )
+                self._create(keys=keys, args=args, client=p)
+                at.append(len(p) - 1)
+                queued += written
+                if queued >= defaults.REBUILD_PIPELINE_BYTES or n == len(new) - 1:
+                    answers = p.execute()
+                    found.extend(answers[i] for i in at)
+                    at, queued = [], 0
+        created = []
+        for n, ((manifest, vkey, tensors), state) in enumerate(zip(new, found, strict=True)):
+            if state == "unstaged":  # expired before its script ran: alone, as create_pending
+                state = self.create_pending(manifest, vkey, {"rebuilt": 1}, [], first + n, tensors)
+            if state == "created":
+                created.append((manifest, vkey))
+        if created:
+            with self.r.pipeline(transaction=False) as p:
+                for manifest, vkey in created:
+                    version = K.VERSION.format(vkey=vkey)
+                    self._commit(
+                        keys=[version, K.CURRENT, K.CURRENT_SEQ, K.VERSION_STATES],
+                        args=[manifest.name, vkey, time.time()],
+                        client=p,
+                    )
+                states = p.execute()
+            with self.r.pipeline(transaction=False) as p:
+                for (_, vkey), (state, _) in zip(created, states, strict=True):
+                    if state == COMMITTED:  # as commit: its attempt log kept a while
+                        p.expire(K.ATTEMPTS.format(vkey=vkey), defaults.ATTEMPTS_TTL_S)
+                        p.delete(K.SPANS.format(vkey=vkey))
+                p.execute()
+        restored = {vkey for _, vkey in created}
+        return [vkey in restored for _, vkey, _ in restores]
 
     def names(self) -> list[str]:
         return sorted(self.r.smembers(K.NAMES))

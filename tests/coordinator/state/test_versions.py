@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.scale_metadata import CountedMetadata
 from coordinator.local.synthetic import synthetic_manifest
 from coordinator.plan.manifest import VersionBlobs, storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state.repair_plan import wanted_blobs
 from coordinator.state.versions import COMMITTED
+from smoltorrent import defaults
 from tests.coordinator.state.stores import FREE, pending, prepared, settle_all
 
 
@@ -190,3 +193,42 @@ def test_a_pending_versions_plan_names_each_entrys_nodes(md):
     assert md.transfers.plan(vkey) == plan
     stored = md.r.hgetall(K.PLAN.format(vkey=vkey))
     assert stored == {str(i): json.dumps(list(t)) for i, t in enumerate(plan)}
+
+
+@pytest.mark.parametrize("pipeline_bytes", [defaults.REBUILD_PIPELINE_BYTES, 1])
+def test_a_rebuilds_versions_are_recorded_a_batch_at_a_time(md, monkeypatch, pipeline_bytes):
+    """A rebuild records REBUILD_BATCH_VERSIONS restored versions at once, as
+    restore_committed one by one does (each a new request number in their order, committed,
+    the last of each name current, its listing row and manifest), a version Redis knows
+    left as it is: in a few round trips for the batch, where one by one took five a
+    version. A pipeline staging more than REBUILD_PIPELINE_BYTES is sent before the next."""
+    monkeypatch.setattr(defaults, "REBUILD_PIPELINE_BYTES", pipeline_bytes)
+    count = defaults.REBUILD_BATCH_VERSIONS
+    manifests = [synthetic_manifest(f"n{i % 3}", i) for i in range(count)]
+    vkeys = [m.storage_key() for m in manifests]
+    known = 4  # a store's, pending: known to Redis, so not restored
+    md.versions.create_pending(manifests[known], vkeys[known], {}, [("a",)] * 2)
+    counted = CountedMetadata(md.url)
+    counted.r.ping()  # the connection's own handshake is not counted below
+    counted.sent = 0
+    done = counted.versions.restore_committed_many(
+        [(m, v, m.tensor_count()) for m, v in zip(manifests, vkeys, strict=True)]
+    )
+    assert done == [i != known for i in range(count)]
+    if pipeline_bytes > 1:  # one pipeline for the batch
+        assert counted.sent <= 10  # 5 * 31 one by one
+    assert md.versions.version(vkeys[known])["state"] == "pending"
+    restored = [i for i in range(count) if i != known]
+    seqs = [int(md.versions.version(vkeys[i])["seq"]) for i in restored]
+    assert seqs == sorted(set(seqs))
+    for i in restored:
+        version = md.versions.version(vkeys[i])
+        assert version["state"] == COMMITTED and version["rebuilt"] == "1"
+        assert md.versions.manifest(vkeys[i]) == manifests[i]
+        row = json.loads(md.r.hget(K.VERSION_ROWS, vkeys[i]))
+        assert row["tensors"] == manifests[i].tensor_count() and row["name"] == f"n{i % 3}"
+    for n in range(3):
+        last = max(i for i in restored if i % 3 == n)
+        assert md.versions.current(f"n{n}") == vkeys[last]
+    again = md.versions.restore_committed_many([(manifests[0], vkeys[0], None)])
+    assert again == [False]
