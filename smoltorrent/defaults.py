@@ -186,8 +186,8 @@ MANIFEST_PIECE_BYTES = 256 * 1024
 REBUILD_BATCH_VERSIONS = 32
 # Bytes of manifests one pipeline of those versions' create scripts stages before it is
 # sent, so Redis runs a few scripts at a time (~8 versions of 100 chunks, their manifests
-# ~32 KB: a few ms), never the batch's 32 in one go (25 ms a PING waited at 1 MB), and
-# the pipeline holds little in memory (a 16 GB checkpoint's 2 MB manifest goes alone).
+# ~32 KB: a few ms), never the whole batch in one go, and the pipeline holds little in
+# memory (a 16 GB checkpoint's 2 MB manifest goes alone).
 REBUILD_PIPELINE_BYTES = 256 * 1024
 # Seconds a staged manifest lasts whose version was never recorded (its store crashed
 # between the two): long past any store's staging, which takes milliseconds.

@@ -187,12 +187,11 @@ def copies_against_wanted(md: Metadata, vkey: str, dead_after: float) -> dict[st
 
 
 def placements(md: Metadata, digests: Iterable[str]) -> dict[str, set[str]]:
-    """Digest -> node ids of its verified copies, in one round trip."""
+    """Digest -> node ids of its verified copies, PLACEMENT_BATCH_DIGESTS a round trip
+    (Blobs.placement_of): the repair sweep's 100,000 blobs were one pipeline of as many
+    commands, their replies all held at once."""
     digests = list(digests)
-    with md.r.pipeline(transaction=False) as p:
-        for d in digests:
-            p.smembers(K.PLACEMENT.format(digest=d))
-        found = p.execute()
+    found = md.blobs.placement_of(digests)
     return {d: set(nodes) for d, nodes in zip(digests, found, strict=True)}
 
 

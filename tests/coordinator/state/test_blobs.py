@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bench.scale_metadata import CountedMetadata
 from coordinator.state import redis_keys as K
+from coordinator.state.repair_plan import placements
 from smoltorrent import defaults
 
 
@@ -51,3 +52,17 @@ def test_every_placement_read_in_batches_from_a_scan(md):
     want = {d: ({"a", "b"} if i % 2 == 0 else {"b"}) for i, d in enumerate(digests) if i != 1}
     assert md.blobs.placements() == want
     assert md.blobs.referenced(digests) == {d: False for d in digests}
+
+
+def test_the_repair_sweeps_placements_are_read_in_batches(md):
+    """The repair sweep reads the placement of every blob in use (100,000 at scale):
+    PLACEMENT_BATCH_DIGESTS a round trip, not one pipeline of them all holding Redis."""
+    digests = [f"{i:064x}" for i in range(2 * defaults.PLACEMENT_BATCH_DIGESTS + 3)]
+    md.blobs.add_placements(digests[::3], "a")
+    md.blobs.add_placements(digests[1::3], "b")
+    counted = CountedMetadata(md.url)
+    counted.r.ping()
+    counted.sent = 0
+    got = placements(counted, iter(digests))
+    assert counted.sent == 3
+    assert got == {d: [{"a"}, {"b"}, set()][i % 3] for i, d in enumerate(digests)}
