@@ -69,9 +69,10 @@ class SavedVersion:
 class SaveHandle:
     """A save in flight. `done()`, `result(timeout)`, `version_id` (waits for the commit)."""
 
-    def __init__(self, name: str, path: str) -> None:
+    def __init__(self, name: str, path: str, log: str) -> None:
         self.name = name
         self.path = path  # the staged local file; moved to the local tier once committed
+        self.log = log  # the writer's log, where a save that takes long says why
         self._future: concurrent.futures.Future[SavedVersion] = concurrent.futures.Future()
 
     def done(self) -> bool:
@@ -81,7 +82,14 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> SavedVersion:
         """The committed version; SmoltorrentError if the store failed, TimeoutError if it
         has not ended within `timeout` seconds (it goes on in the background)."""
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the save of {self.name!r} has not ended within {timeout} s; it goes on in "
+                f"the background (handle.result() waits again), and its writer's log "
+                f"{self.log} says what it waits for"
+            ) from None
 
     @property
     def version_id(self) -> str:
@@ -139,7 +147,7 @@ def start_save(
     directory = _staging_dir(staging_dir)
     writer = _writer(directory)
     job = snapshot.take(flat, header, name, replicas, step, directory, writer.pool, bwlimit=bwlimit)
-    handle = SaveHandle(name, job.staged)
+    handle = SaveHandle(name, job.staged, str(writer.log))
     writer.send(job, handle)
     return handle
 
@@ -150,6 +158,7 @@ class _WriterClient:
 
     def __init__(self, staging: Path) -> None:
         self.staging = staging
+        self.log = snapshot.journal_dir(staging) / "writer.log"  # the writer's stderr
         self.lock = threading.Lock()
         self.pending: dict[str, tuple[snapshot.Job, SaveHandle]] = {}
         self.proc: subprocess.Popen | None = None
@@ -157,9 +166,8 @@ class _WriterClient:
         _save_failures()
 
     def _start(self) -> subprocess.Popen:
-        journal = snapshot.journal_dir(self.staging)
-        journal.mkdir(parents=True, exist_ok=True)
-        with open(journal / "writer.log", "ab") as log:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "smoltorrent.snapshot_writer", str(self.staging)],
                 stdin=subprocess.PIPE,

@@ -66,12 +66,20 @@ def test_without_a_worker_save_returns_and_the_version_is_stored_once_one_starts
             handle = smoltorrent.save({"w": torch.full((64, 64), 3.0)}, "durable/no-worker",
                                       wait=False)
             journal = os.path.join(os.environ["SMOLTORRENT_HOME"], "staging", "journal")
-            print(json.dumps({"done": handle.done(),
+            try:
+                handle.result(timeout=0.5)
+                waited = "returned"
+            except TimeoutError as e:
+                waited = str(e)
+            print(json.dumps({"done": handle.done(), "waited": waited, "journal": journal,
                               "journalled": len([f for f in os.listdir(journal)
                                                  if f.endswith(".json")])}))
             """,
         )
-        assert out == {"done": False, "journalled": 1}  # returned, and recorded on disk
+        assert (out["done"], out["journalled"]) == (False, 1)  # returned, recorded on disk
+        # A bounded wait says which save, that it goes on, and where to look (issue 40).
+        assert "'durable/no-worker'" in out["waited"] and "background" in out["waited"]
+        assert os.path.join(out["journal"], "writer.log") in out["waited"]
         assert stored(c, "durable/no-worker", 1, timeout=3) == []
         c.start_worker()
         assert len(stored(c, "durable/no-worker", 1)) == 1
