@@ -168,8 +168,8 @@ class Versions:
     ) -> tuple[str, int]:
         """Write the manifest's JSON to a key of its own (MANIFEST_STAGED, fresh for this
         call), MANIFEST_PIECE_BYTES a round trip (or a command queued on `client`); its key
-        and the bytes written. The
-        create script renames it to the version's manifest, whole. Sent as the script's
+        and the bytes written. The create script renames it to the version's manifest,
+        whole. Sent as the script's
         argument, a 16 GB checkpoint's 2 MB manifest was held at once beside the rest of
         its ~5 MB of arguments. A store that dies before the script leaves it unread, and
         it expires."""

@@ -113,7 +113,7 @@ def test_a_create_script_without_its_staged_manifest_changes_nothing(md, manifes
     """No version, no reference from any of its blobs: the caller stages it again."""
     vkey = vkey_of(manifest)
     real = md.versions._stage
-    md.versions._stage = lambda m, v: K.MANIFEST_STAGED.format(vkey=v, token="gone")
+    md.versions._stage = lambda m, v: (K.MANIFEST_STAGED.format(vkey=v, token="gone"), 0)
     seen = []
     script = md.versions._create
 
