@@ -5,7 +5,9 @@ answer again. The repair sweep acts on what this records.
 Each node's answer also says how many bad copies its scrub holds in quarantine: a count
 the last scrub report did not show (a copy found bad mid-pass) sends a scrub sweep that
 only collects the reports, which takes the copy out of the placement and queues its
-repair, so a bad copy waits one health interval, not up to a scrub interval."""
+repair, so a bad copy waits one health interval, not up to a scrub interval. A node newly
+declared dead sends a repair sweep the same way: its copies start then, not at the next
+repair sweep."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 
 from celery.utils.log import get_task_logger
 
+from beat.repair import repair
 from beat.scrub import scrub
 from beat.sweeps import sweep
 from coordinator import config
@@ -44,6 +47,10 @@ def run_pass() -> dict[str, int]:
         elif h.state == UP and node_id in declared and md.nodes.readmit(node_id):
             counts["readmitted"] += 1
             log.warning("node %s answers again: re-admitted; copies above R are trimmed", node_id)
+    if counts["newly_dead"]:
+        # Its blobs are below R from now on: their copies start now, not at the next
+        # repair sweep (up to REPAIR_INTERVAL_S later; invariant 13).
+        repair.apply_async(queue=config.CONTROL_QUEUE)
     reported = scrub_reports.reports(md)
     news = sorted(
         n

@@ -438,6 +438,23 @@ def test_a_lost_nodes_blobs_are_all_back_at_r_within_one_or_two_repair_sweeps(
     assert {d: on_disk[d] for d in digests} == {d: 2 for d in digests}
 
 
+def test_a_node_declared_dead_starts_its_repair_without_waiting_for_the_repair_sweep(
+    make_cluster, beat, tmp_path
+):
+    """Invariant 13: the copies of a node declared dead start then, not at the next repair
+    sweep. The sweep is set an hour apart (longer than default, never shorter): only the
+    health sweep's declaration can start the repair within this test."""
+    c = make_cluster(4, **DEAD_SOON, SMOLTORRENT_REPAIR_INTERVAL_S="3600")
+    src = make_ckpt(tmp_path / "one.safetensors", size=2_000_000)
+    digests = stored(c, src, "one.safetensors")
+    beat(c)
+    wait_until(lambda: c.md.sweeps.sweep_runs("health"), timeout=60, what="a health sweep")
+    first = holder_of(c, digests[0])
+    first.kill()
+    survivors = [n for n in c.node_procs if n is not first]
+    wait_until(lambda: at_r_on(c, digests, survivors), timeout=90, what="R copies on the survivors")
+
+
 def test_replicas_raised_counts_no_copy_on_a_dead_node(make_cluster, tiny_tmp, tmp_path):
     """`store --replicas 3` on stored content while a holder is dead: the copies on the
     dead node must not count. Of the two live nodes without a copy, one fails every put,
