@@ -6,13 +6,20 @@ it: equal nodes take turns, so each ends within one blob of the mean however
 unequal the shards (a gather then reads about as much from each), and a node
 with ten times the free space takes ten times the blobs. Free space counts as
 equal within PLACEMENT_EQUAL_FREE_SHARE of the roomiest node, so the few MB of
-noise in free bytes read a moment apart decide nothing: ties go to the smaller
-node id, so the same nodes always pair up the same way (which lets chains and
-gathers take turns evenly) and the same input always gives the same placement.
+noise in free bytes read a moment apart decide nothing.
+
+Among nodes equal so far, a shard's nodes are the ones that have held fewest shards
+together: every pair of nodes takes its turn (on 4 nodes at R=2, all 6 pairs, not the
+same 2). A node lost for good then has the other copies of its blobs spread over every
+survivor, so all of them send its repair at once and it heals at the survivors' links
+together, not at one partner's (invariant 13). Ties after that go to the smaller node
+id, so the same input always gives the same placement.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from coordinator.plan.safetensors_header import format_bytes
@@ -33,6 +40,7 @@ def place(
     room_left = dict(free_bytes)
     placed = dict.fromkeys(free_bytes, 0)
     blobs = dict.fromkeys(free_bytes, 0)
+    partners: Counter[frozenset[str]] = Counter()  # shards each two nodes hold together
     share = _free_share(free_bytes)
     placement: list[tuple[str, ...]] = [()] * len(shard_sizes)
     # Shards on the same nodes share one tuple: a few node sets for thousands of chunks.
@@ -42,10 +50,21 @@ def place(
         fitting = [node for node in room_left if room_left[node] >= size]
         if len(fitting) < replicas:
             raise InsufficientSpaceError(_no_room(index, size, replicas, room_left))
-        chosen = sorted(
-            fitting,
-            key=lambda node: (blobs[node] / share[node], placed[node] / share[node], node),
-        )[:replicas]
+        chosen: list[str] = []
+        for _ in range(replicas):
+            chosen.append(
+                min(
+                    (node for node in fitting if node not in chosen),
+                    key=lambda node: (
+                        blobs[node] / share[node],
+                        sum(partners[frozenset((node, c))] for c in chosen),
+                        placed[node] / share[node],
+                        node,
+                    ),
+                )
+            )
+        for a, b in itertools.combinations(chosen, 2):
+            partners[frozenset((a, b))] += 1
         for node in chosen:
             room_left[node] -= size
             placed[node] += size

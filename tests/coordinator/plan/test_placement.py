@@ -154,3 +154,17 @@ def test_no_room_raises_insufficient_space():
 def test_replicas_below_one_is_refused():
     with pytest.raises(SmoltorrentError, match="--replicas must be at least 1"):
         place([GB], {"node-a": GB}, 0)
+
+
+def test_a_nodes_blobs_have_their_other_copies_on_every_other_node():
+    """A node lost for good is repaired from wherever its blobs' other copies are: all on
+    one partner (4 nodes pairing up as a-b and c-d every time), one survivor's link carried
+    the whole repair while the others idled (issue 37, the Pi emulation)."""
+    for nodes, replicas in ((4, 2), (5, 2), (6, 3)):
+        free = {f"node-{i}": 100 * GB for i in range(nodes)}
+        placement = place([10**6] * 60, free, replicas)
+        for node in free:
+            partners = Counter(n for held in placement if node in held for n in held)
+            del partners[node]
+            assert set(partners) == set(free) - {node}, (nodes, node, partners)
+            assert max(partners.values()) - min(partners.values()) <= 1, (nodes, partners)
