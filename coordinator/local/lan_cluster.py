@@ -39,6 +39,7 @@ class LanCluster:
         self.nodes = nodes
         self.coordinator = coordinator
         self.procs: list[subprocess.Popen] = []
+        self.node_procs: dict[str, subprocess.Popen] = {}
         self.env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -70,9 +71,10 @@ class LanCluster:
                                        "--appendonly", "yes", "--save", ""],
                     "redis.log")  # fmt: skip
         for node in self.nodes:
-            self._spawn(node, [sys.executable, "-m", "worker_server", "--data-dir",
-                               str(self.root / node), "--host", self.lan.address(node),
-                               "--port", str(defaults.DEFAULT_PORT)], f"{node}.log")  # fmt: skip
+            argv = [sys.executable, "-m", "worker_server", "--data-dir", str(self.root / node),
+                    "--host", self.lan.address(node),
+                    "--port", str(defaults.DEFAULT_PORT)]  # fmt: skip
+            self.node_procs[node] = self._spawn(node, argv, f"{node}.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         self._wait_for(b"Ready to accept connections", "redis.log", deadline)
         self._spawn(self.coordinator, [sys.executable, "-m", "coordinator.cli", "worker",
@@ -85,6 +87,11 @@ class LanCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nodes did not answer: {added.stderr}")
             time.sleep(0.5)
+
+    def start_beat(self) -> subprocess.Popen:
+        """`smoltorrent beat` in the coordinator's namespace (its log: beat.log)."""
+        argv = [sys.executable, "-m", "coordinator.cli", "beat", "--loglevel", "INFO"]
+        return self._spawn(self.coordinator, argv, "beat.log")
 
     def _wait_for(self, line: bytes, log_name: str, deadline: float) -> None:
         log = self.root / log_name
