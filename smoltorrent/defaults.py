@@ -123,6 +123,10 @@ MAX_SAFETENSORS_HEADER_BYTES = 100 * 1000 * 1000  # bytes; the limit the safeten
 # on one disk report free bytes a few MB apart (1e-4 of 100 GB), and a node 1% smaller
 # taking a blob fewer in a hundred is all the weighting could mean there
 PLACEMENT_EQUAL_FREE_SHARE = 0.01
+# paths of moves plan/balance.py makes, per node, to even out which node serves each shard
+# (a gather's reader, a chain's head): greedy choices leave a shard or two of imbalance, so
+# a few paths a node are all it takes, and a gather of 28,000 chunks never searches long
+REBALANCE_ROUNDS_PER_NODE = 4
 
 # Whether a store cuts a checkpoint into content-addressed chunks (manifest schema 3;
 # SMOLTORRENT_CHUNKS overrides it). On: a fine-tune that changes 7.3% of a checkpoint
@@ -428,8 +432,11 @@ REPAIRS_PER_NODE = 2
 # (issue 37: within 1.5x); 0 lifts the limit (a fast LAN, a node lost with nothing to read)
 REPAIR_BPS = 10_000_000
 # repair sessions in flight in the whole cluster: each holds a worker process while its nodes
-# copy, so half of WORKER_CONCURRENCY stays free for stores, commits and gathers
-REPAIRS_MAX_IN_FLIGHT = 2
+# copy. Three: a lost node of a 4-node cluster has its blobs' other copies on all three
+# survivors (plan/placement.py), and each sends one session at REPAIR_BPS, so they heal it
+# at 3 x 80 Mbit/s of their 3 x 100 (two sessions left one survivor idle: 2.5x its links'
+# time on the Pi emulation); one process of WORKER_CONCURRENCY stays for stores and commits
+REPAIRS_MAX_IN_FLIGHT = 3
 # blobs one repair session carries between two nodes (one task, one node-to-node connection,
 # replicate_batch): a lost node's chunks go in a few sessions, not a task and a handshake
 # each; 128 digests are ~9 KB of the request's header (MAX_HEADER_BYTES) and the answer

@@ -278,9 +278,12 @@ def plan(
                 key=lambda s: (sending[s], load[s]),
                 default=None,
             )
+            # The least busy target first: a node a session already reaches keeps its
+            # other slot for the session it sends, or a survivor whose every possible
+            # target is full sends nothing (a->b and b->a left c idle).
             target = max(
                 (t for t in room if load[t] < per_node),
-                key=lambda t: free.get(t, 0),
+                key=lambda t: (-load[t], free.get(t, 0)),
                 default=None,
             )
             can_open = in_flight < max_in_flight and source is not None and target is not None

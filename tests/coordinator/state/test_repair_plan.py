@@ -163,3 +163,26 @@ def test_after_fewest_copies_a_pinned_or_current_versions_blobs_then_the_newest(
     placement = {"a-old": two, "b-new": two, "c-kept": two, "d-last": {"a", "z"}}
     p = decide(blobs, placement, nodes, per_node=10)
     assert [r.digest for r in p.repairs] == ["d-last", "d-last", "c-kept", "b-new", "a-old"]
+
+
+def test_three_survivors_of_a_lost_node_each_send_one_session_at_the_defaults():
+    """The lost node's blobs have their other copies on every survivor (plan/placement.py):
+    at the default caps each survivor sends one session and receives one, so all three
+    ports carry the repair (issue 37, the Pi emulation)."""
+    nodes = health(a=UP, b=UP, c=UP, z=DEAD)
+    blobs, placement = [], {}
+    for i in range(12):
+        holder = "abc"[i % 3]
+        blobs.append(blob(f"{holder}{i:02}"))
+        placement[f"{holder}{i:02}"] = {holder, "z"}
+    p = decide(
+        blobs,
+        placement,
+        nodes,
+        per_node=defaults.REPAIRS_PER_NODE,
+        max_in_flight=defaults.REPAIRS_MAX_IN_FLIGHT,
+    )
+    sessions = p.sessions()
+    assert sorted(s[0].source for s in sessions) == ["a", "b", "c"]
+    assert sorted(s[0].target for s in sessions) == ["a", "b", "c"]
+    assert p.throttled == 0
