@@ -39,6 +39,12 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     result = build(ROOT, tmp_path / "site")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "site" / "troubleshooting" / "index.html").is_file()
+    # The README's quick start, cluster recipe and training loop are on the site too, with
+    # its links into docs/ pointing at the site's pages (issue 40 item 8).
+    started = (tmp_path / "site" / "getting-started" / "index.html").read_text()
+    for heading in ("The two commands", "A real cluster in five minutes", "From a training loop"):
+        assert heading in started
+    assert 'href="docs/' not in started and 'href="../api/"' in started
 
 
 def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
@@ -46,6 +52,8 @@ def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
     project = tmp_path / "project"
     shutil.copytree(ROOT / "docs", project / "docs")
     shutil.copy(ROOT / "mkdocs.yml", project / "mkdocs.yml")
+    shutil.copy(ROOT / "README.md", project / "README.md")
+    shutil.copytree(ROOT / "scripts", project / "scripts")
     with (project / "docs" / "index.md").open("a") as page:
         page.write("\nSee [a page that is not there](nowhere.md).\n")
     result = build(project, tmp_path / "site")

@@ -112,6 +112,12 @@ Environment:
 """
 
 
+def _json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON for scripts (errors too: error, hint)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="smoltorrent",
@@ -150,12 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST[:PORT]",
         help=f"node addresses; the port defaults to {defaults.DEFAULT_PORT}",
     )
-    na.add_argument("--json", action="store_true")
+    _json_flag(na)
     nl = nsub.add_parser("ls", help="list registered nodes and whether they answer")
-    nl.add_argument("--json", action="store_true")
+    _json_flag(nl)
     nr = nsub.add_parser("rm", help="forget a node (by id, id prefix or address)")
     nr.add_argument("node")
-    nr.add_argument("--json", action="store_true")
+    _json_flag(nr)
 
     dc = sub.add_parser(
         "discover",
@@ -174,10 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to listen (default {defaults.DISCOVER_TIMEOUT_S:g})",
     )
-    dc.add_argument("--json", action="store_true")
+    _json_flag(dc)
 
     w = sub.add_parser("worker", help="run a Celery worker for this host's queues")
-    w.add_argument("--concurrency", type=_count(1), default=defaults.WORKER_CONCURRENCY)
+    w.add_argument(
+        "--concurrency",
+        type=_count(1),
+        default=defaults.WORKER_CONCURRENCY,
+        help=f"tasks this worker runs at once, each in its own process (default"
+        f" {defaults.WORKER_CONCURRENCY}; a repair session holds one while its nodes copy)",
+    )
     w.add_argument(
         "--loglevel",
         default="INFO",
@@ -201,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Send every sweep of beat/schedule.py on time. One instance per cluster "
         "is enough; a second one is harmless (each sweep runs under a Redis lock).",
     )
-    b.add_argument("--loglevel", default="WARNING")
+    b.add_argument(
+        "--loglevel",
+        default="WARNING",
+        help="WARNING (default): only what needs a look; INFO: every sweep sent",
+    )
 
     st = sub.add_parser("store", help="store a checkpoint (waits for the commit)")
     st.add_argument(
@@ -227,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="return once the store is queued (it goes on; `smoltorrent wait ID` follows it)."
         " Ctrl-C while a store waits does the same: the store goes on, exit 3",
     )
-    st.add_argument("--json", action="store_true")
+    _json_flag(st)
 
     g = sub.add_parser("gather", help="rebuild a checkpoint into a file (or a directory)")
     g.add_argument(
@@ -255,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         " only an earlier .safetensors checkpoint there is replaced)",
     )
     _bwlimit_argument(g, "receive")
-    g.add_argument("--json", action="store_true")
+    _json_flag(g)
 
     wt = sub.add_parser(
         "wait",
@@ -266,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         " gathered), 1 when it failed, 3 when interrupted again (it still goes on).",
     )
     wt.add_argument("request_id", metavar="ID")
-    wt.add_argument("--json", action="store_true")
+    _json_flag(wt)
 
     ls = sub.add_parser("ls", help="list checkpoints and their versions")
     ls.add_argument(
@@ -274,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         help="list this checkpoint's versions only; NAME/ lists every name under that prefix",
     )
-    ls.add_argument("--json", action="store_true")
+    _json_flag(ls)
 
     sh = sub.add_parser(
         "show",
@@ -289,10 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sh.add_argument("--version", help="a version id prefix (default: the current version)")
     sh.add_argument("--tensors", action="store_true", help="list every tensor")
-    sh.add_argument("--json", action="store_true")
+    _json_flag(sh)
 
     stat = sub.add_parser("status", help="nodes, under-replicated shards, dead letters")
-    stat.add_argument("--json", action="store_true")
+    _json_flag(stat)
 
     vf = sub.add_parser(
         "verify",
@@ -303,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and done. Exit 1 if a blob is still below its copies.",
     )
     vf.add_argument("name", nargs="?", help="one checkpoint (default: all)")
-    vf.add_argument("--json", action="store_true")
+    _json_flag(vf)
 
     rm = sub.add_parser(
         "rm",
@@ -320,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument(
         "--dry-run", action="store_true", help="list the versions that would go; remove nothing"
     )
-    rm.add_argument("--json", action="store_true")
+    _json_flag(rm)
 
     pin = sub.add_parser(
         "pin",
@@ -331,11 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pin.add_argument("name")
     pin.add_argument("version", nargs="?", help="a version id prefix (default: the current one)")
-    pin.add_argument("--json", action="store_true")
+    _json_flag(pin)
     unpin = sub.add_parser("unpin", help="let retention remove a pinned version again")
     unpin.add_argument("name")
     unpin.add_argument("version", nargs="?", help="a version id prefix (default: the current one)")
-    unpin.add_argument("--json", action="store_true")
+    _json_flag(unpin)
     tag = sub.add_parser(
         "tag",
         help="label a version, to gather or show it as NAME@LABEL",
@@ -349,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     tag.add_argument("version", help="a version id prefix")
     tag.add_argument("label")
     tag.add_argument("--rm", action="store_true", help="take LABEL off that version")
-    tag.add_argument("--json", action="store_true")
+    _json_flag(tag)
     retain = sub.add_parser(
         "retain",
         help="keep only the K newest checkpoints under a prefix (e.g. a run's steps)",
@@ -369,16 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
     retain.add_argument(
         "--dry-run", action="store_true", help="list what the next sweep would remove"
     )
-    retain.add_argument("--json", action="store_true")
+    _json_flag(retain)
 
     d = sub.add_parser("dlq", help="list and replay dead letters (tasks that failed for good)")
     dsub = d.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
     dl = dsub.add_parser("ls", help="list dead letters")
-    dl.add_argument("--json", action="store_true")
+    _json_flag(dl)
     dr = dsub.add_parser("replay", help="send dead tasks again once the cause is fixed")
     dr.add_argument("task_id", nargs="?")
-    dr.add_argument("--all", action="store_true")
-    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--all", action="store_true", help="replay every dead letter")
+    _json_flag(dr)
 
     rb = sub.add_parser("rebuild", help="rebuild the metadata from the manifests on the nodes")
     rb.add_argument(
@@ -387,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="nodes to read (default: the registered ones)",
     )
-    rb.add_argument("--json", action="store_true")
+    _json_flag(rb)
 
     up = sub.add_parser(
         "up",
@@ -407,9 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
         " are elsewhere)",
     )
     up.add_argument("--watch", metavar="DIR", help="also store every checkpoint written under DIR")
-    up.add_argument("--name-prefix", default="", help="with --watch: put names under P/")
+    up.add_argument(
+        "--name-prefix", default="", metavar="P", help="with --watch: put names under P/"
+    )
     up.add_argument("--flower", action="store_true", help="also run Flower (127.0.0.1)")
-    up.add_argument("--flower-port", type=tcp_port, default=defaults.FLOWER_PORT)
+    up.add_argument(
+        "--flower-port",
+        type=tcp_port,
+        default=defaults.FLOWER_PORT,
+        help=f"with --flower: its port (default {defaults.FLOWER_PORT})",
+    )
     up.add_argument(
         "--metrics",
         action="store_true",
@@ -432,7 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or Ctrl-C; the transfers run on this host's worker (`smoltorrent worker`).",
     )
     wa.add_argument("directory", metavar="DIR")
-    wa.add_argument("--name-prefix", default="", help="put names under P/ (e.g. the run name)")
+    wa.add_argument(
+        "--name-prefix", default="", metavar="P", help="put names under P/ (e.g. the run name)"
+    )
     wa.add_argument(
         "--replicas",
         type=int,
@@ -450,11 +475,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rdsub = rd.add_subparsers(dest="redis_command", required=True, metavar="ACTION")
     rds = rdsub.add_parser("status", help="is this host's embedded Redis running, and where")
-    rds.add_argument("--json", action="store_true")
+    _json_flag(rds)
     rdsub.add_parser("stop", help="stop it; its data stays for the next start")
 
     f = sub.add_parser("flower", help="run Flower (Celery monitoring) on the same broker")
-    f.add_argument("--port", type=tcp_port, default=defaults.FLOWER_PORT)
+    f.add_argument(
+        "--port",
+        type=tcp_port,
+        default=defaults.FLOWER_PORT,
+        help=f"the port Flower listens on (default {defaults.FLOWER_PORT})",
+    )
     f.add_argument(
         "--address",
         default="127.0.0.1",
@@ -485,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="size of the built checkpoint",
     )
     demo.add_argument("--keep", action="store_true", help="leave the cluster's files behind")
-    demo.add_argument("--json", action="store_true")
+    _json_flag(demo)
     return p
 
 
