@@ -484,6 +484,11 @@ TRIM_MARK_TTL_S = TRIM_TIME_LIMIT_S
 # (health runs every 10 s: 600 s would stop it for ten minutes).
 SWEEP_LOCK_TTL_S = 60
 SWEEP_RUNS_KEPT = 100  # runs of each sweep kept on record (start, end, by whom)
+# gathers run in a process of their own (the CLI, load()) kept for the host's worker to count
+# in its metrics at its next scrape: a scrape comes every 15-60 s, so this many is hours of
+# gathers; a host whose worker serves no metrics keeps at most this many, for a day
+PROCESS_GATHERS_KEPT = 1000
+PROCESS_GATHERS_TTL_S = 86_400
 WORKER_CHECK_TIMEOUT_S = 1.0  # seconds the CLI waits for workers to say which queues they serve
 LOCAL_STOP_TIMEOUT_S = 15.0  # seconds for SIGTERM to end a local node (its own grace is 10 s)
 EMBEDDED_REDIS_ATTEMPT_S = 2.0  # seconds one redis-server start may take before trying again

@@ -25,9 +25,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from celery.signals import task_postrun, task_prerun, task_retry
+from redis.exceptions import RedisError
 
 from coordinator import config
-from coordinator.state import repairs, scrub_reports
+from coordinator.state import process_gathers, repairs, scrub_reports
 from coordinator.state.liveness import probe_registered
 from coordinator.state.repair_plan import TRIM
 from coordinator.state.versions import COMMITTED, PENDING
@@ -96,6 +97,7 @@ def enable(port: int, directory: Path, host: str = defaults.METRICS_HOST) -> int
         ["direction"],
     )
     registry = CollectorRegistry()
+    registry.register(ProcessGathers())  # before the files are read: its samples go in them
     MultiProcessCollector(registry)
     registry.register(ClusterCollector())
     task_prerun.connect(_on_prerun, weak=False)
@@ -109,6 +111,21 @@ def enable(port: int, directory: Path, host: str = defaults.METRICS_HOST) -> int
             "with --metrics-port (or SMOLTORRENT_METRICS_PORT)"
         ) from None
     return server.server_address[1]
+
+
+class ProcessGathers:
+    """Counts, at each scrape, the gathers this host ran in a process of its own (the CLI,
+    load(); coordinator/state/process_gathers.py) with the worker's own: it adds no
+    metric, it observes into the worker's before they are read."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        with contextlib.suppress(SmoltorrentError, RedisError):
+            for done in process_gathers.take(metadata(), config.host_id()):
+                _count_gather(done)
+        return []
 
 
 class ClusterCollector:
@@ -216,9 +233,7 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
             seconds = time.monotonic() - started
             _m.transfer_seconds.labels(node=node, address=address).observe(seconds)
     elif sender.name == "smoltorrent.gather" and isinstance(retval, dict):
-        _m.gather_seconds.observe(float(retval.get("seconds", 0)))
-        _m.raw_bytes.labels(direction="gather").inc(int(retval.get("raw_bytes", 0)))
-        _m.wire_bytes.labels(direction="gather").inc(int(retval.get("wire_bytes", 0)))
+        _count_gather(retval)
     elif sender.name == "smoltorrent.commit" and retval == COMMITTED:
         vkey = (kwargs or {}).get("vkey") or (args or [None])[0]
         try:
@@ -229,6 +244,12 @@ def _on_postrun(sender=None, task_id=None, kwargs=None, args=None, retval=None, 
         _m.store_seconds.observe(max(time.time() - created, 0.0))
         _m.raw_bytes.labels(direction="store").inc(raw)
         _m.wire_bytes.labels(direction="store").inc(wire)
+
+
+def _count_gather(done: dict) -> None:
+    _m.gather_seconds.observe(float(done.get("seconds", 0)))
+    _m.raw_bytes.labels(direction="gather").inc(int(done.get("raw_bytes", 0)))
+    _m.wire_bytes.labels(direction="gather").inc(int(done.get("wire_bytes", 0)))
 
 
 def _moved(task: str, kwargs: dict, retval, size: int | None) -> dict[str, int]:

@@ -26,8 +26,8 @@ from coordinator.dataplane.gather_engine import check_destination
 from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.selection import select
+from coordinator.state import process_gathers, wakeups
 from coordinator.state import redis_keys as K
-from coordinator.state import wakeups
 from coordinator.state.metadata import Metadata
 from coordinator.state.requests import DONE, FAILED, IN_PROCESS_GATHER
 from coordinator.state.versions import ABORTED, COMMITTED, REMOVED, REMOVING
@@ -483,6 +483,8 @@ def _gather_here(request: GatherRequest, on_progress: Callable[[int, int], None]
             lambda: md.requests.finish_request(request.task_id, DONE, result=json.dumps(result)),
             what,
         )
+    with contextlib.suppress(redis.RedisError):  # a metric never fails a gather
+        process_gathers.record(md, host, result)
     return result
 
 

@@ -186,3 +186,6 @@ DLQ_STREAM = PREFIX + "dlq:stream"
 # set of the task ids of one version's dead letters, so a remove drops them without reading
 # the whole queue
 DLQ_OF = PREFIX + "dlq:version:{vkey}"
+# list of JSON {seconds, raw_bytes, wire_bytes} of gathers a host ran in its own process
+# (the CLI, load()), which that host's worker adds to its metrics at its next scrape
+PROCESS_GATHERS = PREFIX + "host:{host}:process_gathers"

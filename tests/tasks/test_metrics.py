@@ -42,6 +42,31 @@ def worker_metrics_port(cluster) -> int:
     return wait_until(port, 60, what="the worker's metrics port")
 
 
+def families(port) -> list:
+    """Every metric family /metrics serves on this port of 127.0.0.1."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        return list(text_string_to_metric_families(answer.read().decode()))
+
+
+def scrape(port) -> list:
+    """Every sample /metrics serves on this port of 127.0.0.1."""
+    return [s for f in families(port) for s in f.samples]
+
+
+def undocumented(port) -> list[str]:
+    """The smoltorrent metrics served on port that docs/operations.md does not name."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    return [
+        f.name
+        for f in families(port)
+        if f.name.startswith("smoltorrent_") and not re.search(rf"`{f.name}(_total)?`", page)
+    ]
+
+
 @pytest.mark.timeout(300)
 def test_prometheus_scrapes_nodes_and_worker_and_every_dashboard_query_has_data(
     make_cluster, tmp_path
@@ -193,15 +218,6 @@ def test_node_series_carry_the_nodes_address_beside_its_id(make_cluster, tmp_pat
     """Metrics labelled nodes with a 32-hex id only: a person reading a dashboard could not
     tell which machine it was (issue 24). The worker's per-node series and each node's own
     carry `address` (host:port) beside `node`."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape(port: str) -> list:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
-            text = answer.read().decode()
-        return [s for f in text_string_to_metric_families(text) for s in f.samples]
-
     c = make_cluster(2, SMOLTORRENT_METRICS_PORT="0")
     src = tmp_path / "m.safetensors"
     write_checkpoint(src, 200_000, hidden=32)
@@ -222,3 +238,32 @@ def test_node_series_carry_the_nodes_address_beside_its_id(make_cluster, tmp_pat
         ]
         assert info[0].labels.get("address") == str(node.address), info
         assert addresses[info[0].labels["node"]] == str(node.address)
+    # Every metric either side serves is in docs/operations.md (issue 40 item 9: four
+    # were not).
+    node_port = (c.node_procs[0].data_dir / "metrics_port").read_text().strip()
+    assert undocumented(worker_metrics_port(c)) == [] and undocumented(node_port) == []
+
+
+def test_a_gather_run_in_the_cli_process_is_counted_by_the_hosts_worker(
+    make_cluster, tmp_path, tmp_path_factory
+):
+    """A gather into a directory the worker does not write runs in the CLI's own process
+    (as load()'s does); it never reached smoltorrent_gather_seconds (issue 40 item 9). The
+    worker of the host serves it with its own gathers."""
+    # The worker writes gathers under its cluster's root only (not the tests' whole /tmp).
+    allowed = tmp_path / "allowed"
+    c = make_cluster(2, SMOLTORRENT_METRICS_PORT="0", SMOLTORRENT_GATHER_DIRS=str(allowed))
+    src = tmp_path / "m.safetensors"
+    write_checkpoint(src, 200_000, hidden=32)
+    past = time.time() - 60
+    os.utime(src, (past, past))
+    c.cli("store", str(src), "--replicas", "2")
+    port = worker_metrics_port(c)
+    out = tmp_path_factory.mktemp("reader") / "m.safetensors"
+    c.cli("gather", "m.safetensors", "-o", str(out))
+    assert out.read_bytes() == src.read_bytes()
+    assert "Task smoltorrent.gather[" not in c.worker_log()  # run by the CLI, not the worker
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in scrape(port)}
+    assert samples[("smoltorrent_gather_seconds_count", ())] == 1
+    raw = samples[("smoltorrent_raw_bytes_total", (("direction", "gather"),))]
+    assert raw == src.stat().st_size
