@@ -13,7 +13,9 @@ before the block changes how it runs:
   for a block that starts its own cluster on fixed ports;
 - `<!-- shell-test: alone, until "TEXT" -->`: the same, for a command that runs until
   Ctrl-C: once it has printed TEXT it gets SIGINT, as from a terminal, and must exit 0;
-- `<!-- shell-test: skip REASON -->`: not run here, saying why (at most MAX_SKIPS of them).
+- `<!-- shell-test: skip REASON -->`: not run here, saying why (at most MAX_SKIPS of them);
+- `<!-- shell-test: cluster MACHINE... -->`: a step of the README's cluster across machines,
+  run on each MACHINE by tests/test_cross_machine.py, in order with the other steps.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class Block:
         return self.marker[len("skip") :].strip() if self.marker.startswith("skip") else None
 
     @property
+    def cluster(self) -> list[str]:
+        """The machines a cluster step runs on (tests/test_cross_machine.py), else []."""
+        return self.marker.split()[1:] if self.marker.startswith("cluster ") else []
+
+    @property
     def alone(self) -> bool:
         return self.marker.startswith("alone")
 
@@ -127,12 +134,14 @@ def blocks_of(page: Path) -> list[Block]:
 
 
 BLOCKS = [b for page in PAGES for b in blocks_of(page) if b.page not in NOT_HOW_TO]
-RUN = [b for b in BLOCKS if b.skip_reason is None]
+RUN = [b for b in BLOCKS if b.skip_reason is None and not b.cluster]
 
 
 def test_every_marker_is_known_and_skips_are_few_and_say_why() -> None:
     assert RUN, "no shell block found to run"
-    known = [b for b in BLOCKS if b.marker in ("", "alone") or b.until or b.skip_reason]
+    known = [
+        b for b in BLOCKS if b.marker in ("", "alone") or b.until or b.skip_reason or b.cluster
+    ]
     unknown = [b.id for b in BLOCKS if b not in known]
     assert unknown == [], f"shell-test markers this test does not know: {unknown}"
     skips = [b for b in BLOCKS if b.skip_reason is not None]
