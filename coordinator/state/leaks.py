@@ -1,6 +1,6 @@
 """Nothing leaks (invariant 14): once the sweeps have run, every blob on a node is used by
 a version or on its way to collection, and Redis's references equal what the manifests
-imply. The fault runs (coordinator/local/chaos.py) check it at the end of every run.
+imply. The fault runs (coordinator/local/chaos/) check it at the end of every run.
 
 A version holds references to its manifest's blobs from its create until its remove
 begins (pending, committed, aborted); removing and removed ones hold none. A blob on a

@@ -1,4 +1,4 @@
-"""Seeded fault runs in CI (coordinator/local/chaos.py): SIGKILL and SIGSTOP of the nodes,
+"""Seeded fault runs in CI (coordinator/local/chaos/): SIGKILL and SIGSTOP of the nodes,
 the worker, beat and Redis, disk errors and a full disk on a node, clocks off by minutes,
 and links cut in network namespaces, under concurrent stores, gathers, rollbacks and
 removes, each a real `smoltorrent` command; the checker's verdict must be empty. A failing

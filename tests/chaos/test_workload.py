@@ -1,4 +1,4 @@
-"""The chaos clients' operation stream (coordinator/local/chaos.py), without a cluster:
+"""The chaos clients' operation stream (coordinator/local/chaos/), without a cluster:
 the commands are recorded, not run."""
 
 from __future__ import annotations

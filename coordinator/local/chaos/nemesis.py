@@ -1,0 +1,328 @@
+"""The nemesis: each fault of a schedule applied to a LocalCluster's real processes at its
+time, held, and undone (signals, libfiu's fiu-ctrl, libfaketime, a filled tmpfs, links cut
+in network namespaces); `heal` sets everything right after the faults."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coordinator.local import netns
+from coordinator.local.chaos.faults import (
+    COORDINATOR_HOST,
+    EIO_POINTS,
+    FAKETIME_LIB,
+    FLAP_HALF_PERIOD_S,
+    NETNS_TAG,
+    NODE_FS_BYTES,
+    Fault,
+    Schedule,
+)
+from coordinator.local.cluster import LocalCluster, _alive
+
+
+@dataclass
+class Nemesis:
+    """The faults of one run on `cluster` (set once it exists: the LAN comes first)."""
+
+    root: Path
+    nodes: int
+    kinds: tuple[str, ...]
+    seconds: float
+    cluster: LocalCluster | None = None
+    faults_applied: list[dict] = field(default_factory=list)
+    lan: netns.Lan | None = None  # the nodes' namespaces, when a link kind is drawn
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _skewed: bool = False  # the worker runs with a skewed clock
+    _severed: dict[frozenset[str], int] = field(default_factory=dict)  # pair -> faults on it
+    _node_launch: dict[int, tuple[tuple[str, ...], dict[str, str]]] = field(default_factory=dict)
+
+    def run(self, schedule: Schedule) -> None:
+        """Each fault in a thread of its own, applied at its time and undone after its
+        hold: one after another, or several held at once (an overlapping schedule)."""
+        began = time.monotonic()
+
+        def run(fault: Fault) -> None:
+            delay = fault.at_s - (time.monotonic() - began)
+            if delay > 0:
+                time.sleep(delay)
+            record = {**asdict(fault), "applied_at": time.time()}
+            # A fault that could not be applied or undone whole (a worker restarted while
+            # another fault holds Redis down, say) is recorded so; heal() sets it right.
+            try:
+                self._apply(fault)
+                self._hold(fault)
+            except Exception as exc:
+                record["apply_error"] = repr(exc)
+            try:
+                self._undo(fault)
+            except Exception as exc:
+                record["undo_error"] = repr(exc)
+            record["healed_at"] = time.time()
+            with self._lock:
+                self.faults_applied.append(record)
+
+        threads = [threading.Thread(target=run, args=(f,), daemon=True) for f in schedule.faults]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        rest = self.seconds - (time.monotonic() - began)
+        if rest > 0:
+            time.sleep(rest)
+
+    def _pid(self, fault: Fault) -> int | None:
+        c = self.cluster
+        what = fault.kind.split("-")[1]
+        if what == "node":
+            node = c.node_procs[fault.target]
+            return node.pid if node.is_running() else None
+        if what == "redis":
+            return c.redis_pid
+        proc = c.worker if what == "worker" else c.beat
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def _apply(self, fault: Fault) -> None:
+        action, what = fault.kind.split("-")
+        if action in ("cutcoord", "cutpeers"):
+            for pair in self._pairs(fault):
+                self._sever(*pair)
+            return
+        pid = self._pid(fault)
+        if pid is None or action == "flap":
+            return
+        c = self.cluster
+        if action in EIO_POINTS:
+            _fiu_ctrl(pid, f"enable name={EIO_POINTS[action]},failinfo={errno.EIO}")
+        elif action == "skew" and what == "node":
+            self._restart_node_skewed(fault.target, fault.skew_s)
+        elif action == "full":
+            _fill(c.node_procs[fault.target].data_dir / FILLER)
+        elif action == "skew":
+            c.kill_worker()
+            self._skewed = True
+            c.start_worker(env=_skewed(fault.target))
+        elif action == "stop":
+            # A whole group for the worker and beat (a worker's pool children too).
+            if what in ("worker", "beat"):
+                os.killpg(pid, signal.SIGSTOP)
+            else:
+                os.kill(pid, signal.SIGSTOP)
+        elif what == "node":
+            c.node_procs[fault.target].kill()
+        elif what == "redis":
+            c.kill_redis()
+        elif what == "worker":
+            c.kill_worker()
+        else:
+            os.killpg(pid, signal.SIGKILL)
+            c.beat.wait()
+
+    def _hold(self, fault: Fault) -> None:
+        """Wait out the fault's hold; a flapping link goes out and in meanwhile."""
+        if fault.kind != "flap-node":
+            time.sleep(fault.hold_s)
+            return
+        assert self.lan is not None
+        host = _node_host(fault.target)
+        end = time.monotonic() + fault.hold_s
+        while time.monotonic() < end:
+            self.lan.cut(host)
+            time.sleep(FLAP_HALF_PERIOD_S)
+            self.lan.reconnect(host)
+            time.sleep(min(FLAP_HALF_PERIOD_S, max(end - time.monotonic(), 0)))
+
+    def _undo(self, fault: Fault) -> None:
+        action, what = fault.kind.split("-")
+        if action in ("cutcoord", "cutpeers"):
+            for pair in self._pairs(fault):
+                self._mend(*pair)
+            return
+        if action == "flap":
+            assert self.lan is not None
+            self.lan.reconnect(_node_host(fault.target))
+            return
+        if action in EIO_POINTS:
+            if (pid := self._pid(fault)) is not None:
+                _fiu_ctrl(pid, f"disable name={EIO_POINTS[action]}")
+            return
+        if action == "skew" and what == "node":
+            self._restart_node_skewed(fault.target, 0)
+            return
+        if action == "full":
+            (self.cluster.node_procs[fault.target].data_dir / FILLER).unlink(missing_ok=True)
+            return
+        if action == "skew":
+            self.cluster.kill_worker()
+            self._skewed = False
+            self.cluster.start_worker()
+            return
+        if action == "stop":
+            pid = self._pid(fault)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    if what in ("worker", "beat"):
+                        os.killpg(pid, signal.SIGCONT)
+                    else:
+                        os.kill(pid, signal.SIGCONT)
+            return
+        self._restart(what, fault.target)
+
+    def _restart(self, what: str, target: int = 0) -> None:
+        c = self.cluster
+        if what == "node" and not c.node_procs[target].is_running():
+            c.node_procs[target].start()
+        elif what == "redis" and not (c.redis_pid and _alive(c.redis_pid)):
+            c.start_redis()
+        elif what == "worker" and (c.worker is None or c.worker.poll() is not None):
+            c.start_worker()
+        elif what == "beat" and (c.beat is None or c.beat.poll() is not None):
+            c.start_beat()
+
+    # --- links and clocks of the nodes ---------------------------------------------
+
+    def open_lan(self) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], str]:
+        """Each node in a namespace of its own on one switch, this namespace (Redis, the
+        worker, beat, the CLI) on a port of it too; where each node runs, and the cluster
+        key nodes beyond loopback need."""
+        netns.remove_stale(NETNS_TAG)
+        hosts = [COORDINATOR_HOST, *(_node_host(i) for i in range(self.nodes))]
+        with netns.subnet_lock():
+            self.lan = netns.Lan(
+                hosts,
+                prefix=f"{NETNS_TAG}{os.getpid()}",
+                subnet=netns.free_subnet(),
+                local_host=COORDINATOR_HOST,
+            ).open()
+        places = tuple(
+            (self.lan.address(_node_host(i)), tuple(self.lan.exec_prefix(_node_host(i))))
+            for i in range(self.nodes)
+        )
+        return places, secrets.token_hex(32)
+
+    def _pairs(self, fault: Fault) -> list[tuple[str, str]]:
+        """The host pairs a cut fault severs: the node and the coordinator, or the node and
+        each other node."""
+        node = _node_host(fault.target)
+        if fault.kind == "cutcoord-node":
+            return [(node, COORDINATOR_HOST)]
+        return [(node, _node_host(i)) for i in range(self.nodes) if i != fault.target]
+
+    def _sever(self, a: str, b: str) -> None:
+        # Counted: two held faults may cut one pair (node1's and node2's peers), and the
+        # first to heal must not mend it under the other.
+        assert self.lan is not None
+        pair = frozenset((a, b))
+        with self._lock:
+            self._severed[pair] = self._severed.get(pair, 0) + 1
+            if self._severed[pair] == 1:
+                self.lan.sever(a, b)
+
+    def _mend(self, a: str, b: str) -> None:
+        assert self.lan is not None
+        pair = frozenset((a, b))
+        with self._lock:
+            self._severed[pair] = max(self._severed.get(pair, 0) - 1, 0)
+            if self._severed[pair] == 0:
+                self.lan.mend(a, b)
+
+    def _restart_node_skewed(self, index: int, seconds: int) -> None:
+        """Stop node `index` and start it again with its clock `seconds` off (0: true).
+        libfaketime is added to the LD_PRELOAD the launcher set (fiu-run sets its own), by
+        a shell that then execs the node: the pid stays the node's."""
+        node = self.cluster.node_procs[index]
+        base_launcher, base_env = self._node_launch.setdefault(
+            index, (node.launcher, dict(node.env))
+        )
+        node.stop()
+        node.launcher, node.env = base_launcher, dict(base_env)
+        if seconds:
+            preload = f'export LD_PRELOAD="${{LD_PRELOAD:+$LD_PRELOAD }}{FAKETIME_LIB}"; exec "$@"'
+            node.launcher = (*base_launcher, "sh", "-c", preload, "sh")
+            node.env.update({k: v for k, v in _skewed(seconds).items() if k != "LD_PRELOAD"})
+        node.start()
+
+    def mount_node_disks(self) -> list[Path]:
+        """A tmpfs of NODE_FS_BYTES for each node's data directory, so full-node fills a
+        disk of the node's own and nothing else."""
+        mounts = []
+        for i in range(self.nodes):
+            data = self.root / "cluster" / f"node{i}"  # LocalCluster's layout
+            data.mkdir(parents=True, exist_ok=True)
+            size = f"size={NODE_FS_BYTES}"
+            subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(data)], check=True)
+            mounts.append(data)
+        return mounts
+
+    def heal(self) -> None:
+        """Every process running and none stopped."""
+        c = self.cluster
+        for pid in [c.redis_pid, *(n.pid for n in c.node_procs if n.is_running())]:
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(pid, signal.SIGCONT)
+        for proc in (c.worker, c.beat):
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGCONT)
+        self._restart("redis")
+        if self.lan is not None:
+            for pair in [p for p, n in self._severed.items() if n]:
+                self._severed[pair] = 0
+                self.lan.mend(*pair)
+            for i in range(self.nodes):
+                self.lan.reconnect(_node_host(i))
+        for i, node in enumerate(c.node_procs):
+            if i in self._node_launch and node.launcher != self._node_launch[i][0]:
+                self._restart_node_skewed(i, 0)
+            self._restart("node", i)
+            (node.data_dir / FILLER).unlink(missing_ok=True)
+            for kind, point in EIO_POINTS.items():
+                if f"{kind}-node" in self.kinds:
+                    _fiu_ctrl(node.pid, f"disable name={point}")
+        if self._skewed:
+            c.kill_worker()
+        self._restart("worker")
+        self._restart("beat")
+
+
+FILLER = "chaos-filler"  # the file full-node grows in a node's data directory
+
+
+def _node_host(index: int) -> str:
+    """Node `index`'s host name on the LAN (its namespace's suffix)."""
+    return f"n{index}"
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to `path` until its file system has no byte left."""
+    with contextlib.suppress(OSError), open(path, "ab", buffering=0) as filler:
+        while True:
+            filler.write(bytes(1 << 20))
+    with contextlib.suppress(OSError), open(path, "ab", buffering=0) as filler:
+        while True:
+            filler.write(bytes(4096))  # the last partial megabyte
+
+
+def _fiu_ctrl(pid: int, command: str) -> None:
+    """Send libfiu's control command to a node run under fiu-run; a node that died
+    meanwhile (another fault, or none) has no control pipe left, which is fine."""
+    subprocess.run(["fiu-ctrl", "-c", command, str(pid)], capture_output=True, timeout=10)
+
+
+def _skewed(seconds: int) -> dict[str, str]:
+    """The environment that sets a process's wall clock `seconds` off (libfaketime);
+    its monotonic clock stays true, as NTP slewing would leave it."""
+    return {
+        "LD_PRELOAD": FAKETIME_LIB,
+        "FAKETIME": f"{seconds:+d}",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_NO_CACHE": "1",
+    }
