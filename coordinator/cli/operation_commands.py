@@ -37,6 +37,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         config.cluster_key(),
         dead_after=config.dead_after(),
         per_node=config.repairs_per_node(),
+        rate=config.repair_bps(),
         name=args.name,
     )
     if crosscheck is not None:

@@ -14,7 +14,6 @@ from coordinator.state import repairs, trim_marks
 from coordinator.state.metadata import Metadata
 from coordinator.state.nodes import NodeRecord
 from smoltorrent.errors import (
-    DigestMismatchError,
     NodeError,
     NodeUnavailableError,
 )
@@ -23,50 +22,6 @@ log = logging.getLogger(__name__)
 
 # What a node may answer when it cannot take part in a step right now.
 UNREACHABLE = (NodeUnavailableError, NodeError)
-
-
-def copy_blob(
-    md: Metadata,
-    nodes: dict[str, NodeRecord],
-    cluster_key: bytes | None,
-    digest: str,
-    source: str,
-    target: str,
-    timeout: float | None = None,
-) -> str:
-    """Make `target` hold a verified copy of `digest`, pushed by `source` unpaced (verify's
-    copies: the repair task's go by copy_blobs), and only then count it in the placement.
-    What happened, as a word: stored, exists, unused, source-bad, source-missing.
-    NodeUnavailableError or NodeError if a node failed."""
-    if target in md.blobs.placement(digest):
-        return "exists"  # a redelivery of a repair that finished
-    if not md.blobs.blob_refs(digest) or md.blobs.blob_deleting(digest):
-        return "unused"  # removed meanwhile: nothing to repair
-    sender = NodeClient(nodes[source].address, cluster_key=cluster_key, timeout=timeout)
-    try:
-        stored = sender.replicate(digest, nodes[target].address)
-    except DigestMismatchError:
-        # The target hashed other bytes than the digest: the sender's copy is bad, or the
-        # target corrupts what it receives. The sender re-hashes its copy to tell (and
-        # quarantines it if bad); a good one leaves the fault with the target.
-        if digest in sender.verify([digest]):
-            md.blobs.remove_placement(digest, source)
-            log.error("repair of %s: the copy on %s is bad; quarantined there", digest, source)
-            return "source-bad"
-        raise
-    except NodeError as exc:
-        if exc.code != "not_found":
-            raise
-        md.blobs.remove_placement(digest, source)
-        log.error("repair of %s: %s no longer holds it; out of the placement", digest, source)
-        return "source-missing"
-    # The target verified the digest as the bytes arrived (or re-hashed the copy it had).
-    if not repairs.placed(md, digest, target):
-        NodeClient(nodes[target].address, cluster_key=cluster_key).delete(digest)
-        return "unused"
-    repairs.count(md, "repaired")
-    log.info("repaired %s: %s -> %s", digest, source, target)
-    return "stored" if stored else "exists"
 
 
 def copy_blobs(
@@ -78,11 +33,12 @@ def copy_blobs(
     target: str,
     rate: int = 0,
 ) -> dict[str, str]:
-    """copy_blob for several blobs from one source to one target, in one node-to-node
-    session (replicate_batch) at `rate` bytes/s at most: digest -> what happened, in
-    copy_blob's words, or "failed: why" for a copy the target did not take (the caller
-    backs that target off for that blob alone). NodeUnavailableError or NodeError if the
-    source could not be asked at all."""
+    """Make `target` hold a verified copy of each of `digests`, pushed by `source` in one
+    node-to-node session (replicate_batch) at `rate` bytes/s at most, and only then count
+    it in the placement. Digest -> what happened: stored, exists, unused, source-bad,
+    source-missing, or "failed: why" for a copy the target did not take (the caller backs
+    that target off for that blob alone). NodeUnavailableError or NodeError if the source
+    could not be asked at all."""
     out: dict[str, str] = {}
     asked = []
     for digest in digests:

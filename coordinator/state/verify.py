@@ -4,7 +4,8 @@ checkpoint's, instead of waiting for the sweeps; what was found and done.
 Every up node re-hashes the copies the placement says it holds (at full speed: someone
 asked), a bad or missing copy leaves the placement (a bad one is quarantined by its
 node), then the blobs below R are copied node to node right here, one at a time, with the
-repair sweep's rules and its in-flight records (so the two never send the same copy),
+repair sweep's rules, its rate (`rate` bytes/s, the node's repair bucket) and its
+in-flight records (so the two never send the same copy),
 and quarantined copies with a good copy elsewhere are discarded.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import repairs, scrub_reports
-from coordinator.state.healing import UNREACHABLE, copy_blob, settle_quarantined
+from coordinator.state.healing import UNREACHABLE, copy_blobs, settle_quarantined
 from coordinator.state.liveness import DEAD, DOWN, node_health, probe_registered
 from coordinator.state.metadata import Metadata
 from coordinator.state.repair_plan import plan, wanted_blobs
@@ -38,6 +39,7 @@ def verify_now(
     *,
     dead_after: float,
     per_node: int,
+    rate: int = 0,
     name: str | None = None,
 ) -> dict[str, Any]:
     nodes = md.nodes.nodes()
@@ -111,17 +113,25 @@ def verify_now(
             if not repairs.claim(md, r.digest, r.target, r.source, r.size, 3600):
                 continue
             try:
-                how = copy_blob(md, nodes, cluster_key, r.digest, r.source, r.target)
+                copied = copy_blobs(md, nodes, cluster_key, [r.digest], r.source, r.target, rate)
+                how = copied[r.digest]
             except UNREACHABLE as exc:
-                report["failed"].append(
-                    {"digest": r.digest, "source": r.source, "target": r.target, "error": str(exc)}
-                )
-                # Neither node sends or receives again in this run (the sweep retries).
-                for n in (r.source, r.target):
-                    health[n] = dataclasses.replace(health[n], state=DOWN)
-                continue
+                how, failed = "failed", (r.source, r.target)
+                error = str(exc)
+            else:
+                # The target refused or failed its copy: it takes none again in this run.
+                failed = (r.target,) if how.startswith("failed: ") else ()
+                error = how.removeprefix("failed: ")
             finally:
                 repairs.finished(md, r.digest, r.target)
+            if failed:
+                report["failed"].append(
+                    {"digest": r.digest, "source": r.source, "target": r.target, "error": error}
+                )
+                # Not again in this run (the sweep retries).
+                for n in failed:
+                    health[n] = dataclasses.replace(health[n], state=DOWN)
+                continue
             if how in ("stored", "exists"):
                 free[r.target] = free.get(r.target, 0) - r.size
                 report["repaired"].append(

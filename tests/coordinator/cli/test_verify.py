@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from smoltorrent import defaults
 from tests.beat.test_scrub import flip_byte, whole
 from tests.tasks.test_control_plane import make_blobs_ckpt, make_ckpt, sha
 
@@ -82,3 +83,26 @@ def test_verify_of_the_whole_cluster_runs_the_crosscheck_too(make_cluster, tmp_p
     assert sum(r["crosscheck"].get("collected", 0) for r in reports) == 1
     assert orphan not in held(node)
     assert reports[-1]["under_replicated"] == []
+
+
+def test_verifys_copies_keep_to_the_repair_rate(make_cluster, tmp_path):
+    """verify's copies go through the node's repair bucket at SMOLTORRENT_REPAIR_BPS, as the
+    repair sweep's do, so a Pi's port keeps room for gathers (they went unpaced)."""
+    rate = 500_000
+    c = make_cluster(3, SMOLTORRENT_REPAIR_BPS=str(rate))
+    src = make_ckpt(tmp_path / "p.safetensors", size=2_000_000)
+    digests = store(c, src, "p.safetensors")
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    lost = 0
+    for d in set(digests):
+        holder = by_id[min(c.md.blobs.placement(d))]
+        path = holder.data_dir / "blobs" / d[:2] / d
+        lost += path.stat().st_size
+        path.unlink()
+    started = time.monotonic()
+    report = c.cli_json("verify", "p.safetensors")
+    elapsed = time.monotonic() - started
+    assert {r["digest"] for r in report["repaired"]} == set(digests)
+    # A lower bound, whatever the machine's load: every byte paid to a bucket at the rate,
+    # less the burst it lets through after an idle spell.
+    assert elapsed >= lost / rate - defaults.BWLIMIT_BURST_S, (elapsed, lost)
