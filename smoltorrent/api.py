@@ -315,9 +315,10 @@ def load(
     (NotFoundError when there is none or it is bad). A partial load reads the cluster.
 
     With `tensors` (names or globs, e.g. ["model.layers.0.*", "lm_head.weight"]; for a
-    nested state, key paths such as ["model/*", "optim/*"]), only what they match: the
-    tensors' byte ranges alone are read from the shards holding them, in parallel, each
-    checked against the SHA-256 recorded for it at store time (versions stored before
+    nested state, key paths such as ["model/*", "optim/*"]), only what they match: of a
+    chunked version (the default) only the chunks holding them are read, in parallel, each
+    checked against its digests; of one in whole shards only the tensors' byte ranges,
+    each checked against the SHA-256 recorded for it at store time (versions stored before
     those digests existed have their needed shards read whole and checked against the
     shard's digest). A glob matching nothing is an error. bwlimit: bytes/s the gather
     receives at most (0: none; default SMOLTORRENT_BWLIMIT)."""

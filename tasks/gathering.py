@@ -155,6 +155,9 @@ def _gather_tensors(
         "bytes_fetched": report.bytes_fetched,
         # Shards read whole because their manifest (schema 1) has no tensor digests.
         "whole_shards": report.whole_shards,
+        # Of a chunked version: the chunks read (those holding a selected byte) of all.
+        "chunks_read": report.chunks_read,
+        "chunks_total": report.chunks_total,
         "fallbacks": report.fallbacks,
         "bad_copies": [
             {"shard": b.shard, "node": b.address, "reason": b.reason} for b in report.bad_copies

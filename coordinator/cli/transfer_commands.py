@@ -353,19 +353,31 @@ def _report_gather(request, report: dict, as_json: bool) -> int:
         f"({wire} in {report['seconds']:.2f} s, {human_bytes(rate)}/s)"
     )
     if request.tensors:
-        console.print(
-            f"{len(report['tensors'])} tensors, {human_bytes(report['bytes_fetched'])} read"
-            " from the nodes"
-            + (
-                f" (shards {report['whole_shards']} read whole: their manifest predates"
-                " per-tensor digests)"
-                if report["whole_shards"]
-                else ""
-            )
-        )
+        console.print(_partial_words(report))
     for line in report["fallbacks"]:
         warn(f"fell back to another replica: {line}")
     return 0
+
+
+def _partial_words(report: dict) -> str:
+    """What a partial gather read and how it was checked, as it happened: the chunks
+    holding the tensors (a chunked version), or the tensors' ranges of the shards (whole
+    shards where their manifest has no per-tensor digests)."""
+    head = (
+        f"{len(report['tensors'])} tensors ({human_bytes(report.get('tensor_bytes', 0))}),"
+        f" {human_bytes(report['bytes_fetched'])} read from the nodes"
+    )
+    if report.get("chunks_total"):
+        return (
+            f"{head}: {len(report['chunks_read'])} of {report['chunks_total']} chunks, each"
+            " checked against its digests"
+        )
+    if report["whole_shards"]:
+        return (
+            f"{head}: shards {report['whole_shards']} read whole and checked against their"
+            " digests (their manifest predates per-tensor digests)"
+        )
+    return f"{head}: only their byte ranges, each tensor checked against its digest"
 
 
 def cmd_wait(args: argparse.Namespace) -> int:

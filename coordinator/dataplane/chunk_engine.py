@@ -570,11 +570,15 @@ def _read_chunk(
 
 
 def decode_chunk_from(
-    client: NodeClient, chunk: ChunkEntry, write: Callable[[memoryview], object]
+    client: NodeClient,
+    chunk: ChunkEntry,
+    write: Callable[[memoryview], object],
+    received: Callable[[int], object] | None = None,
 ) -> None:
     """Read one replica's copy of a chunk and pass its raw bytes to write(), in order, a
     piece at a time as they decode; both digests checked at the end, so a caller keeps
-    nothing of a copy that raises DigestMismatchError (bad bytes, or not decoding)."""
+    nothing of a copy that raises DigestMismatchError (bad bytes, or not decoding).
+    received(n): n bytes of the copy (encoded, as stored) came from the node."""
     check_raw_chunk(chunk)
     raw_size = chunk.data_end - chunk.data_start
     encoded, raw = hashlib.sha256(), hashlib.sha256()
@@ -590,14 +594,19 @@ def decode_chunk_from(
         written += len(piece)
 
     if prefix == b"":  # a bare RAW chunk: its bytes are the raw bytes, its digest the raw one
-        encoded, arrive, finish = raw, out, None
+        encoded, take, finish = raw, out, None
     else:  # encoded, or RAW behind its header: the decoder reads the header
         decoder = codec.ChunkDecoder(chunk.blob_size, out, raw_length=raw_size)
         finish = decoder.finish
 
-        def arrive(piece: memoryview) -> None:
+        def take(piece: memoryview) -> None:
             encoded.update(piece)
             decoder.feed(piece)
+
+    def arrive(piece: memoryview) -> None:
+        if received is not None:
+            received(len(piece))
+        take(piece)
 
     where = f"chunk {chunk.index} ({chunk.blob_sha256[:12]}) from node {client.address}"
     try:

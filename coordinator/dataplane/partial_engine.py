@@ -10,9 +10,11 @@ wrong length or a node error moves to the next replica. As in a full gather, the
 file is fsynced and renamed onto the destination only when every tensor is
 verified; on failure nothing is left behind.
 
-A chunked version (schema 3) keeps no per-tensor digests and its chunks are encoded: each
-chunk holding a selected byte is read and decoded whole, checked against both of its
-digests, and only the selected ranges of its raw bytes are written; no other chunk is read.
+A chunked version (schema 3, the default) is cut at tensor boundaries, so its chunks are
+the unit a partial load reads: each chunk holding a selected byte is read and decoded
+whole, checked against both of its digests (the encoded copy's and the raw bytes'), and
+only the selected ranges of its raw bytes are written; no other chunk is read. The report
+names the chunks read, and counts their bytes as they came from the nodes.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ class PartialReport:
     path: str
     size: int
     tensors: list[str]
-    # tensor bytes that came over the wire, failed attempts included (of a chunked
-    # version: the raw bytes of every chunk read)
+    # bytes that came from the nodes, failed attempts included (of a chunked version: every
+    # chunk read, as stored, encoded)
     bytes_fetched: int = 0
     whole_shards: list[int] = field(default_factory=list)  # read whole: no tensor digests
+    chunks_read: list[int] = field(default_factory=list)  # of a chunked version
+    chunks_total: int = 0  # of a chunked version: how many it has
     fallbacks: list[str] = field(default_factory=list)
     bad_copies: list[BadCopy] = field(default_factory=list)
 
@@ -112,6 +116,8 @@ def gather_tensors(
         size=selection.size,
         tensors=selection.names,
         whole_shards=sorted(selection.whole_shards),
+        chunks_read=[read.shard for read in selection.reads] if manifest.chunked else [],
+        chunks_total=len(manifest.chunks) if manifest.chunked else 0,
     )
     lock = threading.Lock()
     unanswered = Unanswered()  # a node that did not answer one read is tried last after
@@ -129,6 +135,10 @@ def gather_tensors(
     with kept, staged_output(out_path, selection.size, f"tensors of {manifest.name}") as fd:
         os.pwrite(fd, selection.prefix, 0)
 
+        def received(n: int) -> None:
+            with lock:
+                report.bytes_fetched += n
+
         def one_read(read: Read) -> str | None:
             shard = manifest.entries[read.shard]
             whole = read.shard in selection.whole_shards
@@ -136,12 +146,12 @@ def gather_tensors(
 
             def fetch(client: NodeClient) -> None:
                 if manifest.chunked:  # decoded whole, its selected ranges written out
-                    sink = _Sink(fd, read.pieces, 0, False)
-                    try:
-                        decode_chunk_from(client, manifest.chunks[read.shard], sink)
-                    finally:
-                        with lock:
-                            report.bytes_fetched += sink.position
+                    decode_chunk_from(
+                        client,
+                        manifest.chunks[read.shard],
+                        _Sink(fd, read.pieces, 0, False),
+                        received,
+                    )
                     return
                 sink = _Sink(fd, read.pieces, start, whole)
                 try:

@@ -1,5 +1,5 @@
-"""A selection of tensors: which byte ranges of which shards (or which whole chunks) a
-partial load reads, and the standalone .safetensors file they make.
+"""A selection of tensors: which byte ranges of which shards (or which chunks) a partial
+load reads, and the standalone .safetensors file they make.
 
 Pure, like the rest of plan/: it works from the manifest alone. The selected tensors
 keep the source's data order and are packed one after another in the output (the
@@ -59,8 +59,9 @@ class Read:
 class Selection:
     prefix: bytes  # the output's 8-byte length and header
     size: int  # of the whole output file
-    reads: tuple[Read, ...]  # ranged reads, or whole shards when a shard lacks digests
-    # shards fetched whole: their manifest has no tensor digests; every chunk read
+    reads: tuple[Read, ...]  # ranged reads of shards, or the chunks holding a selected byte
+    # shards fetched whole: their manifest (schema 1) has no tensor digests. Never a chunk:
+    # a chunk is read whole by design and checked against its own digests.
     whole_shards: frozenset[int]
 
     @property
@@ -113,7 +114,7 @@ def select(manifest: Manifest, patterns: Sequence[str]) -> Selection:
             prefix=prefix,
             size=len(prefix) + sum(t.size for t in picked),
             reads=reads,
-            whole_shards=frozenset(read.shard for read in reads),
+            whole_shards=frozenset(),
         )
     reads: list[Read] = []
     whole: set[int] = set()

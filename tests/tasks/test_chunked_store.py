@@ -122,8 +122,13 @@ def test_a_fine_tune_moves_only_its_changed_chunks_and_versions_share_the_rest(
     dest = tmp_path / "part.safetensors"
     part = c.cli_json("gather", "run", "--tensors", tensor, "-o", str(dest))
     assert sum(node_bytes(c, SENT_METRIC)) - sent == holding.blob_size
-    assert part["bytes_fetched"] == end - start
+    # and says so: that chunk of all, its encoded bytes as they came, nothing "read whole".
+    assert part["chunks_read"] == [holding.index] and part["chunks_total"] == len(v2.chunks)
+    assert part["whole_shards"] == [] and part["bytes_fetched"] == holding.blob_size
     assert torch.equal(load_file(dest)[tensor], model(changed=1)[tensor])
+    line = c.cli("gather", "run", "--tensors", "layers.1*", "-o", str(tmp_path / "l1")).stdout
+    assert "read whole" not in line and f" of {len(v2.chunks)} chunks" in line, line
+    assert "each checked against its digests" in line, line
 
     # Removing the first keeps the second whole: the chunks they share stay.
     c.cli("rm", "run", "--version", v1.version_id[:12])
