@@ -294,36 +294,46 @@ def test_a_trim_in_flight_never_leaves_a_new_store_of_the_blob_short(make_cluste
     src = make_ckpt(tmp_path / "shared.safetensors")
     blob, ids = stored_with_a_surplus_copy(c, src)
     proxies = [start_proxy(str(n.address), tmp_path / "proxies") for n in c.node_procs]
+    store = None
+    # One outer finally: a failure while the proxies are held still stops them (and the
+    # store), instead of leaving their processes behind the test.
     try:
-        c.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies))
-        run_sweep(c, "health")  # fresh liveness through the proxies
-        for p in proxies:
-            os.kill(p.process.pid, signal.SIGSTOP)
-        assert run_sweep(c, "repair")["trims"] == 1
-        wait_until(lambda: f"smoltorrent.trim[trim-{blob}]" in c.worker_log(), 60, what="trim")
-        wait_until(lambda: any(connected_to(p.port) for p in proxies), 60, what="trim held")
-        c.cli("nodes", "add", *(str(n.address) for n in c.node_procs))
-        store = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "new"]
-            + ["--replicas", "3", "--shards", "1"],
-            env=c.env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        vkey = wait_until(lambda: next(iter(c.md.versions.versions("new")), None), 60, what="new")
-        wait_until(lambda: c.md.transfers.barrier_complete(vkey), 60, what="the new store settled")
-        assert [s.blob_sha256 for s in c.md.versions.manifest(vkey).entries] == [blob]
-    finally:
-        for p in proxies:
-            os.kill(p.process.pid, signal.SIGCONT)
-    try:
+        try:
+            c.cli("nodes", "add", *(f"127.0.0.1:{p.port}" for p in proxies))
+            run_sweep(c, "health")  # fresh liveness through the proxies
+            for p in proxies:
+                os.kill(p.process.pid, signal.SIGSTOP)
+            assert run_sweep(c, "repair")["trims"] == 1
+            wait_until(lambda: f"smoltorrent.trim[trim-{blob}]" in c.worker_log(), 60, what="trim")
+            wait_until(lambda: any(connected_to(p.port) for p in proxies), 60, what="trim held")
+            c.cli("nodes", "add", *(str(n.address) for n in c.node_procs))
+            store = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "new"]
+                + ["--replicas", "3", "--shards", "1"],
+                env=c.env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            vkey = wait_until(
+                lambda: next(iter(c.md.versions.versions("new")), None), 60, what="new"
+            )
+            wait_until(
+                lambda: c.md.transfers.barrier_complete(vkey), 60, what="the new store settled"
+            )
+            assert [s.blob_sha256 for s in c.md.versions.manifest(vkey).entries] == [blob]
+        finally:
+            for p in proxies:
+                os.kill(p.process.pid, signal.SIGCONT)
         assert store.wait(timeout=300) == 0, store.stdout.read()
         wait_until(lambda: c.md.r.hlen("smoltorrent:repairs") == 0, 120, what="the trim done")
         assert c.md.versions.state(vkey) == COMMITTED
         assert len(c.md.blobs.placement(blob)) == 3
         assert copies_on_disk(c.node_procs)[blob] == 3
     finally:
+        if store is not None and store.poll() is None:
+            store.kill()
+            store.wait()
         for p in proxies:
             p.stop()
 
