@@ -46,21 +46,27 @@ class Report:
     violations: list[str]
     seconds: float
 
+    def effective_faults(self) -> list[dict]:
+        """The faults that took effect: only these count (a kill of a process that was
+        already down, a fiu-ctrl that failed, do not)."""
+        return [f for f in self.faults_applied if f.get("took_effect")]
+
     def figures(self) -> dict:
         """Operations by kind and outcome, faults by kind, violations: plain data."""
         ops: dict[str, dict[str, int]] = {}
         for op in self.ops:
-            outcome = "ok" if op.exit == 0 else "failed" if op.exit is not None else "timed out"
+            outcome = {0: "ok", 3: "unknown", None: "timed out"}.get(op.exit, "failed")
             counts = ops.setdefault(op.kind, {})
             counts[outcome] = counts.get(outcome, 0) + 1
         faults: dict[str, int] = {}
-        for f in self.faults_applied:
+        for f in self.effective_faults():
             faults[f["kind"]] = faults.get(f["kind"], 0) + 1
         return {
             "seed": self.seed,
             "seconds": round(self.seconds, 1),
             "operations": ops,
             "faults": faults,
+            "faults_without_effect": len(self.faults_applied) - len(self.effective_faults()),
             "violations": self.violations,
         }
 
@@ -73,6 +79,7 @@ class Report:
         faults = ", ".join(f"{n} {kind}" for kind, n in f["faults"].items())
         return (
             f"seed {self.seed}: {len(self.ops)} operations ({ops}); "
-            f"{len(self.faults_applied)} faults ({faults}); "
+            f"{len(self.effective_faults())} faults ({faults}; "
+            f"{f['faults_without_effect']} more without effect); "
             f"{len(self.violations)} violations; {self.seconds:.0f} s"
         )

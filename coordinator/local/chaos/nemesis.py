@@ -54,11 +54,13 @@ class Nemesis:
             delay = fault.at_s - (time.monotonic() - began)
             if delay > 0:
                 time.sleep(delay)
-            record = {**asdict(fault), "applied_at": time.time()}
+            record = {**asdict(fault), "applied_at": time.time(), "took_effect": False}
             # A fault that could not be applied or undone whole (a worker restarted while
             # another fault holds Redis down, say) is recorded so; heal() sets it right.
+            # One that did not take effect (its process was down, fiu-ctrl failed) is
+            # recorded, but counts for nothing: not in the figures, and it explains no hang.
             try:
-                self._apply(fault)
+                record["took_effect"] = self._apply(fault)
                 self._hold(fault)
             except Exception as exc:
                 record["apply_error"] = repr(exc)
@@ -90,22 +92,26 @@ class Nemesis:
         proc = c.worker if what == "worker" else c.beat
         return proc.pid if proc is not None and proc.poll() is None else None
 
-    def _apply(self, fault: Fault) -> None:
+    def _apply(self, fault: Fault) -> bool:
+        """Apply `fault`; whether it took effect: its process was there (a flapping link's
+        node too), fiu-ctrl answered, the disk filled, the signal was delivered."""
         action, what = fault.kind.split("-")
         if action in ("cutcoord", "cutpeers"):
             for pair in self._pairs(fault):
                 self._sever(*pair)
-            return
+            return True
         pid = self._pid(fault)
-        if pid is None or action == "flap":
-            return
+        if pid is None or (what == "redis" and not _alive(pid)):
+            return False
+        if action == "flap":
+            return True  # _hold flaps it
         c = self.cluster
         if action in EIO_POINTS:
-            _fiu_ctrl(pid, f"enable name={EIO_POINTS[action]},failinfo={errno.EIO}")
-        elif action == "skew" and what == "node":
+            return _fiu_ctrl(pid, f"enable name={EIO_POINTS[action]},failinfo={errno.EIO}")
+        if action == "skew" and what == "node":
             self._restart_node_skewed(fault.target, fault.skew_s)
         elif action == "full":
-            _fill(c.node_procs[fault.target].data_dir / FILLER)
+            return _fill(c.node_procs[fault.target].data_dir / FILLER)
         elif action == "skew":
             c.kill_worker()
             self._skewed = True
@@ -125,6 +131,7 @@ class Nemesis:
         else:
             os.killpg(pid, signal.SIGKILL)
             c.beat.wait()
+        return True
 
     def _hold(self, fault: Fault) -> None:
         """Wait out the fault's hold; a flapping link goes out and in meanwhile."""
@@ -301,20 +308,28 @@ def _node_host(index: int) -> str:
     return f"n{index}"
 
 
-def _fill(path: Path) -> None:
-    """Write zeros to `path` until its file system has no byte left."""
+def _fill(path: Path) -> bool:
+    """Write zeros to `path` until its file system has no byte left; whether it ended full
+    (its last write refused for want of space)."""
     with contextlib.suppress(OSError), open(path, "ab", buffering=0) as filler:
         while True:
             filler.write(bytes(1 << 20))
     with contextlib.suppress(OSError), open(path, "ab", buffering=0) as filler:
         while True:
             filler.write(bytes(4096))  # the last partial megabyte
+    try:
+        with open(path, "ab", buffering=0) as filler:
+            filler.write(b"\0")
+    except OSError as exc:
+        return exc.errno == errno.ENOSPC
+    return False
 
 
-def _fiu_ctrl(pid: int, command: str) -> None:
-    """Send libfiu's control command to a node run under fiu-run; a node that died
-    meanwhile (another fault, or none) has no control pipe left, which is fine."""
-    subprocess.run(["fiu-ctrl", "-c", command, str(pid)], capture_output=True, timeout=10)
+def _fiu_ctrl(pid: int, command: str) -> bool:
+    """Send libfiu's control command to a node run under fiu-run; whether it was taken (a
+    node that died meanwhile, by another fault or none, has no control pipe left)."""
+    done = subprocess.run(["fiu-ctrl", "-c", command, str(pid)], capture_output=True, timeout=10)
+    return done.returncode == 0
 
 
 def _skewed(seconds: int) -> dict[str, str]:
