@@ -36,7 +36,7 @@ from coordinator.local.chaos.faults import (
 )
 from coordinator.local.chaos.history import Final, Op, Report
 from coordinator.local.chaos.run import ChaosRun
-from coordinator.local.chaos.workload import GATHER_AT_LEAST_EVERY, NAMES, write_contents
+from coordinator.local.chaos.workload import GATHER_AT_LEAST_EVERY, NAMES, Contents
 
 __all__ = [
     "EIO_POINTS",
@@ -47,6 +47,7 @@ __all__ = [
     "NAMES",
     "SKEW_S",
     "ChaosRun",
+    "Contents",
     "Fault",
     "Final",
     "Op",
@@ -56,5 +57,4 @@ __all__ = [
     "check",
     "draw_schedule",
     "faketime_lib",
-    "write_contents",
 ]

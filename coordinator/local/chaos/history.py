@@ -13,7 +13,7 @@ class Op:
     """One operation as a client saw it: what it asked, when, and what it was told."""
 
     client: int
-    kind: str  # store | store-no-wait | gather | remove
+    kind: str  # store | store-no-wait | rollback | gather | remove
     name: str
     content: str | None  # the content's SHA-256 (stores), or what a gather returned
     path: str  # the file stored (unique per store), or the gather's output

@@ -27,8 +27,8 @@ from coordinator.local.chaos.nemesis import Nemesis
 from coordinator.local.chaos.workload import (
     GATHER_AT_LEAST_EVERY,
     NAMES,
+    Contents,
     sha256_file,
-    write_contents,
 )
 from coordinator.local.cluster import LocalCluster
 from coordinator.state import redis_keys as K
@@ -80,6 +80,8 @@ class ChaosRun:
     cluster: LocalCluster | None = None
     ops: list[Op] = field(default_factory=list)
     nemesis: Nemesis | None = None
+    contents: Contents | None = None
+    digest_of: dict[str, str] = field(default_factory=dict)  # source path -> its SHA-256
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def run(self) -> Report:
@@ -88,10 +90,7 @@ class ChaosRun:
         self.say(schedule.describe())
         self.nemesis = Nemesis(self.root, self.nodes, self.kinds, self.seconds)
         self.root.mkdir(parents=True, exist_ok=True)
-        contents = write_contents(self.root / "contents", 4, self.content_bytes)
-        self.digests = {str(p): sha256_file(p) for p in contents}
-        self.contents = contents
-        self.by_inode = {p.stat().st_ino: self.digests[str(p)] for p in contents}
+        self.contents = Contents(self.root / "contents", self.content_bytes)
         fiu = any(k.split("-")[0] in EIO_POINTS for k in self.kinds)
         places, key = self.nemesis.open_lan() if set(LINK_KINDS) & set(self.kinds) else ((), None)
         self.cluster = LocalCluster(
@@ -127,11 +126,7 @@ class ChaosRun:
                 w.join(CLI_TIMEOUT_S + 10)
             self.nemesis.heal()
             final = self.settle()
-            content_names: dict[str, set[str]] = {}
-            for op in self.ops:
-                if op.kind.startswith("store") and op.content:
-                    content_names.setdefault(op.name, set()).add(op.content)
-            violations = check(self.ops, final, content_names) + self.leaks()
+            violations = check(self.ops, final, self.nemesis.faults_applied) + self.leaks()
         finally:
             with contextlib.suppress(Exception):
                 self.nemesis.heal()
@@ -188,7 +183,7 @@ class ChaosRun:
         rng = random.Random(f"client:{self.seed}:{index}")
         n = 0
         since_gather = 0
-        stored: dict[str, list[Path]] = {}
+        stored: dict[str, list[Path]] = {}  # name -> the sources this client stored under it
         while not stop.is_set():
             n += 1
             since_gather += 1
@@ -201,36 +196,45 @@ class ChaosRun:
                 since_gather = 0
                 self._gather(index, n, name if stored.get(name) else min(stored))
             elif roll < 0.45 or not stored.get(name):
-                content = rng.choice(self.contents)
                 kind = "store-no-wait" if rng.random() < 0.2 else "store"
-                stored.setdefault(name, []).append(content)
-                self._store(index, n, name, content, kind)
+                stored.setdefault(name, []).append(self._store(index, n, name, kind))
             elif roll < 0.6:
-                # A rollback: the name's earlier content again (A, B, A).
+                # A rollback: the name's earlier content again (A, B, A), a request of its
+                # own that writes the bytes of the store it rolls back to.
                 history = stored[name]
-                content = history[-2] if len(history) >= 2 else history[-1]
-                stored[name].append(content)
-                self._store(index, n, name, content, "store")
+                earlier = history[-2] if len(history) >= 2 else history[-1]
+                history.append(self._store(index, n, name, "rollback", earlier))
             elif roll < 0.85:
                 since_gather = 0
                 self._gather(index, n, name)
             else:
                 # A throwaway name stored then removed: its blobs are shared with the
                 # others' versions, so a remove that deletes too much shows up there.
+                # Then it is gathered: once `rm` exited 0 nothing may be served under it.
                 scratch = f"scratch/{index}-{n}.safetensors"
-                self._store(index, n, scratch, rng.choice(self.contents), "store")
+                self._store(index, n, scratch, "store")
                 self._record(index, "remove", scratch, None, "", ("rm", scratch, "--yes", "--json"))
+                self._gather(index, n, scratch)
 
-    def _store(self, client: int, n: int, name: str, content: Path, kind: str) -> None:
-        # A path of its own (a hard link: same bytes, same file), so the request it made is
-        # found by its path.
+    def _store(
+        self, client: int, n: int, name: str, kind: str, rollback_to: Path | None = None
+    ) -> Path:
+        """Store (or roll back to) content of its own at a path of its own, so the request
+        it made is found by its path; a rollback's source is a hard link to the earlier
+        store's (same bytes). The source's path."""
         path = self.root / "sources" / f"c{client}-{n}-{len(self.ops)}.safetensors"
         path.parent.mkdir(exist_ok=True)
-        os.link(content, path)
+        if rollback_to is None:
+            digest = self.contents.write(path, f"{self.seed}:{client}:{n}:{name}")
+        else:
+            os.link(rollback_to, path)
+            digest = self.digest_of[str(rollback_to)]
+        self.digest_of[str(path)] = digest
         argv = ("store", str(path), "--name", name, "--json")
         if kind == "store-no-wait":
             argv += ("--no-wait",)
-        self._record(client, kind, name, self.digests[str(content)], str(path), argv)
+        self._record(client, kind, name, digest, str(path), argv)
+        return path
 
     def _gather(self, client: int, n: int, name: str) -> None:
         out = self.root / "gathered" / f"c{client}-{n}.safetensors"
@@ -315,10 +319,8 @@ class ChaosRun:
         return []
 
     def _content_of_source(self, path: str) -> str | None:
-        """The content a store's source holds: each is a hard link to one of them."""
-        with contextlib.suppress(OSError):
-            return self.by_inode.get(os.stat(path).st_ino)
-        return None
+        """The content a store's source holds (each written by _store, so known)."""
+        return self.digest_of.get(path)
 
     def _final_gather(self, name: str, version_id: str | None = None) -> str | None:
         out = self.root / "final" / hashlib.sha256(f"{name}{version_id}".encode()).hexdigest()
