@@ -1,0 +1,57 @@
+"""What the DCP tests run in their own processes (one, or ranks under torchrun): a model
+and AdamW after one step, its DCP state, and a state as comparable bits."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def trained(net: torch.nn.Module, seed: int) -> torch.optim.Optimizer:
+    """One AdamW step on `net` (fully_shard'ed or not), from inputs of `seed`."""
+    optim = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    torch.manual_seed(seed)
+    net(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    return optim
+
+
+def state(net: torch.nn.Module, optim: torch.optim.Optimizer, step: int = 7) -> dict[str, Any]:
+    msd, osd = get_state_dict(net, optim)
+    return {"model": msd, "optim": osd, "extra": {"step": step, "name": "run"}}
+
+
+def load_plain(reader: Any) -> dict[str, Any]:
+    """A fresh plain model and AdamW (no process group), loaded through `reader`."""
+    import torch.distributed.checkpoint as dcp
+
+    net = model(1)  # other weights, so a load that did nothing shows
+    optim = trained(net, 1)
+    into = state(net, optim, step=0)
+    dcp.load(into, storage_reader=reader)
+    set_state_dict(net, optim, model_state_dict=into["model"], optim_state_dict=into["optim"])
+    out = state(net, optim)
+    out["extra"] = into["extra"]
+    return out
+
+
+def bits(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{key path: (dtype, shape, bytes)} for each tensor, repr() for anything else."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in bits(sub, f"{prefix}{key}/").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in bits(sub, f"{prefix}{i}/").items()}
+    if isinstance(tree, torch.Tensor):
+        raw = tree.detach().contiguous().view(-1).view(torch.uint8).tolist()
+        return {prefix: [str(tree.dtype), list(tree.shape), raw]}
+    return {prefix: repr(tree)}
