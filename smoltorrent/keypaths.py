@@ -16,6 +16,11 @@ escaped as %25 and %2F, and a str key that reads as an int ("0", "-1") has its f
 character escaped too, so the optimizer's int key 0 ("0") and a str key "0" ("%30")
 stay apart. List and tuple items are keyed by their index.
 
+torch and numpy mix: a numpy array in a torch state (numpy's RNG state,
+np.random.get_state(), beside torch's) is written as the other tensors are, from its
+own memory, and its leaf says {"as": "numpy"}: it loads back as a numpy array of the
+same dtype and bits (framework="torch"; with framework="numpy" every leaf is numpy).
+
 A flat state dict (str keys, tensor values, none tied) keeps the layout it always had:
 each key is its tensor's name, no structure is written, and it loads as a dict. Tensors
 that are one tensor under several paths (tied weights) are stored once, and every path
@@ -40,6 +45,8 @@ SEPARATOR = "/"
 
 Key = int | str
 Path = tuple[Key, ...]
+
+AS = "as"  # a tensor leaf's key naming the framework it loads back as, when not the state's
 
 _INT_LIKE = re.compile(r"-?[0-9]+")
 _ESCAPED = re.compile(r"%([0-9A-F]{2})")
@@ -89,6 +96,7 @@ def flatten(state: Mapping[str, Any]) -> Flat:
     tensors: dict[str, Any] = {}
     names_by_identity: dict[tuple, str] = {}
     kinds: set[str] = set()
+    leaves: dict[str, dict[str, Any]] = {}  # a tensor's name -> its leaf(s) in the tree
     tied = False
 
     def node(value: Any, path: Path) -> Any:
@@ -99,12 +107,13 @@ def flatten(state: Mapping[str, Any]) -> Flat:
             identity = _identity(value, kind)
             if identity is not None and identity in names_by_identity:
                 tied = True
-                return {"tensor": names_by_identity[identity]}
+                return leaves[names_by_identity[identity]]
             name = encode(path)
             tensors[name] = value
             if identity is not None:
                 names_by_identity[identity] = name
-            return {"tensor": name}
+            leaves[name] = {"tensor": name}
+            return leaves[name]
         if value is None or isinstance(value, _PLAIN):
             return _plain(value)
         if isinstance(value, Mapping):
@@ -127,17 +136,51 @@ def flatten(state: Mapping[str, Any]) -> Flat:
         )
 
     tree = node(state, ())
-    if len(kinds) > 1:
+    mixed = kinds == {"torch", "numpy"}
+    if len(kinds) > 1 and not mixed:
         raise StateDictError(
             f"the state mixes {' and '.join(sorted(kinds))} tensors; convert them to one "
-            "framework before saving"
+            "framework before saving (torch and numpy mix: numpy's RNG state in a torch "
+            "state is saved as it is)"
         )
-    framework = kinds.pop() if kinds else "numpy"
-    flat = not tied and all(isinstance(k, str) and kind_of(v) is not None for k, v in state.items())
+    framework = "torch" if mixed else kinds.pop() if kinds else "numpy"
+    if mixed:
+        for name, value in tensors.items():
+            if kind_of(value) == "numpy":
+                tensors[name] = _as_torch(value, name)
+                leaves[name][AS] = "numpy"
+    flat = (
+        not tied
+        and not mixed
+        and all(isinstance(k, str) and kind_of(v) is not None for k, v in state.items())
+    )
     if flat:
         return Flat(dict(state.items()), None, framework)
     structure = json.dumps({"format": FORMAT, "tree": tree}, separators=(",", ":"))
     return Flat(tensors, structure, framework)
+
+
+def _as_torch(array: Any, name: str) -> Any:
+    """A numpy array of a torch state as a torch tensor on its memory (no copy), written
+    like the state's other tensors; its leaf says it loads back as numpy."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only array: the save only reads it
+            return torch.from_numpy(array)
+    except (TypeError, ValueError):
+        pass
+    try:
+        return torch.from_numpy(np.ascontiguousarray(array))  # negative strides
+    except (TypeError, ValueError) as exc:
+        raise StateDictError(
+            f"the numpy array at {name!r} ({array.dtype}) cannot be saved beside torch "
+            f"tensors: {exc}; convert it to a torch tensor or save it apart"
+        ) from None
 
 
 def _plain(value: Any) -> Any:
@@ -226,8 +269,10 @@ def unflatten(tree: Any, tensors: Mapping[str, Any], chosen: set[str] | None = N
 
     def build(node: Any, path: Path, whole: bool) -> tuple[bool, Any]:
         if isinstance(node, dict) and "tensor" in node:
-            name = node["tensor"]
-            return (whole or encode(path) in chosen, tensors.get(name))
+            value = tensors.get(node["tensor"])
+            if node.get(AS) == "numpy" and kind_of(value) == "torch":
+                value = value.detach().cpu().numpy()  # saved as numpy: numpy again
+            return (whole or encode(path) in chosen, value)
         children = _children(node)
         if children is None:
             return (whole or encode(path) in chosen, node)

@@ -174,7 +174,7 @@ def test_bad_input_is_refused_before_anything_is_stored(make_cluster):
         c,
         """
         import json
-        import numpy as np
+        import mlx.core as mx
         import torch
         import smoltorrent
         from smoltorrent.errors import SmoltorrentError, StateDictError
@@ -182,7 +182,7 @@ def test_bad_input_is_refused_before_anything_is_stored(make_cluster):
         errors = {}
         for label, call in {
             "not_tensor": lambda: smoltorrent.save({"lr": {1, 2}}, "bad"),
-            "mixed": lambda: smoltorrent.save({"a": torch.ones(1), "b": np.ones(1)}, "bad"),
+            "mixed": lambda: smoltorrent.save({"a": torch.ones(1), "b": mx.ones(1)}, "bad"),
             "metadata": lambda: smoltorrent.save({"a": torch.ones(1)}, "bad", metadata={"k": 1}),
             "framework": lambda: smoltorrent.load("bad", framework="jax"),
             "missing": lambda: smoltorrent.load("never/stored"),

@@ -9,6 +9,7 @@ import random
 from collections import OrderedDict
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import safetensors.torch
@@ -131,7 +132,7 @@ def test_numpy_and_mlx_states(tmp_path):
     [
         ({"a": {"b": {1, 2}}}, "'a/b'"),
         ({"a": {(1, 2): 3}}, "(1, 2)"),
-        ({"a": torch.ones(1), "b": np.ones(1)}, "mixes"),
+        ({"a": torch.ones(1), "b": mx.ones(1)}, "mixes mlx and torch"),
         ([torch.ones(1)], "mapping"),
     ],
 )

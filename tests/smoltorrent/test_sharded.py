@@ -247,3 +247,52 @@ def test_rebuild_after_losing_redis_restores_complete_steps_only(make_cluster):
     assert latest == {"value": 7}
     assert same == {"value": True}
     assert partial["error"] == "StepNotFoundError"
+
+
+MIXED = """
+import json, os, random
+import numpy as np, torch, smoltorrent
+from smoltorrent.errors import StateDictError
+
+np.random.seed(7)
+torch.manual_seed(7)
+random.seed(7)
+np.random.random(3)  # a state part way through its stream
+state = {"model": {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)},
+         "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                 "python": random.getstate()},
+         "extra": np.arange(4, dtype=np.int16)[::-1], "step": 3}
+draws = (np.random.random(4).tolist(), torch.rand(3).tolist(), random.random())
+
+def draws_after(back):
+    np.random.set_state(back["rng"]["numpy"])
+    torch.set_rng_state(back["rng"]["torch"])
+    random.setstate(back["rng"]["python"])
+    return (np.random.random(4).tolist(), torch.rand(3).tolist(), random.random())
+
+def same(back):
+    return {"draws": draws_after(back) == draws,
+            "numpy": isinstance(back["rng"]["numpy"][1], np.ndarray)
+                     and back["rng"]["numpy"][1].dtype == np.uint32
+                     and isinstance(back["extra"], np.ndarray)
+                     and back["extra"].tolist() == [3, 2, 1, 0],
+            "w": torch.equal(back["model"]["w"], state["model"]["w"]), "step": back["step"]}
+
+out = {}
+smoltorrent.save(state, "mixed/one")
+out["save"] = same(smoltorrent.load("mixed/one"))
+smoltorrent.save_sharded(state, "mixed/ranks", 1, 0, 1)
+out["save_sharded"] = same(smoltorrent.load_sharded("mixed/ranks", 1, 0, 1))
+
+print(json.dumps(out))
+"""
+
+
+def test_numpy_rng_state_in_a_torch_state_is_saved_as_it_is(make_cluster):
+    """Issue 39: np.random.get_state() in a torch state was refused ("mixes numpy and
+    torch"). save() and save_sharded() store it as it is: numpy arrays load back as numpy,
+    every RNG goes on with the same draws."""
+    out = run_api(make_cluster(2), MIXED)
+    want = {"draws": True, "numpy": True, "w": True, "step": 3}
+    assert out["save"] == want and out["save_sharded"] == want, out
+
