@@ -110,9 +110,12 @@ class Versions:
         at plan time), for the listing row."""
         if seq is None:
             seq = next_seq(self.r)
+        stale = self._aborted_blobs(vkey)
         while True:
             staged, _ = self._stage(manifest, vkey)
-            keys, args = self._create_call(manifest, vkey, fields, plan, seq, tensors, staged)
+            keys, args = self._create_call(
+                manifest, vkey, fields, plan, seq, tensors, staged, stale
+            )
             found = self._create(keys=keys, args=args)
             if found != "unstaged":  # else it expired before the script ran: stage it again
                 return found
@@ -126,9 +129,13 @@ class Versions:
         seq: int,
         tensors: int | None,
         staged: str,
+        stale: Sequence[str] = (),
     ) -> tuple[list[str], list]:
-        """The keys and arguments of the create script for create_pending."""
+        """The keys and arguments of the create script for create_pending. `stale`: the
+        blobs an aborted version of vkey references (_aborted_blobs), which lose it if the
+        script records the version anew."""
         transfers = sum(len(t) for t in plan)
+        fresh = digests(manifest)
         keys = [
             *version_keys(vkey),
             K.NAMES,
@@ -140,7 +147,8 @@ class Versions:
             K.ALL_VERSIONS,
             K.SUMMARIES_FILLED,
             staged,
-            *(K.BLOB_REFS.format(digest=d) for d in digests(manifest)),
+            *(K.BLOB_REFS.format(digest=d) for d in fresh),
+            *(K.BLOB_REFS.format(digest=d) for d in stale),
         ]
         args = [
             seq,
@@ -160,8 +168,22 @@ class Versions:
             ),
             _plan_json(plan),
             listing_row(manifest, transfers, tensors),
+            len(fresh),
         ]
         return keys, args
+
+    def _aborted_blobs(self, vkey: str) -> list[str]:
+        """The blobs the recorded manifest of vkey references while vkey is aborted (an
+        aborted version keeps its references until retention removes it), else []. A store
+        of the same content recording it anew may make other blobs of it (another
+        encoding): the create script then takes vkey out of these, which no remove would
+        (it reads the new manifest)."""
+        if self.r.hget(K.VERSION.format(vkey=vkey), "state") != ABORTED:
+            return []
+        try:
+            return digests(self.manifest(vkey))
+        except NotFoundError:
+            return []
 
     def _stage(
         self, manifest: Manifest, vkey: str, client: redis.client.Pipeline | None = None

@@ -232,3 +232,31 @@ def test_a_rebuilds_versions_are_recorded_a_batch_at_a_time(md, monkeypatch, pip
         assert md.versions.current(f"n{n}") == vkeys[last]
     again = md.versions.restore_committed_many([(manifests[0], vkeys[0], None)])
     assert again == [False]
+
+
+def test_a_store_over_an_aborted_version_in_another_encoding_leaves_no_reference_behind(
+    md, tmp_path
+):
+    """A store aborted (its references kept until retention removes it), then the same
+    content stored again as other blobs (another encoding: auto flips with the nodes,
+    SMOLTORRENT_ENCODE, a zstd upgrade). versions/create recreated the version over the
+    aborted one and referenced the new blobs, but the old ones kept naming it: the remove
+    reads the recorded manifest, the new one, so nothing ever took those away."""
+    import dataclasses
+
+    p = prepared(tmp_path, "ab", 9)
+    assert pending(md, p)
+    old = {s.blob_sha256 for s in p.manifest.entries}
+    assert md.versions.abort(p.vkey, "a node went away")
+    other = dataclasses.replace(
+        p.manifest,
+        shards=tuple(
+            dataclasses.replace(s, blob_sha256=f"{i:064x}") for i, s in enumerate(p.manifest.shards)
+        ),
+    )
+    assert pending(md, dataclasses.replace(p, manifest=other))
+    new = {s.blob_sha256 for s in other.entries}
+    for digest in old:
+        assert p.vkey not in md.blobs.blob_refs(digest), digest
+    for digest in new:
+        assert p.vkey in md.blobs.blob_refs(digest), digest

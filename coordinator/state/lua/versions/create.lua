@@ -23,14 +23,17 @@
     KEYS[13] ALL_VERSIONS: every listed version
     KEYS[14] SUMMARIES_FILLED: marker that the listing holds every version
     KEYS[15] MANIFEST_STAGED: its manifest JSON, written in pieces by the caller
-    KEYS[16..] (BLOB_REFS)*: the reference set of each of the caller's blobs (written only
-      for a new version)
+    KEYS[16..] (BLOB_REFS)*: the reference set of each of the caller's blobs (the first
+      ARGV[7]; written only for a new version), then of each blob the version's recorded
+      manifest names if the caller read it aborted: recorded anew over an aborted
+      version, it leaves these (its new blobs may be others), or no remove ever would
     ARGV[1] seq: the request's sequence number
     ARGV[2] name: the checkpoint name
     ARGV[3] vkey: the version key
     ARGV[4] fields: JSON object of the version hash's fields
     ARGV[5] plan: JSON list of each shard's target list (as JSON text)
     ARGV[6] row: the listing row JSON
+    ARGV[7] fresh: how many of KEYS[16..] are the caller's blobs' reference sets
 
   Output:
     "created" (the staged manifest is its manifest now), or the state of the version
@@ -57,13 +60,17 @@ if joined then
   if state == 'committed' then make_current(KEYS[9], KEYS[10], ARGV[2], ARGV[3], seq) end
   return state
 end
+local fresh = tonumber(ARGV[7])
+if state == 'aborted' then
+  for i = 16 + fresh, #KEYS do redis.call('SREM', KEYS[i], ARGV[3]) end
+end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'seq', seq)
 -- Whole, and only now: a manifest half staged is never a version's.
 redis.call('RENAME', KEYS[15], KEYS[2])
 redis.call('PERSIST', KEYS[2])
-for i = 16, #KEYS do redis.call('SADD', KEYS[i], ARGV[3]) end
+for i = 16, 15 + fresh do redis.call('SADD', KEYS[i], ARGV[3]) end
 for i, t in ipairs(cjson.decode(ARGV[5])) do redis.call('HSET', KEYS[3], tostring(i - 1), t) end
 -- No name yet: nothing recorded before the listing summaries, none to fill.
 if redis.call('SCARD', KEYS[7]) == 0 then redis.call('SET', KEYS[14], 1) end
