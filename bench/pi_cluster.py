@@ -249,6 +249,16 @@ def git_head() -> str:
     return head + ("+uncommitted" if dirty else "")
 
 
+def tear_down(cluster: LanCluster, net: Lan, root: Path, keep: bool) -> None:
+    """Stop the cluster, remove the namespaces, and the files unless asked to keep them."""
+    cluster.stop()
+    net.close()
+    if keep:
+        log(f"files kept in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> dict:
     nodes = [f"n{i}" for i in range(1, args.nodes + 1)]
     root = Path(tempfile.mkdtemp(prefix="smoltorrent-pi-"))
@@ -357,12 +367,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         for daemon in daemons:
             daemon.terminate()
-        cluster.stop()
-        net.close()
-        if args.keep:
-            log(f"files kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        tear_down(cluster, net, root, args.keep)
     med = sorted(runs, key=lambda r: r["store_s"])[len(runs) // 2] if runs else {}
     return {
         "code": git_head(),

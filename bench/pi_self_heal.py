@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -34,7 +33,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/pi_self_heal.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.pi_cluster import MIB, Sampler, git_head, log, write_source  # noqa: E402
+from bench.pi_cluster import MIB, Sampler, git_head, log, tear_down, write_source  # noqa: E402
+from bench.self_heal import wait  # noqa: E402
 from coordinator.dataplane.node_client import NodeAddress, NodeClient  # noqa: E402
 from coordinator.local.lan_cluster import LanCluster  # noqa: E402
 from coordinator.local.netns import Lan  # noqa: E402
@@ -43,17 +43,7 @@ from smoltorrent import defaults  # noqa: E402
 from smoltorrent.defaults import SETTLED_MARGIN_S, STABLE_AFTER_S  # noqa: E402
 
 PREFIX = f"stsh{os.getpid() % 10000}"  # namespace and link names; unique per run
-POLL_S = 0.2  # seconds between looks at the placement while timing
 TIMEOUT_S = 3600.0  # the longest this waits for any one phase
-
-
-def wait(predicate, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > TIMEOUT_S:
-            raise SystemExit(f"timed out after {TIMEOUT_S:.0f} s waiting for {what}")
-        time.sleep(POLL_S)
-    return time.monotonic() - start
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -97,20 +87,22 @@ def run(args: argparse.Namespace) -> dict:
         cluster.start_beat()
         # Killed once beat's health sweep has seen every node, as in a cluster that has
         # run a while: a node last seen at the store would be dead at once.
-        wait(lambda: md.sweeps.sweep_runs("health"), "a health sweep")
+        wait(lambda: md.sweeps.sweep_runs("health"), TIMEOUT_S, "a health sweep")
         sampler = Sampler(net)
         sampler.start()
         cluster.node_procs[dead].kill()
         net.cut(dead)
         killed = time.monotonic()
         log(f"killed {dead}: {len(held[dead_id])} of {len(sizes)} blobs, {lost_bytes / 1e6:.0f} MB")
-        declared = wait(lambda: dead_id in md.nodes.declared_dead(), "the dead declaration")
+        declared = wait(
+            lambda: dead_id in md.nodes.declared_dead(), TIMEOUT_S, "the dead declaration"
+        )
         log(f"{dead} declared dead at {declared:.1f} s")
 
         def at_r() -> bool:
             return all(len(md.blobs.placement(d) & alive_ids) >= 2 for d in sizes)
 
-        wait(at_r, "R copies on the survivors")
+        wait(at_r, TIMEOUT_S, "R copies on the survivors")
         total = time.monotonic() - killed
         samples = sampler.stop()
         first_copy = next(
@@ -155,12 +147,7 @@ def run(args: argparse.Namespace) -> dict:
         )
         return result
     finally:
-        cluster.stop()
-        net.close()
-        if args.keep:
-            log(f"files kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        tear_down(cluster, net, root, args.keep)
 
 
 def main() -> int:
