@@ -295,4 +295,3 @@ def test_numpy_rng_state_in_a_torch_state_is_saved_as_it_is(make_cluster):
     out = run_api(make_cluster(2), MIXED)
     want = {"draws": True, "numpy": True, "w": True, "step": 3}
     assert out["save"] == want and out["save_sharded"] == want, out
-
