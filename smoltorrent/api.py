@@ -239,7 +239,7 @@ class _WriterClient:
                     )
                 )
             else:
-                handle._future.set_exception(SmoltorrentError(message["error"]))
+                handle._future.set_exception(_error_class(message)(message["error"]))
         proc.wait()
         with self.lock:
             if self.proc is not proc:
@@ -253,6 +253,16 @@ class _WriterClient:
             for job, _ in orphans:
                 job.release()
             self.proc = self._start()
+
+
+def _error_class(message: dict[str, Any]) -> type[SmoltorrentError]:
+    """The writer's error class, by name, when smoltorrent.errors has it (a step's
+    WorldSizeMismatchError stays one); SmoltorrentError otherwise."""
+    from smoltorrent import errors
+
+    found = getattr(errors, str(message.get("type")), None)
+    ok = isinstance(found, type) and issubclass(found, SmoltorrentError)
+    return found if ok else SmoltorrentError
 
 
 _failures: list[Any] = []  # the counter, made on first use

@@ -117,8 +117,8 @@ def save_sharded(
     shares = _check_partitions(state_dict, partitions)
     if keep_last is not None and keep_last < 1:
         raise ShardedCheckpointError(f"keep_last must be at least 1, not {keep_last}")
-    steps = _steps()
-    _raise_conflict(name, step, world_size, steps.begin(name, step, world_size))
+    # Nothing here asks Redis (invariant 12): the writer opens the step (begin_part) and
+    # records the part (record_part), retrying while Redis is away, as for any save.
     # The part describes itself on the nodes too: rebuild restores the step from these.
     own = {
         STEP_NAME_KEY: name,
@@ -178,6 +178,13 @@ def _check_partitions(
 def _count(tensor: Any) -> int:
     """Elements of a flat share, rows of a row share."""
     return int(tensor.shape[0])  # a flat share is 1-D: its elements
+
+
+def begin_part(spec: dict[str, Any]) -> None:
+    """Open the part's step, or join it (the writer runs this before submitting the
+    part's store); WorldSizeMismatchError or ShardedCheckpointError for a conflict."""
+    name, step, world_size = spec["name"], spec["step"], spec["world_size"]
+    _raise_conflict(name, step, world_size, _steps().begin(name, step, world_size))
 
 
 def record_part(spec: dict[str, Any], part: str, saved: SavedVersion) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 from coordinator import config
 from coordinator.plan.safetensors_header import read_header
 from smoltorrent import defaults, durable, local_tier
-from smoltorrent.errors import MetadataError, SmoltorrentError
+from smoltorrent.errors import MetadataError, ShardedCheckpointError, SmoltorrentError
 from smoltorrent.snapshot import journal_dir
 
 log = logging.getLogger("smoltorrent.snapshot_writer")
@@ -188,14 +188,28 @@ class Writer:
         from smoltorrent.api import SavedVersion
         from tasks.requests import StoreRequest, connected_metadata, submit_store, wait_store
 
-        staged, name = record["staged"], record["name"]
+        staged, name, step = record["staged"], record["name"], record.get("step")
         read_header(staged)  # a bad file fails for good here, never retried
         sidecar = Path(_request_path(path))
         request = sidecar.read_text() if sidecar.exists() else None
         deadline = time.monotonic() + defaults.SAVE_PATIENCE_S
         last_error = None
+        # A rank's part of a step (smoltorrent/sharded.py) opens the step first; a part
+        # whose store was submitted already (adopted) had its step opened then.
+        begun = step is None or request is not None
+        saved = None
         while True:
             try:
+                if not begun:
+                    from smoltorrent.sharded import begin_part
+
+                    begin_part(step)
+                    begun = True
+                if saved is not None:
+                    from smoltorrent.sharded import record_part
+
+                    record_part(step, name, saved)
+                    return saved
                 if request is None:
                     request = submit_store(
                         staged,
@@ -208,7 +222,12 @@ class Writer:
                     durable.replace_file(sidecar, request.encode())
                 out = wait_store(StoreRequest(request, name, staged))
                 v = connected_metadata().versions.version(out["vkey"])
-                break
+                saved = SavedVersion(name, v["version_id"], bool(out["new"]), int(v["size"]))
+                if step is None:
+                    return saved
+                continue  # record the part in its step, retried as the rest
+            except ShardedCheckpointError:
+                raise  # the step refuses this part: no retry mends it
             except (SmoltorrentError, RedisError, OSError) as exc:
                 if request is not None and not isinstance(exc, (RedisError, MetadataError)):
                     raise  # submitted, and the store itself ended badly: no retry mends it
@@ -222,26 +241,29 @@ class Writer:
                         "the cause is fixed."
                     ) from None
                 time.sleep(defaults.SAVE_RETRY_S)
-        saved = SavedVersion(name, v["version_id"], bool(out["new"]), int(v["size"]))
-        if record.get("step") is not None:
-            from smoltorrent.sharded import record_part
-
-            record_part(record["step"], name, saved)
-        return saved
 
     def finish(
         self, path: str, fd: int, record: dict[str, Any], outcome: Any, *, keep_record: bool
     ) -> None:
         if isinstance(outcome, BaseException):
             error = str(outcome)
-            if not isinstance(outcome, (Lost, _Pending)):
+            if isinstance(outcome, ShardedCheckpointError):
+                # The step refused the part (another world size, a step done): storing the
+                # staged file would not mend that, so it goes.
+                Path(record["staged"]).unlink(missing_ok=True)
+            elif not isinstance(outcome, (Lost, _Pending)):
                 error += (
                     f" The state is kept at {record['staged']}: `smoltorrent store "
                     f"{record['staged']} --name {record['name']}` stores it once the cause "
                     "is fixed."
                 )
             log.error("%s", error)
-            message = {"id": record["id"], "ok": False, "error": error}
+            message = {
+                "id": record["id"],
+                "ok": False,
+                "error": error,
+                "type": type(outcome).__name__,  # the trainer raises the same class
+            }
         else:
             kept = self.keep_local(record, outcome)
             log.info(

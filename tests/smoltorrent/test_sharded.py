@@ -5,6 +5,8 @@ a partial step and a missing rank, each with its own error."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -295,3 +297,74 @@ def test_numpy_rng_state_in_a_torch_state_is_saved_as_it_is(make_cluster):
     out = run_api(make_cluster(2), MIXED)
     want = {"draws": True, "numpy": True, "w": True, "step": 3}
     assert out["save"] == want and out["save_sharded"] == want, out
+
+
+OUTAGE = """
+import json, sys, time, torch, smoltorrent
+
+def steps(numbers):
+    handles, slowest = [], 0.0
+    for step in numbers:
+        for rank in (0, 1):
+            started = time.monotonic()
+            handles.append(smoltorrent.save_sharded(
+                {"w": torch.full((8, 8), float(10 * step + rank))}, "outage", step, rank, 2,
+                wait=False))
+            slowest = max(slowest, time.monotonic() - started)
+    print(json.dumps({"slowest": slowest}), flush=True)
+    sys.stdin.readline()  # Redis is back
+    return [h.result(timeout=180).version_id for h in handles]
+
+down = steps((1, 2, 3))  # Redis killed
+print(json.dumps({"stored": len(set(down))}), flush=True)
+sys.stdin.readline()  # Redis is frozen now
+frozen = steps((4,))
+print(json.dumps({"stored": len(set(down + frozen)), "latest": smoltorrent.latest_step("outage"),
+                  "w": float(smoltorrent.load_sharded("outage", 4, 1, 2)["w"][0, 0])}))
+"""
+
+
+def test_save_sharded_rides_out_redis_down_and_frozen_as_save_does(make_cluster):
+    """Issue 39: with Redis down, save_sharded(wait=False) raised MetadataError on every
+    call and those steps were lost; with Redis frozen it blocked the step. Invariant 12:
+    each call returns a handle at once, the save is journalled, and once Redis is back
+    every part is stored and every step committed."""
+    c = make_cluster(2)
+    c.kill_redis()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", OUTAGE],
+        env=c.env(),
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None and trainer.stdin is not None
+        first = trainer.stdout.readline()  # every call returned, or the trainer raised
+        assert first.startswith("{"), trainer.stderr.read() if trainer.stderr else first
+        assert json.loads(first)["slowest"] < 5.0
+        c.start_redis()
+
+        def line(what: str) -> dict:
+            assert trainer.stdin is not None and trainer.stdout is not None
+            trainer.stdin.write(what + "\n")
+            trainer.stdin.flush()
+            got = trainer.stdout.readline()
+            assert got.startswith("{"), trainer.stderr.read() if trainer.stderr else got
+            return json.loads(got)
+
+        assert line("back") == {"stored": 6}  # the three steps saved while Redis was down
+        os.kill(c.redis_pid, signal.SIGSTOP)
+        try:
+            assert line("frozen")["slowest"] < 5.0  # step 4 saved while Redis is frozen
+        finally:
+            os.kill(c.redis_pid, signal.SIGCONT)
+        trainer.stdin.write("thawed\n")
+        trainer.stdin.flush()
+        out, err = trainer.communicate(timeout=240)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"stored": 8, "latest": 4, "w": 41.0}
