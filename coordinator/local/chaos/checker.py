@@ -273,8 +273,9 @@ def _check_hangs(ops: list[Op], faults: list[dict]) -> list[str]:
 
 
 def _check_latest(final: Final, removed_names: set[str]) -> list[str]:
-    """Each name serves the content of its latest accepted store request (order: the
-    requests' sequence numbers) among those that committed."""
+    """Each name whose current was read at the end serves the content of its latest
+    accepted store request (order: the requests' sequence numbers) among those that
+    committed."""
     states = {v["vkey"]: v["state"] for v in final.versions}
     content_of = {v["vkey"]: v.get("content") for v in final.versions}
     latest: dict[str, tuple[int, dict]] = {}
@@ -282,7 +283,9 @@ def _check_latest(final: Final, removed_names: set[str]) -> list[str]:
         if rec.get("kind") != "store" or rec.get("state") != "done":
             continue
         name = json.loads(rec["args"])["name"]
-        if name in removed_names or states.get(rec.get("vkey", "")) != "committed":
+        if name in removed_names or name not in final.current:
+            continue
+        if states.get(rec.get("vkey", "")) != "committed":
             continue
         seq = int(rec["seq"])
         if name not in latest or seq > latest[name][0]:

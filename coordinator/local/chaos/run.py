@@ -292,7 +292,10 @@ class ChaosRun:
                     strict=True,
                 )
             )
-            current = dict(zip(NAMES, pool.map(self._final_gather, NAMES), strict=True))
+            # A scratch name whose rm did not exit 0 may keep a version: its current too.
+            kept = {op.name for op in self.ops if op.kind == "remove" and op.exit != 0}
+            names = [*NAMES, *sorted(kept)]
+            current = dict(zip(names, pool.map(self._final_gather, names), strict=True))
         return Final(requests, versions, gathered, current, open_rids, unsettled, under)
 
     def leaks(self) -> list[str]:
