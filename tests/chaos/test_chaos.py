@@ -21,9 +21,10 @@ from tests.conftest import REQUIRE_FIU_ENV, REQUIRE_NETNS_ENV, REQUIRE_TMPFS_ENV
 
 # Three seeds of 20 s of faults each: about 30 s a seed with start, healing and the final
 # gathers. Chosen so that, with every kind available (CI), they draw between them every
-# kind but stop-redis, kill-beat and eio-node (fsync): 36 eiowrite, cutcoord, cutpeers,
-# kill-redis, flap; 27 skew-node, cutcoord, eiorename; 181 kill-worker, full-node,
-# stop-worker, skew-worker. Longer runs and the other kinds: bench/chaos.py.
+# kind but stop-redis, kill-beat, eio-node (fsync), flip-node and wipe-node: 36 eiowrite,
+# cutcoord, cutpeers, kill-redis, lose-node; 27 skew-node, cutcoord, eiorename; 181
+# kill-worker, full-node, stop-worker, lose-node. Longer runs and the other kinds:
+# bench/chaos.py.
 SEEDS = (36, 27, 181)
 SECONDS = 20.0
 

@@ -22,8 +22,12 @@ ACTIONS = ("kill", "stop")  # SIGKILL then a restart, or SIGSTOP then SIGCONT
 # namespace of its own): cutcoord-node, the node and the coordinator's processes (CLI,
 # worker, beat) cannot reach each other, the node and the other nodes still can;
 # cutpeers-node, the reverse, so chains through it break; flap-node, the node's cable out
-# and in every FLAP_HALF_PERIOD_S. Appended, never inserted: a seed's schedule over the
-# older kinds draws the same as before only if their order stays.
+# and in every FLAP_HALF_PERIOD_S. Data on a node's disk: flip-node, one byte of one blob
+# file flipped in place (it must never be served, and must be healed); wipe-node, the node
+# killed, its blobs, manifests and temp files deleted (its id kept), and started again
+# empty; lose-node, the node killed for good (repair must bring every blob back to R on the
+# others while the faults go on; at most one a run). Appended, never inserted: a seed's
+# schedule over the older kinds draws the same as before only if their order stays.
 FAULT_KINDS = (
     *(f"{a}-{p}" for p in PROCESS_KINDS for a in ACTIONS),
     "eio-node",
@@ -35,7 +39,16 @@ FAULT_KINDS = (
     "cutcoord-node",
     "cutpeers-node",
     "flap-node",
+    "flip-node",
+    "wipe-node",
+    "lose-node",
 )
+# The kinds that destroy a copy. With R=2 two of them on two nodes before repair healed the
+# first can destroy a blob's every copy, a loss the design does not promise to survive:
+# so one of them starts at least DESTRUCTIVE_GAP_S after the last one began (the dead
+# timeout, a repair sweep or two, and a scrub pass, at the run's fast intervals).
+DESTRUCTIVE_KINDS = ("flip-node", "wipe-node", "lose-node")
+DESTRUCTIVE_GAP_S = 30.0
 EIO_POINTS = {  # libfiu's failure point (fiu-utils' function_list) per disk-error kind
     "eio": "posix/io/sync/fsync",
     # pwrite, not write: the node writes its sockets with write(2) (and a blob's bytes with
@@ -135,7 +148,18 @@ def draw_schedule(
             hold, skew = rng.uniform(6.0, 12.0), rng.choice((-SKEW_S, SKEW_S))
         fault = Fault(round(t, 2), kind, target, round(hold, 2), skew)
         held = [f for f in faults if f.at_s + f.hold_s > fault.at_s]
-        if not any(_process(f) == _process(fault) for f in held):
+        lost = [f for f in faults if f.kind == "lose-node"]
+        destroyed = [f for f in faults if f.kind in DESTRUCTIVE_KINDS]
+        if (
+            not any(_process(f) == _process(fault) for f in held)
+            and not any(_process(f) == _process(fault) for f in lost)
+            and not (kind == "lose-node" and lost)
+            and not (
+                kind in DESTRUCTIVE_KINDS
+                and destroyed
+                and fault.at_s - destroyed[-1].at_s < DESTRUCTIVE_GAP_S
+            )
+        ):
             faults.append(fault)
         t += rng.uniform(0.3, 2.0) if overlap else hold + rng.uniform(1.0, 4.0)
     return Schedule(seed, tuple(faults))

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import random
 import secrets
+import shutil
 import signal
 import subprocess
 import threading
@@ -44,6 +47,8 @@ class Nemesis:
     _skewed: bool = False  # the worker runs with a skewed clock
     _severed: dict[frozenset[str], int] = field(default_factory=dict)  # pair -> faults on it
     _node_launch: dict[int, tuple[tuple[str, ...], dict[str, str]]] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)  # nodes killed for good (lose-node)
+    flipped: list[tuple[int, Path, float]] = field(default_factory=list)  # node, blob, when
 
     def run(self, schedule: Schedule) -> None:
         """Each fault in a thread of its own, applied at its time and undone after its
@@ -100,6 +105,8 @@ class Nemesis:
             for pair in self._pairs(fault):
                 self._sever(*pair)
             return True
+        if action == "flip":
+            return self._flip(fault)
         pid = self._pid(fault)
         if pid is None or (what == "redis" and not _alive(pid)):
             return False
@@ -122,6 +129,14 @@ class Nemesis:
                 os.killpg(pid, signal.SIGSTOP)
             else:
                 os.kill(pid, signal.SIGSTOP)
+        elif action == "wipe":
+            node = c.node_procs[fault.target]
+            node.kill()
+            for part in WIPED:
+                shutil.rmtree(node.data_dir / part, ignore_errors=True)
+        elif action == "lose":
+            c.node_procs[fault.target].kill()
+            self.lost.add(fault.target)
         elif what == "node":
             c.node_procs[fault.target].kill()
         elif what == "redis":
@@ -147,8 +162,56 @@ class Nemesis:
             self.lan.reconnect(host)
             time.sleep(min(FLAP_HALF_PERIOD_S, max(end - time.monotonic(), 0)))
 
+    def _flip(self, fault: Fault) -> bool:
+        """One byte of one blob file on the node's disk flipped in place (the node may be
+        running or not). Placement keeps a name's versions on the nodes that hold its
+        other blobs, so a node may hold none: then the next node that holds some (by
+        index) takes the flip. False if no node held a blob."""
+        node, blobs = fault.target, []
+        for i in (*range(fault.target, self.nodes), *range(fault.target)):
+            data = self.cluster.node_procs[i].data_dir / "blobs"
+            if i not in self.lost and (blobs := sorted(data.glob("*/*"))):
+                node = i
+                break
+        if not blobs:
+            return False
+        rng = random.Random(f"flip:{fault}")
+        path = rng.choice(blobs)
+        size = path.stat().st_size
+        if size == 0:
+            return False
+        offset = rng.randrange(size)
+        mode = path.stat().st_mode
+        os.chmod(path, mode | 0o200)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, offset)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.chmod(path, mode)
+        self.flipped.append((node, path, time.time()))
+        return True
+
+    def unhealed(self) -> list[str]:
+        """The flipped blobs still rotten on their node's disk (healed: replaced by a good
+        copy, or moved out of blobs/ by the node's scrub or a read)."""
+        bad = []
+        for node, path, when in self.flipped:
+            if node in self.lost or not path.exists():
+                continue
+            if hashlib.sha256(path.read_bytes()).hexdigest() != path.name:
+                bad.append(
+                    f"node{node}'s blob {path.name[:12]}, flipped at {when:.2f}, is still rotten"
+                    f" in its blobs/ after healing"
+                )
+        return bad
+
     def _undo(self, fault: Fault) -> None:
         action, what = fault.kind.split("-")
+        if action in ("flip", "lose"):
+            return  # a flipped byte is the cluster's to heal; a lost node stays lost
         if action in ("cutcoord", "cutpeers"):
             for pair in self._pairs(fault):
                 self._mend(*pair)
@@ -185,6 +248,8 @@ class Nemesis:
 
     def _restart(self, what: str, target: int = 0) -> None:
         c = self.cluster
+        if what == "node" and target in self.lost:
+            return
         if what == "node" and not c.node_procs[target].is_running():
             c.node_procs[target].start()
         elif what == "redis" and not (c.redis_pid and _alive(c.redis_pid)):
@@ -287,6 +352,8 @@ class Nemesis:
             for i in range(self.nodes):
                 self.lan.reconnect(_node_host(i))
         for i, node in enumerate(c.node_procs):
+            if i in self.lost:
+                continue
             if i in self._node_launch and node.launcher != self._node_launch[i][0]:
                 self._restart_node_skewed(i, 0)
             self._restart("node", i)
@@ -301,6 +368,7 @@ class Nemesis:
 
 
 FILLER = "chaos-filler"  # the file full-node grows in a node's data directory
+WIPED = ("blobs", "manifests", "tmp", "quarantine")  # wipe-node's parts of a data dir (not node_id)
 
 
 def _node_host(index: int) -> str:

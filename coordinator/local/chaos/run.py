@@ -126,7 +126,8 @@ class ChaosRun:
                 w.join(CLI_TIMEOUT_S + 10)
             self.nemesis.heal()
             final = self.settle()
-            violations = check(self.ops, final, self.nemesis.faults_applied) + self.leaks()
+            violations = check(self.ops, final, self.nemesis.faults_applied)
+            violations += self.nemesis.unhealed() + self.leaks()
         finally:
             with contextlib.suppress(Exception):
                 self.nemesis.heal()
@@ -306,7 +307,9 @@ class ChaosRun:
         try:
             for attempt in range(2):
                 inventories, unread = {}, []
-                for node in self.cluster.node_procs:
+                for i, node in enumerate(self.cluster.node_procs):
+                    if i in self.nemesis.lost:
+                        continue
                     try:
                         client = node.client()
                         inventories[client.ping()] = set(client.list_blobs())
