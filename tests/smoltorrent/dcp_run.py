@@ -55,3 +55,42 @@ def bits(tree: Any, prefix: str = "") -> dict[str, Any]:
         raw = tree.detach().contiguous().view(-1).view(torch.uint8).tolist()
         return {prefix: [str(tree.dtype), list(tree.shape), raw]}
     return {prefix: repr(tree)}
+
+
+def fsdp_save(name: str, directory: str, seed: int = 0) -> None:
+    """A rank under torchrun (gloo, CPU): the model fully_shard'ed over every rank, one
+    AdamW step, its state saved through smoltorrent's Writer as `name` and through
+    FileSystemWriter into `directory`, and by async_save in process mode as the next step."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import smoltorrent.dcp
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        net = model(seed)
+        for layer in net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        saved = state(net, trained(net, seed))
+        dcp.save(saved, storage_writer=smoltorrent.dcp.Writer(name))
+        dcp.save(saved, storage_writer=dcp.FileSystemWriter(directory))
+        step, number = name.rsplit("_", 1)
+        dcp.async_save(
+            saved,
+            storage_writer=smoltorrent.dcp.Writer(f"{step}_{int(number) + 1}"),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        ).result()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    fsdp_save(*sys.argv[1:3])
