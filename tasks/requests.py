@@ -116,9 +116,14 @@ class GatherRequest:
 class StoreProgress:
     done_bytes: int  # blob bytes delivered to the nodes so far, as they go on the wire
     total_bytes: int
-    ready_shards: int
+    ready_shards: int  # shards (chunks) with a verified copy
     shards: int
     raw_done_bytes: int = 0  # the same bytes as they are in the checkpoint (decoded)
+    # The checkpoint's own bytes stored so far: a chunk's raw bytes count once all its
+    # copies are on their nodes (each copy a share as it goes), one stored before at once.
+    file_done_bytes: int = 0
+    file_bytes: int = 0
+    chunked: bool = True
 
 
 def error_text(exc: BaseException) -> str:
@@ -304,6 +309,9 @@ def _wait_commit(
     ]
     plan = md.transfers.plan(vkey)
     total = sum(sizes[i] * len(t) for i, t in enumerate(plan))
+    raw_sizes = [s.data_end - s.data_start for s in manifest.entries]
+    # What the file's bytes still to store are: those of every chunk a copy is sent of.
+    to_store = sum(raw_sizes[i] for i, t in enumerate(plan) if t)
     while True:
         # One consistent read: a transfer settling between two reads cannot make a store
         # that commits look stuck.
@@ -315,7 +323,25 @@ def _wait_commit(
                 if member not in settled:
                     done[member] = min(sent, sizes[int(member.split(":")[0])])
             raw = sum(n * raw_per_byte[int(m.split(":")[0])] for m, n in done.items())
-            on_progress(StoreProgress(sum(done.values()), total, len(ready), len(sizes), int(raw)))
+            stored = sum(
+                n * raw_sizes[i] / max(sizes[i], 1) / len(plan[i])
+                for m, n in done.items()
+                if plan[i := int(m.split(":")[0])]
+            )
+            on_progress(
+                StoreProgress(
+                    sum(done.values()),
+                    total,
+                    len(ready),
+                    len(sizes),
+                    int(raw),
+                    file_done_bytes=min(
+                        manifest.source_size, manifest.source_size - to_store + int(stored)
+                    ),
+                    file_bytes=manifest.source_size,
+                    chunked=manifest.chunked,
+                )
+            )
         if v["state"] == COMMITTED:
             return COMMITTED
         if v["state"] == ABORTED:

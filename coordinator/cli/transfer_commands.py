@@ -46,7 +46,8 @@ class _NoBar:
 
 def _progress(as_json: bool = False):
     """A byte-level bar on a terminal; nothing in a pipe, a file or under --json (the
-    summary line, or the JSON, says it all)."""
+    summary line, or the JSON, says it all). One line at any width: the name is elided
+    first, and no column shows "?" or "-:--:--" before its first reading."""
     if as_json or not console.is_terminal:
         return _NoBar()
     from rich.progress import (
@@ -57,13 +58,31 @@ def _progress(as_json: bool = False):
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+    from rich.table import Column
+    from rich.text import Text
 
+    class Speed(TransferSpeedColumn):
+        def render(self, task):
+            return Text("") if task.speed is None else super().render(task)
+
+    class Remaining(TimeRemainingColumn):
+        def render(self, task):
+            if task.time_remaining is None and not task.finished:
+                return Text("")
+            return super().render(task)
+
+    width = console.width
     return Progress(
-        TextColumn("{task.description}", markup=False),  # the name, as it is
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
+        TextColumn(  # the name, as it is, elided rather than wrapped
+            "{task.description}",
+            markup=False,
+            table_column=Column(no_wrap=True, overflow="ellipsis", max_width=max(12, width - 76)),
+        ),
+        TextColumn("{task.fields[pieces]}", markup=False, table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=max(10, min(40, width - 80))),
+        DownloadColumn(table_column=Column(no_wrap=True)),
+        Speed(table_column=Column(no_wrap=True)),
+        Remaining(table_column=Column(no_wrap=True)),
         console=console.rich,
         transient=True,
     )
@@ -101,16 +120,16 @@ def cmd_store(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:  # from here on the store is queued: Ctrl-C stops only this command's wait
         with ctrl_c_stops_waiting(), _progress(args.json) as bar:
-            task = bar.add_task(f"storing {name}", total=1)
+            # The file's bytes from the start: the worker hashes it before the first reading.
+            task = bar.add_task(f"storing {name}", total=os.path.getsize(args.path), pieces="")
 
             def show(p) -> None:
+                word = "chunks" if p.chunked else "shards"
                 bar.update(
                     task,
-                    total=p.total_bytes or 1,
-                    completed=p.done_bytes,
-                    description=f"storing {name} ({p.ready_shards}/{p.shards} shards, "
-                    + _wire_words(p.raw_done_bytes, p.done_bytes)
-                    + ")",
+                    total=p.file_bytes,
+                    completed=p.file_done_bytes,
+                    pieces=f"{p.ready_shards}/{p.shards} {word}",
                 )
 
             out = wait_store(request, show)
@@ -333,7 +352,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
     )
     try:
         with ctrl_c_stops_waiting(), _progress(args.json) as bar:
-            task = bar.add_task(f"gathering {args.name}", total=request.size or 1)
+            task = bar.add_task(f"gathering {args.name}", total=request.size or 1, pieces="")
             report = wait_gather(request, lambda done, _total: bar.update(task, completed=done))
     except KeyboardInterrupt:
         if request.in_process:  # this process was the gather: it stopped with it

@@ -24,11 +24,13 @@ RATE_BPS = 4_000_000
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def run_on_a_terminal(argv: list[str], env: dict[str, str], timeout: float = 180) -> str:
+def run_on_a_terminal(
+    argv: list[str], env: dict[str, str], timeout: float = 180, columns: int = 150
+) -> str:
     """What a user's terminal shows while `argv` runs (a pseudo-terminal: rich draws bars)."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        argv, env={**env, "TERM": "xterm", "COLUMNS": "150"}, stdout=slave, stderr=slave
+        argv, env={**env, "TERM": "xterm", "COLUMNS": str(columns)}, stdout=slave, stderr=slave
     )
     os.close(slave)
     out = b""
@@ -76,14 +78,23 @@ def test_store_bar_moves_with_bytes_and_stays_off_in_pipes(make_cluster, tmp_pat
         os.utime(source, (time.time() - 60, time.time() - 60))
         cli = [sys.executable, "-m", "coordinator.cli"]
 
-        screen = run_on_a_terminal([*cli, "store", str(source)], cluster.env())
+        screen = run_on_a_terminal([*cli, "store", str(source)], cluster.env(), columns=120)
         fractions = bar_readings(screen)
         partial = sorted(a for a, b in fractions if 0 < a < b)
         # Two shards x two copies: whole shards alone would show only 0, 1/2 and the total.
         assert len(partial) >= 2, screen[-3000:]
+        # The file's bytes from the first frame (not 0/1 bytes, not both copies' wire bytes),
+        # chunks as the summary counts them, no "?" before a speed, each frame one line.
+        size = f"{source.stat().st_size / 1e6:.1f}"
         totals = {b for _, b in fractions}
-        assert len(totals) == 1 and partial[-1] < max(totals)
+        assert totals == {float(size)} and partial[-1] < float(size), sorted(fractions)
+        frames = [f for f in re.split(r"[\r\n]", screen) if "storing slow" in f]
+        assert frames and all(f"/{size} MB" in f for f in frames), frames
+        assert re.search(r" \d+/(\d+) chunks ━", frames[-1]), frames  # the count once known
+        assert not any(re.search(r"raw|shards", f) for f in frames), frames
+        assert not re.search(r"/1 bytes|\s\?\s|-:--:--", screen), screen[-3000:]
         assert "stored: slow.safetensors" in screen and "MB/s" in screen
+        assert re.search(r"in \d+ chunks x 2 replicas", screen), screen[-3000:]
 
         # In a pipe: no bar, one summary line with the time and the rate.
         rewritten = tmp_path / "again.safetensors"
@@ -120,9 +131,10 @@ def test_chain_store_bar_moves_inside_a_shard(make_cluster, tmp_path: Path) -> N
         attempts = cluster.md.transfers.attempts(only_vkey(cluster))
         assert attempts and all(a.get("chain") for a in attempts), attempts
 
-        # Where a bar counting whole shards could stand: any sum of settled copies.
+        # Where a bar counting whole shards could stand: any sum of settled copies (each
+        # copy half its chunk's bytes of the file).
         manifest = cluster.md.versions.manifest(only_vkey(cluster))
-        sizes = [s.blob_size / 1e6 for s in manifest.entries for _ in range(2)]
+        sizes = [(s.data_end - s.data_start) / 2e6 for s in manifest.entries for _ in range(2)]
         whole = {0.0}
         for size in sizes:
             whole |= {w + size for w in whole}
