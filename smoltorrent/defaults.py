@@ -368,6 +368,10 @@ CLIENT_OUTAGE_POLL_S = 0.5  # seconds between its tries: reconnecting costs mill
 # rows above which a terminal gets a table as plain aligned columns: rich lays out about
 # 2,000 rows a second (`ls` of 10,000 versions took 6.5 s), plain columns take milliseconds
 CLI_DRAWN_TABLE_MAX_ROWS = 500
+# terminal columns a long cell (a name, an address, an error) keeps at least on a narrow
+# terminal before the table leaves out a column of less use: "grpo/run1/step…" still
+# says which, and a 12-character version id or an address with its port stays whole
+CLI_ELIDED_CELL_MIN_COLUMNS = 16
 LOG_ID_CHARS = 12  # hex characters of a version, blob or node id in a log line: unique enough
 LOCAL_START_TIMEOUT_S = 15.0  # seconds for a local node or worker process to come up
 # seconds; a small shard on loopback (~10 ms) to a checkpoint of tens of GB over 100 Mbit/s (hours)

@@ -23,7 +23,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         console.print("no checkpoints stored yet; store one with `smoltorrent store PATH`.")
         return 0
-    columns = ["name", "version", "state", "tensors", "size", "shards", "copies", "kept"]
+    # "chunks": a version's pieces (a version stored with --shards: its shards)
+    columns = ["name", "version", "state", "tensors", "size", "chunks", "copies", "kept"]
     columns.append("created")
     one_name = args.name is not None and not args.name.endswith("/")
     if one_name:
@@ -50,7 +51,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])),
         )
 
-    table(args.name or "checkpoints", columns, [cells(r) for r in rows])
+    table(
+        args.name or "checkpoints",
+        columns,
+        [cells(r) for r in rows],
+        optional=["tensors", "chunks", "created", "kept"],
+    )
     if legend:
         console.print("* current version   ! under-replicated")
     return 0
@@ -125,24 +131,34 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
             for n in s["nodes"]
         ],
+        optional=["last scrub", "blobs", "last seen"],
     )
     up = sum(n["up"] for n in s["nodes"])
     dead = sum(n["state"] == "dead" for n in s["nodes"])
     console.print(
         f"{up}/{len(s['nodes'])} nodes up"
-        + (f", {dead} dead (their shards are copied to the others)" if dead else "")
+        + (f", {dead} dead (their chunks are copied to the others)" if dead else "")
     )
     if s["under_replicated"]:
+        # One row a version, not one a chunk (a lost node leaves thousands short).
+        short: dict[tuple[str, str], list[dict]] = {}
+        for u in s["under_replicated"]:
+            short.setdefault((u["name"], u["version_id"]), []).append(u)
         table(
-            "under-replicated shards",
-            ["name", "version", "shard", "live copies"],
+            "versions short of their copies",
+            ["name", "version", "chunks short", "fewest live copies"],
             [
-                (u["name"], u["version_id"][:12], u["shard"], f"{u['live_copies']}/{u['replicas']}")
-                for u in s["under_replicated"]
+                (
+                    name,
+                    version[:12],
+                    len(chunks),
+                    f"{min(u['live_copies'] for u in chunks)}/{chunks[0]['replicas']}",
+                )
+                for (name, version), chunks in short.items()
             ],
         )
     else:
-        console.print("every shard of every committed version has all its live copies")
+        console.print("every chunk of every committed version has all its live copies")
     copies = [r for r in s["repairs_in_flight"] if r["target"] != "trim"]
     if copies:
         console.print(
@@ -191,22 +207,37 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"dead letters: {s['dead_letters']}"
         + (" (see `smoltorrent dlq ls`)" if s["dead_letters"] else "")
     )
-    console.print(_summary_line(s["summary"]))
+    console.print(_summary_line(s["summary"], s["nodes"], now))
     return code
 
 
-def _summary_line(summary: dict) -> str:
+def _summary_line(summary: dict, nodes: list[dict], now: float) -> str:
     up = f"{summary['nodes_up']}/{summary['nodes']} nodes up"
     short = summary["under_replicated_shards"]
     if not summary["healthy"]:
         return (
-            f"NOT HEALTHY: {up}, {summary['shards_without_copy']} shard(s) with no live copy"
+            f"NOT HEALTHY: {up}, {summary['shards_without_copy']} chunk(s) with no live copy"
             " (unreadable until a node holding them comes back; start it, or see the tables"
             " above)"
         )
-    if short:
-        return f"healthy: {up}, {short} shard(s) short of their replicas (being repaired)"
-    return f"healthy: {up}, every shard has all its live copies"
+    if not short:
+        return f"healthy: {up}, every chunk has all its live copies"
+    line = f"healthy: {up}, {short} chunk(s) short of their replicas"
+    if any(n["state"] == "dead" for n in nodes):
+        return f"{line} (being repaired: copied from the other nodes)"
+    down = [n for n in nodes if n["state"] == "down"]
+    if not down:
+        return f"{line} (the repair sweep copies them)"
+    # Repair starts only once a node has been silent for the dead timeout: until then it
+    # may be restarting, and its copies come back with it.
+    after = config.dead_after()
+    since = min((n["last_seen"] for n in down if n["last_seen"]), default=None)
+    when = "" if since is None else f", in {max(0.0, since + after - now):.0f} s"
+    return (
+        f"{line}: {len(down)} node(s) down, not repaired yet; their copies come back with"
+        f" them, or are copied to the others once a node has been silent"
+        f" {after:.0f} s (SMOLTORRENT_DEAD_AFTER_S{when})"
+    )
 
 
 def _ago(t: float | None, now: float) -> str:

@@ -1,8 +1,11 @@
 """How the CLI shows things: rich tables for people, --json for scripts.
 
-Nothing is ever hard-wrapped or cut: sentences soft-wrap (the terminal folds
-them, a pipe or a file gets one line each), table cells fold in a terminal,
-and a table written to a pipe or a file is plain tab-separated rows.
+Sentences are never hard-wrapped or cut: they soft-wrap (the terminal folds
+them, a pipe or a file gets one line each). A table keeps each row on one line
+of the terminal, as `docker ps` and `kubectl get` do: its longest cells are
+elided ("grpo/run1/chec…"), and on a narrow terminal the columns a table names
+as optional are left out (said below it). A table written to a pipe or a file
+is plain tab-separated rows, every cell whole; --json has every field.
 """
 
 from __future__ import annotations
@@ -72,7 +75,15 @@ def emit_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=indent, sort_keys=True, default=str) + "\n")
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+def table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    optional: Sequence[str] = (),
+) -> None:
+    """Rows under `columns`. On a terminal each row keeps to one line: the widest cells
+    are elided to fit, and where they would keep fewer than CLI_ELIDED_CELL_MIN_COLUMNS
+    the `optional` columns are left out, in that order, and a line says which."""
     if not console.is_terminal:
         for row in [columns, *rows]:
             sys.stdout.write("\t".join(str(cell).replace("\t", " ") for cell in row) + "\n")
@@ -80,14 +91,46 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) 
     if len(rows) > defaults.CLI_DRAWN_TABLE_MAX_ROWS:
         _aligned(title, columns, rows)
         return
+    from rich.cells import cell_len
     from rich.table import Table
 
+    cells = [[" ".join(str(x).split()) for x in row] for row in rows]
+    natural = {
+        c: max([cell_len(c), *(cell_len(row[i]) for row in cells)]) for i, c in enumerate(columns)
+    }
+    shown = list(columns)
+    left_out = []
+    cap = _widest_cell(shown, natural)
+    for name in optional:
+        if cap >= min(defaults.CLI_ELIDED_CELL_MIN_COLUMNS, max(natural.values())):
+            break
+        shown.remove(name)
+        left_out.append(name)
+        cap = _widest_cell(shown, natural)
     t = Table(title=title, title_justify="left")
-    for c in columns:
-        t.add_column(c, overflow="fold")
-    for row in rows:
-        t.add_row(*(str(x) for x in row))
+    for c in shown:
+        width = max(1, min(natural[c], cap))
+        t.add_column(c, no_wrap=True, overflow="ellipsis", min_width=width, max_width=width)
+    at = [list(columns).index(c) for c in shown]
+    for row in cells:
+        t.add_row(*(row[i] for i in at))
     console.print(t, soft_wrap=False)
+    if left_out:
+        console.print(f"(left out at this width: {', '.join(left_out)}; see --json)")
+
+
+def _widest_cell(shown: Sequence[str], natural: dict[str, int]) -> int:
+    """The most terminal columns a cell may take for `shown` to fit the console on one line
+    (a drawn table's borders and padding take 3 columns a column, and 1): the widest cells
+    are cut first, short ones keep their width."""
+    budget = console.width - (3 * len(shown) + 1)
+    widths = sorted(natural[c] for c in shown)
+    for i, w in enumerate(widths):
+        rest = len(widths) - i  # columns this wide or wider
+        if w * rest > budget:
+            return max(0, budget // rest)
+        budget -= w
+    return widths[-1] if widths else 0
 
 
 def _aligned(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

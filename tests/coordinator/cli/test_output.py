@@ -96,3 +96,41 @@ def test_indexes_read_as_runs() -> None:
     assert output.numbers([5, 0, 1, 2, 9, 11, 12, 1]) == "0-2,5,9,11-12"
     assert output.numbers([7]) == "7"
     assert output.numbers([]) == ""
+
+
+@pytest.fixture
+def narrow(monkeypatch):
+    """The CLI's console as an 80-column terminal (COLUMNS=80); what it showed."""
+    buf = io.StringIO()
+    monkeypatch.setattr(output, "console", output._Console(file=buf, force_terminal=True, width=80))
+    return lambda: ANSI.sub("", buf.getvalue())
+
+
+LS_COLUMNS = ["name", "version", "state", "tensors", "size", "chunks", "copies", "kept", "created"]
+
+
+def test_a_table_at_80_columns_keeps_each_row_on_one_line(narrow):
+    """Every cell folded at 80 columns ("versio|n", a name over 5 lines): now the longest
+    cells are elided and short ones kept whole, and a column of less use is left out, said."""
+    long = "grpo/run1/checkpoints/step_100000.safetensors"
+    rows = [
+        (long, "0123456789ab *", "committed", 291, "503.2 MB", 30, "2/2", "pinned,@best",
+         "2026-12-05 23:12:01"),
+        ("a.safetensors", "ba9876543210", "pending", 3, "1.2 kB", 1, "0/2", "",
+         "2026-12-05 23:12:02"),
+    ]  # fmt: skip
+    output.table("checkpoints", LS_COLUMNS, rows, optional=["tensors", "chunks", "created", "kept"])
+    lines = narrow().splitlines()
+    assert all(cell_len(line) <= 80 for line in lines), lines
+    (row,) = [line for line in lines if "grpo/" in line]
+    assert "…" in row and long not in row  # elided, on its one line
+    assert "0123456789ab *" in row and "committed" in row and "503.2 MB" in row
+    assert "a.safetensors" in narrow() and "┃ version " in lines[2]  # not "versio|n"
+    assert lines[-1].startswith("(left out at this width: tensors, chunks, created, kept;")
+    assert sum("│" in line for line in lines) == 2  # a row is one line
+
+
+def test_a_table_that_fits_is_drawn_whole(narrow):
+    output.table("nodes", ["node", "state"], [("a", "up"), ("b", "down")], optional=["state"])
+    shown = narrow()
+    assert "…" not in shown and "left out" not in shown and "down" in shown
