@@ -58,6 +58,21 @@ def redis_url_from_env() -> str | None:
     return url
 
 
+def redis_advice() -> str:
+    """What to do about a Redis that does not answer, in the words of whose it is. A shared
+    one (SMOLTORRENT_REDIS_URL): it is the cluster's, so bring it back or reach it; unsetting
+    the variable would give this machine an empty Redis of its own, no fix. The embedded
+    one: `smoltorrent redis status` says how it is."""
+    url = redis_url_from_env()
+    if url:
+        return (
+            f"this machine uses the cluster's Redis at {shown_url(url)} (SMOLTORRENT_REDIS_URL):"
+            " check that it runs and that this machine reaches it (host, port, password,"
+            " firewall), then try again"
+        )
+    return "start it (`smoltorrent redis status` says how the embedded Redis is), then try again"
+
+
 def host_id() -> str:
     """This machine's name for routing: store and gather run where the file is."""
     raw = os.environ.get("SMOLTORRENT_HOST_ID") or socket.gethostname()

@@ -247,8 +247,8 @@ def ride_out(call: Callable[[], T], what: str, *, recorded: bool = True) -> T:
             unreachable = f"Redis was unreachable for {defaults.CLIENT_OUTAGE_S:.0f} s while {what}"
             if not recorded:
                 raise MetadataError(
-                    f"{unreachable} ({exc or type(exc).__name__}). Nothing was recorded:"
-                    " start Redis (`smoltorrent redis status`), then try again."
+                    f"{unreachable} ({exc or type(exc).__name__}). Nothing was recorded: "
+                    + config.redis_advice()
                 ) from exc
             raise OutcomeUnknownError(
                 f"{unreachable} ({exc or type(exc).__name__}). It is recorded and may still"

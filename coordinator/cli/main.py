@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST[:PORT]",
         help=f"node addresses; the port defaults to {defaults.DEFAULT_PORT}",
     )
+    na.add_argument(
+        "--timeout",
+        type=float,
+        default=defaults.CONNECT_TIMEOUT_S,
+        metavar="S",
+        help="seconds each node has to answer (default %(default)s)",
+    )
     _json_flag(na)
     nl = nsub.add_parser("ls", help="list registered nodes and whether they answer")
     _json_flag(nl)

@@ -11,11 +11,18 @@ from coordinator import config
 from coordinator.cli import reports
 from coordinator.cli.cluster import NODE_STATE, metadata, node_addresses
 from coordinator.cli.output import console, emit_json, human_bytes, table
-from coordinator.dataplane.node_client import NodeClient
+from coordinator.dataplane.node_client import NodeAddress, NodeClient, NodeStat
 from coordinator.state.nodes import local_node
 from smoltorrent import defaults
 from smoltorrent.cluster_key import create_key_file
-from smoltorrent.errors import ConfigError, NotFoundError, SmoltorrentError, UsageError
+from smoltorrent.errors import (
+    ConfigError,
+    NodeUnavailableError,
+    NotFoundError,
+    PeerClosedError,
+    SmoltorrentError,
+    UsageError,
+)
 
 REMOTE_KEY_FILE = "~/.smoltorrent/cluster.key"  # where every other machine keeps the key
 
@@ -73,15 +80,31 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stat(address: NodeAddress, timeout: float) -> NodeStat:
+    """The node's answer to `stat`; one that does not come within `timeout` is said with
+    the flag that gives it longer (the client's own words name no setting)."""
+    try:
+        return NodeClient(address, cluster_key=config.cluster_key(), timeout=timeout).stat()
+    except NodeUnavailableError as exc:
+        if not isinstance(exc.__cause__, TimeoutError | PeerClosedError):
+            raise
+        raise NodeUnavailableError(
+            f"node {address} did not answer within {timeout:g} s (`nodes add --timeout`):"
+            " check that `smoltorrent serve` runs there, listens beyond loopback (a cluster"
+            f" key or --insecure) and that a firewall lets port {address.port} through; on a"
+            f" slow link give it longer, e.g. `smoltorrent nodes add {address} --timeout"
+            f" {4 * timeout:g}`"
+        ) from exc
+
+
 def cmd_nodes(args: argparse.Namespace) -> int:
     md = metadata()
     if args.nodes_command == "add":
         rows = []
         found = [
-            (address, NodeClient(address, cluster_key=config.cluster_key(),
-                                 timeout=defaults.CONNECT_TIMEOUT_S).stat())
+            (address, _stat(address, args.timeout))
             for address in node_addresses(args.addresses, defaults.DEFAULT_PORT)
-        ]  # fmt: skip
+        ]
         for address, stat in found:  # every address checked before any is registered
             md.nodes.refuse_second_id(address, stat.node_id)
         for address, stat in found:

@@ -103,14 +103,16 @@ def cmd_rm(args: argparse.Namespace) -> int:
         if not vkeys:
             raise NotFoundError(f"no checkpoint named {args.name}; see `smoltorrent ls`.")
     pinned = [v for v, (pin, _) in md.versions.labels(vkeys).items() if pin]
+    unpin = "; ".join(
+        f"`smoltorrent unpin {r['name']} {r['version_id'][:12]}`" for r in _version_rows(md, pinned)
+    )
+    if args.dry_run:  # a dry run lists what would go, and what stops it
+        return _would_remove(md, args, vkeys, unpin)
     if pinned:
-        ids = ", ".join(r["version_id"][:12] for r in _version_rows(md, pinned))
         raise SmoltorrentError(
-            f"{args.name}: version(s) {ids} pinned, so nothing was removed; `smoltorrent unpin"
-            f" NAME VERSION` first"
+            f"{args.name}: {len(pinned)} of its version(s) pinned, so nothing was removed;"
+            f" unpin first: {unpin}"
         )
-    if args.dry_run:
-        return _would_remove(md, args, vkeys)
     if not args.version and not args.yes and not _confirmed(md, args.name, vkeys):
         console.print("nothing removed")
         return 1
@@ -148,10 +150,12 @@ def _version_rows(md, vkeys: list[str]) -> list[dict]:
     ]
 
 
-def _would_remove(md, args: argparse.Namespace, vkeys: list[str]) -> int:
+def _would_remove(md, args: argparse.Namespace, vkeys: list[str], unpin: str) -> int:
+    """What `rm` would remove; where a version is pinned, that rm refuses until it is
+    unpinned, and how."""
     rows = _version_rows(md, vkeys)
     if args.json:
-        emit_json({"would_remove": rows})
+        emit_json({"would_remove": rows, "refused_until": unpin or None})
         return 0
     table(
         f"rm {args.name} would remove",
@@ -167,6 +171,8 @@ def _would_remove(md, args: argparse.Namespace, vkeys: list[str]) -> int:
         ],  # fmt: skip
     )
     console.print(f"{len(rows)} version(s); nothing removed (--dry-run)")
+    if unpin:
+        warn(f"rm refuses while a version is pinned: unpin first: {unpin}")
     return 0
 
 

@@ -14,7 +14,7 @@ from coordinator.cli.output import console, emit_json, human_bytes, pieces, warn
 from coordinator.state.liveness import probe_registered
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults
-from smoltorrent.errors import OutcomeUnknownError, SmoltorrentError, UsageError
+from smoltorrent.errors import NotFoundError, OutcomeUnknownError, SmoltorrentError, UsageError
 
 
 def _wire_words(raw: int, wire: int) -> str:
@@ -90,7 +90,8 @@ def _progress(as_json: bool = False):
 
 def cmd_store(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):  # said before the task modules start Redis
-        raise SmoltorrentError(f"{os.path.abspath(args.path)}: no such file")
+        # Exit 2, as a directory with nothing to store: the path given is the mistake.
+        raise UsageError(f"{os.path.abspath(args.path)}: no such file or directory")
     asked = args.replicas is not None  # only an R given changes stored content's copies
     if asked:
         _check_replicas(args.replicas)
@@ -406,9 +407,16 @@ def cmd_wait(args: argparse.Namespace) -> int:
     from tasks.requests import StoreRequest, ctrl_c_stops_waiting, follow, ride_out
 
     md = metadata()
-    record = ride_out(  # NotFoundError says so
-        lambda: md.requests.request(args.request_id), f"reading request {args.request_id}"
-    )
+    try:
+        record = ride_out(
+            lambda: md.requests.request(args.request_id), f"reading request {args.request_id}"
+        )
+    except NotFoundError:
+        raise NotFoundError(
+            f"no request {args.request_id} is recorded here: give the whole ID that"
+            " `store --no-wait` or an interrupted wait printed, on a machine using the same"
+            " Redis; what is stored: `smoltorrent ls`, what is in flight: `smoltorrent status`"
+        ) from None
     try:
         with ctrl_c_stops_waiting():
             request, out = follow(args.request_id)

@@ -69,6 +69,6 @@ class Metadata:
             self.r.ping()
         except redis.RedisError as exc:
             raise MetadataError(
-                f"cannot reach Redis at {config.shown_url(self.url)} ({exc}). Start it, or unset "
-                "SMOLTORRENT_REDIS_URL to let smoltorrent run its own."
+                f"cannot reach Redis at {config.shown_url(self.url)} ({exc}): "
+                + config.redis_advice()
             ) from exc

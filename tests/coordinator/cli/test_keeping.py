@@ -167,6 +167,13 @@ def test_pin_keeps_a_version_from_retention_and_a_tag_names_one(c: Cluster, tmp_
     # rm refuses a pinned version; unpinned, retention takes it.
     refused = run("rm", name, "--yes", env=c.env())
     assert refused.returncode == 1 and "pinned" in refused.stderr, refused.stderr
+    # Its hint is the command itself, not one with NAME VERSION to fill in.
+    assert f"`smoltorrent unpin {name} {ids[0][:12]}`" in refused.stderr, refused.stderr
+    # A dry run lists what would go (it failed with exit 1 before), and what stops it.
+    dry = run("rm", name, "--dry-run", env=c.env())
+    assert dry.returncode == 0, dry.stderr
+    assert all(i[:12] in dry.stdout for i in (ids[0], ids[2], ids[3])), dry.stdout
+    assert f"smoltorrent unpin {name} {ids[0][:12]}" in dry.stderr, dry.stderr
     assert version_ids(c, name) == [ids[0], ids[2], ids[3]]
     assert run("unpin", name, ids[0][:12], env=c.env()).returncode == 0
     assert sweep_and_settle(c).get("retired") == 1

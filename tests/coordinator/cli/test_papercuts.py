@@ -216,7 +216,7 @@ def test_a_store_of_a_missing_file_starts_nothing(tmp_path: Path):
     """A typo in the path is said at once; it used to start the embedded Redis first."""
     env = clean_env(tmp_path)
     result = run("store", str(tmp_path / "nope.safetensors"), env=env)
-    assert result.returncode == 1
+    assert result.returncode == 2  # as an empty directory's (it was 1, that one's 2)
     assert "nope.safetensors: no such file" in one_line_error(result)
     assert not (tmp_path / "home" / "redis").exists()
 
