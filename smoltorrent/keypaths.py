@@ -20,6 +20,8 @@ torch and numpy mix: a numpy array in a torch state (numpy's RNG state,
 np.random.get_state(), beside torch's) is written as the other tensors are, from its
 own memory, and its leaf says {"as": "numpy"}: it loads back as a numpy array of the
 same dtype and bits (framework="torch"; with framework="numpy" every leaf is numpy).
+A tensor spread over ranks (DTensor, ShardedTensor) is refused, pointing to
+smoltorrent.dcp.
 
 A flat state dict (str keys, tensor values, none tied) keeps the layout it always had:
 each key is its tensor's name, no structure is written, and it loads as a dict. Tensors
@@ -47,6 +49,9 @@ Key = int | str
 Path = tuple[Key, ...]
 
 AS = "as"  # a tensor leaf's key naming the framework it loads back as, when not the state's
+
+# Tensors spread over ranks (torch.distributed): refused with where to save them instead.
+_DISTRIBUTED = frozenset({"DTensor", "ShardedTensor"})
 
 _INT_LIKE = re.compile(r"-?[0-9]+")
 _ESCAPED = re.compile(r"%([0-9A-F]{2})")
@@ -129,6 +134,14 @@ def flatten(state: Mapping[str, Any]) -> Flat:
         if isinstance(value, (list, tuple)):
             tag = "tuple" if isinstance(value, tuple) else "list"
             return {tag: [node(item, (*path, i)) for i, item in enumerate(value)]}
+        if type(value).__name__ in _DISTRIBUTED:
+            raise StateDictError(
+                f"{_where(path)} is a {type(value).__name__}, a tensor spread over ranks: "
+                "save such a state with torch.distributed.checkpoint through smoltorrent.dcp "
+                "(dcp.save(state, storage_writer=smoltorrent.dcp.Writer(name))), which "
+                "reshards it on load; or save this rank's local tensor (.to_local()) with "
+                "save_sharded(partitions=...)"
+            )
         raise StateDictError(
             f"{_where(path)} is a {type(value).__module__}.{type(value).__name__}: a saved "
             "state holds torch tensors, numpy arrays or MLX arrays, dicts, lists and tuples "

@@ -368,3 +368,56 @@ def test_save_sharded_rides_out_redis_down_and_frozen_as_save_does(make_cluster)
         trainer.kill()
     assert trainer.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1]) == {"stored": 8, "latest": 4, "w": 41.0}
+
+
+DTENSOR = """
+import json, os, torch, smoltorrent
+from smoltorrent.errors import StateDictError
+out = {}
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+dt = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+for label, call in {"dt_save": lambda: smoltorrent.save({"w": dt}, "mixed/dt"),
+                    "dt_sharded": lambda: smoltorrent.save_sharded({"m": {"w": dt}}, "mixed/dt",
+                                                                   1, 0, 1)}.items():
+    try:
+        call()
+        out[label] = None
+    except StateDictError as exc:
+        out[label] = str(exc)
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_a_dtensor_is_refused_with_a_pointer_to_smoltorrent_dcp(tmp_path):
+    """Issue 39: save_sharded refused a DTensor as any other unknown value ("a saved state
+    holds torch tensors..."). The message now says to save it through smoltorrent.dcp.
+    Refused before anything is stored or any server is asked: no cluster here."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "TEST_PORT": str(port),
+        "SMOLTORRENT_HOME": str(tmp_path),
+        "SMOLTORRENT_REDIS_URL": "redis://127.0.0.1:1/0",  # nothing answers there
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", DTENSOR],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for label in ("dt_save", "dt_sharded"):
+        assert out[label] is not None and "smoltorrent.dcp" in out[label], out[label]
+        assert "DTensor" in out[label], out[label]
