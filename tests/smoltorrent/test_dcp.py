@@ -142,3 +142,26 @@ def test_fsdp2_on_two_ranks_saves_through_writer_and_loads_into_a_plain_model(
         out = run_api(c, load_plain(name, tmp_path / "fs"))
         assert out["differ"] == [], (name, out)
         assert out["tensors"] == 16
+
+
+def test_the_dcp_page_example_saves_and_resumes(make_cluster):
+    page = (ROOT / "docs" / "dcp.md").read_text()
+    example = page.split("```python\n", 1)[1].split("```", 1)[0]
+    c = make_cluster(2)
+    check = """
+import json
+weight = model.weight.tolist()
+# Step 200 loaded again (into the model: a state dict's tensors are its parameters).
+again = state(0)
+dcp.load(again, storage_reader=smoltorrent.dcp.Reader("run1/step_200"))
+print(json.dumps({"start": start, "latest": smoltorrent.dcp.latest("run1"), "weight": weight,
+                  "step_200": again["model"]["weight"].tolist(), "step": again["step"]}))
+"""
+    first = run_api(c, example + check)
+    assert (first["start"], first["latest"]) == (0, "run1/step_200")
+    # Step 200 holds the weights the first run ended with, and the second run resumes
+    # from it.
+    assert (first["step_200"], first["step"]) == (first["weight"], 200)
+    second = run_api(c, example + check)
+    assert (second["start"], second["latest"]) == (200, "run1/step_400")
+    assert (second["step_200"], second["step"]) == (first["weight"], 200)
