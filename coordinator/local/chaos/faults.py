@@ -137,7 +137,7 @@ def draw_schedule(
     rng = random.Random(f"nemesis:{seed}")
     faults: list[Fault] = []
     t = rng.uniform(1.0, 3.0)
-    while t < seconds:
+    while t < seconds and kinds:
         kind = rng.choice(kinds)
         hold = rng.uniform(0.5, 4.0)
         target = rng.randrange(nodes) if kind.endswith("node") else 0

@@ -82,6 +82,7 @@ class ChaosRun:
     nemesis: Nemesis | None = None
     contents: Contents | None = None
     digest_of: dict[str, str] = field(default_factory=dict)  # source path -> its SHA-256
+    cli_env: dict[str, str] = field(default_factory=dict)  # over the CLI commands' environment
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def run(self) -> Report:
@@ -165,7 +166,7 @@ class ChaosRun:
         killed at `timeout`, stdout, stderr)."""
         proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator.cli", *argv],
-            env=self.cluster.env(),
+            env={**self.cluster.env(), **self.cli_env},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
