@@ -4,8 +4,10 @@ catch:
 
 - run/best.safetensors is gathered at the version before its current (a stale read);
 - eval/model.safetensors is gathered as run/latest.safetensors (a read across names);
-- a store under scratch/ says it stored (exit 0, a version key) and stores nothing (an
-  acknowledgement lost);
+- client 2's stores of run/latest.safetensors (their sources are named c2-...) say they
+  stored (exit 0, a version key) and store nothing (an acknowledgement lost);
+- an `rm` of a scratch name says it removed (exit 0) and removes nothing (a removed name
+  still served);
 - a waited store of eval/model.safetensors stores, then exits 1 (a failure reported for
   a store that committed).
 
@@ -15,6 +17,7 @@ nothing here runs in a process that does not import it.
 
 import importlib.abc
 import json
+import os
 import sys
 
 
@@ -38,7 +41,7 @@ def _plant_store(module) -> None:
     store = module.cmd_store
 
     def planted(args):
-        if args.name.startswith("scratch/"):
+        if args.name == "run/latest.safetensors" and os.path.basename(args.path).startswith("c2-"):
             print(json.dumps({"vkey": "0" * 32, "name": args.name}))
             return 0
         code = store(args)
@@ -49,7 +52,20 @@ def _plant_store(module) -> None:
     module.cmd_store = planted
 
 
+def _plant_remove(module) -> None:
+    remove = module.cmd_rm
+
+    def planted(args):
+        if args.name.startswith("scratch/"):
+            print("[]")
+            return 0
+        return remove(args)
+
+    module.cmd_rm = planted
+
+
 PLANTS = {
+    "coordinator.cli.operation_commands": _plant_remove,
     "coordinator.state.versions": _plant_versions,
     "coordinator.cli.transfer_commands": _plant_store,
 }
