@@ -84,7 +84,10 @@ def _say_starting() -> None:
 
 
 def cmd_beat(args: argparse.Namespace) -> int:
+    from beat import outage_log
     from tasks.app import app
+
+    outage_log.install(app)  # a Redis restart is two lines, not a traceback per sweep
 
     home = config.home()
     home.mkdir(parents=True, exist_ok=True)
