@@ -213,9 +213,41 @@ def _raise_conflict(name: str, step: int, world_size: int, answer: Sequence[str]
         )
 
 
-def latest_step(name: str) -> int | None:
-    """The newest step of `name` every rank finished storing; None if there is none."""
-    return _steps().latest(name)
+def latest_step(name: str, world_size: int | None = None, *, reshard: bool = False) -> int | None:
+    """The newest step of `name` every rank finished storing that was saved by
+    `world_size` ranks; None if there is none. Without world_size, this process group's
+    size (torch.distributed, when initialized); with none either, the newest step, unless
+    the name holds steps of several world sizes (WorldSizeMismatchError: say which).
+    reshard=True: the newest step of any world size (for load_sharded(reshard=True))."""
+    if world_size is not None and (
+        not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
+    ):
+        raise ShardedCheckpointError(f"world_size must be an integer >= 1, not {world_size!r}")
+    steps = _steps()
+    if reshard:
+        return steps.latest(name)
+    world_size = world_size or _process_group_size()
+    if world_size is not None:
+        return steps.latest(name, world_size)
+    sizes = sorted({s.world_size for s in steps.all(name) if s.state == COMMITTED})
+    if len(sizes) > 1:
+        raise WorldSizeMismatchError(
+            f"{name} holds complete steps saved by world sizes {_ranks(sizes, sep=' and ')}, "
+            "and nothing says which this run is: call latest_step(name, world_size=...) "
+            "(or reshard=True for the newest of any, to load with reshard=True)"
+        )
+    return steps.latest(name)
+
+
+def _process_group_size() -> int | None:
+    """torch.distributed's world size when this process is in an initialized group; never
+    imports torch for it."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_world_size()
 
 
 def load_sharded(
@@ -238,7 +270,7 @@ def load_sharded(
     _check(step, rank, world_size)
     md = connected_metadata()
     found = Steps(md.r).get(name, step)
-    latest = Steps(md.r).latest(name)
+    latest = Steps(md.r).latest(name, None if reshard else world_size)
     hint = (
         f" The newest complete step is {latest}."
         if latest is not None
@@ -385,8 +417,8 @@ def _copy(view: Any) -> Any:
     )
 
 
-def _ranks(ranks: Sequence[int], limit: int = 8) -> str:
-    shown = ", ".join(map(str, ranks[:limit]))
+def _ranks(ranks: Sequence[int], limit: int = 8, sep: str = ", ") -> str:
+    shown = sep.join(map(str, ranks[:limit]))
     return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
 
 

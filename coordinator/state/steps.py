@@ -103,10 +103,11 @@ class Steps:
         steps = (self.get(name, int(s)) for s in self.r.zrange(K.STEPS.format(name=name), 0, -1))
         return [s for s in steps if s is not None]
 
-    def latest(self, name: str) -> int | None:
-        """The newest committed step."""
+    def latest(self, name: str, world_size: int | None = None) -> int | None:
+        """The newest committed step (of `world_size` ranks, when given)."""
         for raw in self.r.zrevrange(K.STEPS.format(name=name), 0, -1):
-            if self.r.hget(K.STEP.format(name=name, step=raw), "state") == COMMITTED:
+            state, ws = self.r.hmget(K.STEP.format(name=name, step=raw), "state", "world_size")
+            if state == COMMITTED and (world_size is None or int(ws) == world_size):
                 return int(raw)
         return None
 

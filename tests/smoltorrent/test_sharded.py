@@ -421,3 +421,26 @@ def test_a_dtensor_is_refused_with_a_pointer_to_smoltorrent_dcp(tmp_path):
     for label in ("dt_save", "dt_sharded"):
         assert out[label] is not None and "smoltorrent.dcp" in out[label], out[label]
         assert "DTensor" in out[label], out[label]
+
+
+def test_latest_step_never_picks_a_step_of_another_world_size_unless_asked(make_cluster):
+    """Issue 39: a 1-rank step saved by mistake under a 2-rank run's name was picked by
+    latest_step and resharded silently. latest_step(name, world_size) takes the newest
+    step of that world size; without one (and no process group to say it) a name whose
+    steps were saved by several world sizes is refused; reshard=True asks for any."""
+    c = make_cluster(2)
+    ranks(c, "mix", 1, [0, 1], 2)
+    ranks(c, "mix", 2, [0], 1)  # the mistake: a 1-rank step, newer
+    two, one, unknown, any_size, refused = attempts(
+        c,
+        ("smoltorrent.latest_step('mix', 2)", "out"),
+        ("smoltorrent.latest_step('mix', world_size=1)", "out"),
+        "smoltorrent.latest_step('mix')",
+        ("smoltorrent.latest_step('mix', reshard=True)", "out"),
+        "smoltorrent.latest_step('mix', 0)",
+    )
+    assert two == {"value": 1} and one == {"value": 2} and any_size == {"value": 2}
+    assert unknown["error"] == "WorldSizeMismatchError", unknown
+    assert "world sizes 1 and 2" in unknown["message"], unknown
+    assert "world_size=" in unknown["message"], unknown
+    assert refused["error"] == "ShardedCheckpointError", refused
