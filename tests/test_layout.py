@@ -117,3 +117,25 @@ def test_lower_layers_never_import_upper_ones() -> None:
             if module == layer or module.startswith(layer + "."):
                 wrong += [f"{module} imports {d}" for d in deps if d.startswith(above)]
     assert wrong == []
+
+
+def test_the_store_and_gather_path_never_imports_torch() -> None:
+    """torch is smoltorrent.dcp's (the integration imports it) and the API's, lazily, never
+    the store or gather path's: coordinator, tasks, worker_server and beat import neither
+    torch nor smoltorrent.dcp, even inside a function."""
+    found = []
+    for package in ("coordinator", "worker_server", "tasks", "beat"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                else:
+                    continue
+                found += [
+                    f"{path.relative_to(ROOT)}: {n}"
+                    for n in names
+                    if n.split(".")[0] == "torch" or n.startswith("smoltorrent.dcp")
+                ]
+    assert found == []

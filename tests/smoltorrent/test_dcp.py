@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as dcp
 import smoltorrent.dcp
 from coordinator.state.steps import Steps
 from smoltorrent.dcp import metadata_json
-from smoltorrent.dcp.steps import begin, store_part
+from smoltorrent.api import manifest_metadata
+from smoltorrent.dcp.steps import DCP_METADATA_KEY, begin, store_part
 from smoltorrent.errors import PartialStepError
 from tasks.requests import connected_metadata
 from tests.smoltorrent.dcp_run import bits, load_plain, model, state, trained
@@ -67,6 +68,9 @@ print(json.dumps({
     "metadata": (back.state_dict_metadata, back.planner_data, back.version)
     == (own.state_dict_metadata, own.planner_data, own.version),
     "latest": smoltorrent.dcp.latest("run"),
+    "kept_as_json": isinstance(json.loads(manifest_metadata(
+        connected_metadata().versions.manifest(steps.get("run", 7).parts[0].vkey)
+    )[DCP_METADATA_KEY]), dict),
 }))
 """
 
@@ -79,6 +83,7 @@ def test_a_state_saved_through_writer_loads_through_reader_as_dcps_own_files_do(
     assert out["tensors"] == 16  # 4 parameters, and exp_avg, exp_avg_sq and step of each
     assert out["extra"] == ["7", "'run'"]
     assert out["metadata"] is True
+    assert out["kept_as_json"] is True  # in rank 0's part's header, read from its manifest
     # A step some rank never finished is never the newest, and reading it says why.
     assert out["latest_after_partial"] == "run/step_7"
     assert "of its 2 ranks, [0] never finished" in out["partial"], out["partial"]
