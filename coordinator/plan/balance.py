@@ -45,7 +45,11 @@ def rebalance(
     for n in nodes:
         load.setdefault(n, 0)
     for _ in range(defaults.REBALANCE_ROUNDS_PER_NODE * len(nodes)):
-        if not any(_augment(src, options, sizes, chosen, load) for src in _by_load(load)):
+        # Who serves what, once a round: a path found ends the round, none changes it.
+        served: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for index, node in chosen.items():
+            served[node][sizes[index]].append(index)
+        if not any(_augment(src, options, served, chosen, load) for src in _by_load(load)):
             return
 
 
@@ -56,14 +60,12 @@ def _by_load(load: dict[str, int]) -> list[str]:
 def _augment(
     src: str,
     options: Sequence[Collection[str]],
-    sizes: Sequence[int],
+    served: dict[str, dict[int, list[int]]],
     chosen: dict[int, str],
     load: dict[str, int],
 ) -> bool:
-    """One path of moves from src to a node that would still carry less; applied."""
-    served: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for index, node in chosen.items():
-        served[node][sizes[index]].append(index)
+    """One path of moves from src to a node that would still carry less; applied.
+    `served`: node -> shard size -> the shards of that size it serves."""
     for size in sorted(served[src], reverse=True):
         via: dict[str, tuple[str, int]] = {}  # node reached -> (node before, shard moved)
         queue = deque([src])
