@@ -47,6 +47,8 @@ def check(ops: list[Op], final: Final, faults: Iterable[dict] = ()) -> list[str]
         bad.append(f"versions still pending or removing after healing: {final.unsettled}")
     if final.under_replicated:
         bad.append(f"under-replicated after healing: {final.under_replicated}")
+    if final.diagnosis:
+        bad[-1] += f"\nthe cluster when the settling ran out: {final.diagnosis}"
     return bad
 
 

@@ -35,6 +35,7 @@ class Final:
     open_requests: list[str]
     unsettled: list[str]  # vkeys still pending or removing
     under_replicated: list[dict]
+    diagnosis: str = ""  # what the sweeps were doing, when the run did not settle (JSON)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from coordinator.local.cluster import LocalCluster
 from coordinator.state import redis_keys as K
 from coordinator.state.leaks import find_leaks
 from coordinator.state.metadata import Metadata
+from coordinator.state.sweeps import redis_clock
 from smoltorrent.errors import SmoltorrentError
 
 # Sweep intervals of a second or two, so a run of a minute heals within it; the dead
@@ -62,6 +63,9 @@ SETTLE_TIMEOUT_S = 90.0  # after healing: requests closed, nothing pending, R re
 # that stopped being used as the run settled is noted by then (only a run that found one
 # waits)
 LEAK_RECHECK_PERIODS = 2
+DIAGNOSIS_LOG_LINES = 30  # the worker's last warnings a run that did not settle reports
+# The beat sweeps whose runs it reports (beat/: each module's @sweep name)
+SWEEP_NAMES = ("health", "repair", "reconcile", "crosscheck", "scrub", "retention")
 
 
 @dataclass
@@ -263,13 +267,19 @@ class ChaosRun:
         at R; then read what the checker needs."""
         r = redis.Redis.from_url(self.cluster.redis_url, decode_responses=True)
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        diagnosis = ""
         while True:
             open_rids = r.zrange(K.REQUESTS_OPEN, 0, -1)
             _, status, _ = self._cli("status", "--json")
             versions = json.loads(self._cli("ls", "--json")[1] or "[]")
             unsettled = [v["vkey"] for v in versions if v["state"] in ("pending", "removing")]
             under = _json_or(status, {}).get("under_replicated", ["status failed"])
-            if (not open_rids and not unsettled and not under) or time.monotonic() > deadline:
+            if not open_rids and not unsettled and not under:
+                break
+            if time.monotonic() > deadline:
+                # Not settled: what the sweeps were doing goes into the verdict, so a
+                # failure seen once (a loaded CI run) says why without a replay.
+                diagnosis = self._diagnosis(r, _json_or(status, {}))
                 break
             time.sleep(1)
         requests = {}
@@ -298,7 +308,40 @@ class ChaosRun:
             kept = {op.name for op in self.ops if op.kind == "remove" and op.exit != 0}
             names = [*NAMES, *sorted(kept)]
             current = dict(zip(names, pool.map(self._final_gather, names), strict=True))
-        return Final(requests, versions, gathered, current, open_rids, unsettled, under)
+        return Final(requests, versions, gathered, current, open_rids, unsettled, under, diagnosis)
+
+    def _diagnosis(self, r: redis.Redis, status: dict) -> str:
+        """What a run that did not settle leaves to read: the nodes' health, the repairs
+        in flight, backing off or impossible, each sweep's last run, stand-downs and lock,
+        and the worker's last warnings."""
+        now = redis_clock(r)
+        sweeps = {}
+        for name in SWEEP_NAMES:
+            runs = [json.loads(x) for x in r.lrange(K.SWEEP_RUNS.format(name=name), -1, -1)]
+            sweeps[name] = {
+                "last_finished_s_ago": round(now - runs[-1]["finished"], 1) if runs else None,
+                "last_outcome": runs[-1]["outcome"] if runs else None,
+                "skipped": int(r.get(K.SWEEP_SKIPPED.format(name=name)) or 0),
+                "lock": r.get(K.SWEEP_LOCK.format(name=name)),
+                "lock_ttl_s": r.ttl(K.SWEEP_LOCK.format(name=name)),
+            }
+        log = self.cluster.root / "worker.log"
+        warnings = [
+            line[:300]
+            for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])
+            if "WARNING" in line or "ERROR" in line
+        ][-DIAGNOSIS_LOG_LINES:]
+        found = {
+            "nodes": [
+                {k: n.get(k) for k in ("node_id", "up", "state")} for n in status.get("nodes", [])
+            ],
+            "unrepairable": status.get("unrepairable"),
+            "repairs_in_flight": status.get("repairs_in_flight"),
+            "repairs_waiting": status.get("repairs_waiting"),
+            "sweeps": sweeps,
+            "worker_warnings": warnings,
+        }
+        return json.dumps(found, indent=1, default=str)
 
     def leaks(self) -> list[str]:
         """Invariant 14 once the sweeps have run (coordinator/state/leaks.py): references
