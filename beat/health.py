@@ -11,8 +11,6 @@ repair sweep."""
 
 from __future__ import annotations
 
-import time
-
 from celery.utils.log import get_task_logger
 
 from beat.repair import repair
@@ -20,6 +18,7 @@ from beat.scrub import scrub
 from beat.sweeps import sweep
 from coordinator import config
 from coordinator.state import scrub_reports
+from coordinator.state.clock import redis_clock
 from coordinator.state.liveness import DEAD, UP, node_health, probe_registered
 from tasks.context import metadata
 
@@ -29,8 +28,8 @@ log = get_task_logger(__name__)
 def run_pass() -> dict[str, int]:
     md = metadata()
     live = probe_registered(md, config.cluster_key())
-    now = time.time()
-    health = node_health(md, now, config.dead_after(), set(live))
+    now = redis_clock(md.r)  # the clock every last-seen time is written on
+    health = node_health(md, config.dead_after(), set(live), now=now)
     counts = {"up": 0, "down": 0, "dead": 0, "newly_dead": 0, "readmitted": 0, "new_bad": 0}
     declared = md.nodes.declared_dead()
     for node_id, h in sorted(health.items()):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Collection
 
 from celery.utils.log import get_task_logger
@@ -25,6 +24,7 @@ from beat.sweeps import sweep
 from coordinator import config
 from coordinator.state import redis_keys as K
 from coordinator.state import repairs
+from coordinator.state.clock import redis_clock
 from coordinator.state.liveness import node_health, probe_registered
 from coordinator.state.metadata import Metadata
 from coordinator.state.repair_plan import TRIM, Plan, placements, plan, wanted_blobs
@@ -61,7 +61,7 @@ def send_repairs(md: Metadata, only: Collection[str] | None = None) -> Plan:
 
 
 def _plan_and_send(md: Metadata, only: Collection[str] | None) -> Plan:
-    now = time.time()
+    now = redis_clock(md.r)  # what last-seen times and repair records are written on
     nodes = md.nodes.nodes()
     if only is None:
         # The health sweep keeps these fresh: a pass probes nothing itself.
@@ -69,7 +69,7 @@ def _plan_and_send(md: Metadata, only: Collection[str] | None) -> Plan:
     else:
         live = probe_registered(md, config.cluster_key(), trust_recent=True)
         alive = {n: dataclasses.asdict(stat) for n, stat in live.items()}
-    health = node_health(md, now, config.dead_after(), set(alive))
+    health = node_health(md, config.dead_after(), set(alive), now=now)
     blobs = wanted_blobs(md)
     if only is not None:
         blobs = {d: b for d, b in blobs.items() if d in only}

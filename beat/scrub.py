@@ -8,8 +8,6 @@ pass (beat/repair.py send_repairs), not at the next repair sweep."""
 
 from __future__ import annotations
 
-import time
-
 from celery.utils.log import get_task_logger
 
 from beat.repair import send_repairs
@@ -37,7 +35,7 @@ def run_pass(*, start: bool = True) -> dict[str, int]:
     md = metadata()
     nodes = md.nodes.nodes()
     alive = md.nodes.alive(nodes)
-    health = node_health(md, time.time(), config.dead_after(), set(alive))
+    health = node_health(md, config.dead_after(), set(alive))
     counted = {n for n, h in health.items() if h.state != DEAD}
     key = config.cluster_key()
     counts = {

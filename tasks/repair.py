@@ -12,13 +12,12 @@ must not wait for the next sweep (invariant 13).
 
 from __future__ import annotations
 
-import time
-
 from celery.utils.log import get_task_logger
 
 from beat.repair import send_repairs
 from coordinator import config
 from coordinator.state import repairs
+from coordinator.state.clock import redis_clock
 from coordinator.state.healing import copy_blobs, trim_blob
 from coordinator.state.repair_plan import TRIM
 from smoltorrent import defaults
@@ -70,7 +69,7 @@ def repair(
             source,
             target,
             exc,
-            until - time.time(),
+            until - redis_clock(md.r),
         )
         return f"failed: {exc}"
     finally:

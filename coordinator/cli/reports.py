@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import time
 from collections import Counter
 
 from coordinator import config
@@ -66,7 +65,7 @@ def node_rows(md: Metadata, cluster_key: bytes | None) -> tuple[list[dict], set[
     and the ids of those that answered."""
     nodes = md.nodes.nodes()
     live = probe_registered(md, cluster_key)
-    health = node_health(md, time.time(), config.dead_after(), set(live))
+    health = node_health(md, config.dead_after(), set(live))
     scrubs = scrub_reports.reports(md)
     rows = []
     for node_id, rec in sorted(nodes.items(), key=lambda kv: str(kv[1].address)):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from coordinator.dataplane.node_client import NodeStat
 from coordinator.dataplane.store_engine import probe_nodes
+from coordinator.state.clock import redis_clock
 from coordinator.state.metadata import Metadata
 
 UP, DOWN, DEAD = "up", "down", "dead"
@@ -51,11 +52,14 @@ def probe_registered(
 
 
 def node_health(
-    md: Metadata, now: float, dead_after: float, up: set[str] | None = None
+    md: Metadata, dead_after: float, up: set[str] | None = None, *, now: float | None = None
 ) -> dict[str, NodeHealth]:
-    """Every registered node's health at `now`. `up` is the set that answered a probe
-    just now (default: the nodes whose alive key is fresh). A node that never answered
-    counts its silence from when it was registered."""
+    """Every registered node's health at `now` (default: now on the Redis clock, which
+    every last-seen time is written on: a host whose clock is minutes off neither keeps a
+    dead node's copies counted nor declares a live node dead). `up` is the set that
+    answered a probe just now (default: the nodes whose alive key is fresh). A node that
+    never answered counts its silence from when it was registered."""
+    now = redis_clock(md.r) if now is None else now
     nodes = md.nodes.nodes()
     if up is None:
         up = set(md.nodes.alive(nodes))

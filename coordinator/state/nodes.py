@@ -5,7 +5,6 @@ boot id of each)."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ import redis
 
 from coordinator.dataplane.node_client import NodeAddress, NodeStat
 from coordinator.state import redis_keys as K
+from coordinator.state.clock import redis_clock
 from smoltorrent import defaults
 from smoltorrent.errors import UsageError
 
@@ -48,7 +48,7 @@ class Nodes:
     ) -> None:
         """Register (or move) a node by id. `local`: (its data directory, this host's id) for
         a node on this host's loopback, which `smoltorrent up` may start again."""
-        record = {"address": str(address), "added_at": time.time()}
+        record = {"address": str(address), "added_at": redis_clock(self.r)}
         if local is not None:
             record |= {"data_dir": local[0], "host": local[1]}
         self.r.hset(K.NODES, node_id, json.dumps(record))
@@ -94,14 +94,16 @@ class Nodes:
     # --- liveness ------------------------------------------------------------------
 
     def mark_alive(self, node_id: str, stat: dict) -> None:
-        """The node answered just now: up for NODE_ALIVE_TTL_S, and last seen now."""
+        """The node answered just now: up for NODE_ALIVE_TTL_S, and last seen now (on the
+        Redis clock, as node_health reads it)."""
+        now = redis_clock(self.r)
         with self.r.pipeline() as p:
             p.set(
                 K.NODE_ALIVE.format(node_id=node_id),
                 json.dumps(stat),
                 ex=defaults.NODE_ALIVE_TTL_S,
             )
-            p.hset(K.NODE_SEEN, node_id, repr(time.time()))
+            p.hset(K.NODE_SEEN, node_id, repr(now))
             p.delete(K.NODE_UNREACHABLE.format(node_id=node_id))
             p.execute()
 

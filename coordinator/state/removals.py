@@ -17,8 +17,8 @@ import redis
 
 from coordinator.plan.manifest import Manifest
 from coordinator.state import redis_keys as K
+from coordinator.state.clock import redis_clock
 from coordinator.state.scripts import load
-from coordinator.state.sweeps import redis_clock
 from coordinator.state.versions import COMMITTED, digests, version_keys
 from smoltorrent import defaults
 from smoltorrent.errors import MetadataError

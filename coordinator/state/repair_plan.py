@@ -28,7 +28,6 @@ it every few seconds; coordinator/state/healing.py carries each step out. Rules:
 
 from __future__ import annotations
 
-import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -178,7 +177,7 @@ def copies_against_wanted(md: Metadata, vkey: str, dead_after: float) -> dict[st
         return {}
     wanted = wanted_blobs(md)
     held = placements(md, (d for d, _ in blobs.blobs))
-    health = node_health(md, time.time(), dead_after)
+    health = node_health(md, dead_after)
     counted = {n for n, h in health.items() if h.state != DEAD}
     return {
         d: (len(held[d] & counted), wanted[d].replicas if d in wanted else blobs.replicas)

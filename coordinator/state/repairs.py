@@ -15,11 +15,11 @@ racing the repair cannot leave a copy of a removed blob in the placement).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 
 from coordinator import config
 from coordinator.state import redis_keys as K
+from coordinator.state.clock import redis_clock
 from coordinator.state.metadata import Metadata
 from coordinator.state.scripts import load
 
@@ -61,7 +61,7 @@ def claim(
 ) -> bool:
     """Record a repair about to be sent (in `session`, the task that carries it with
     others); False if the same copy is in flight already."""
-    now = time.time()
+    now = redis_clock(md.r)
     record = {"source": source, "size": size, "at": now, "deadline": now + limit_s}
     if session:
         record["session"] = session
@@ -77,7 +77,7 @@ def finished(md: Metadata, digest: str, target: str, more: list[str] = ()) -> No
 def in_flight(md: Metadata, now: float | None = None) -> list[InFlight]:
     """Repairs sent and not finished; records past their deadline (a task that died) are
     dropped, so the next pass may send them again."""
-    now = time.time() if now is None else now
+    now = redis_clock(md.r) if now is None else now
     out, stale = [], []
     for key, raw in md.r.hgetall(K.REPAIRS).items():
         digest, _, target = key.partition(":")
@@ -116,7 +116,7 @@ class Backoff:
 
 def failed(md: Metadata, digest: str, target: str, error: str, now: float | None = None) -> float:
     """A copy of digest to target failed: back off (doubling); the time it may run again."""
-    now = time.time() if now is None else now
+    now = redis_clock(md.r) if now is None else now
     raw = md.r.hget(K.REPAIR_BACKOFF, _field(digest, target))
     failures = (json.loads(raw)["failures"] if raw else 0) + 1
     delay = min(config.repair_backoff() * 2 ** (failures - 1), config.repair_backoff_max())
@@ -133,7 +133,7 @@ def succeeded(md: Metadata, digest: str, target: str) -> None:
 def backing_off(md: Metadata, now: float | None = None) -> list[Backoff]:
     """Copies waiting out a backoff now. Records older than the longest backoff (the blob
     was repaired elsewhere, or removed) are dropped: a failure that old starts over."""
-    now = time.time() if now is None else now
+    now = redis_clock(md.r) if now is None else now
     out, old = [], []
     for key, raw in md.r.hgetall(K.REPAIR_BACKOFF).items():
         digest, _, target = key.partition(":")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import redis
 
 from coordinator.state import redis_keys as K
+from coordinator.state.clock import redis_clock
 from coordinator.state.scripts import load
-from coordinator.state.sweeps import redis_clock
 from coordinator.state.wakeups import queue_wake
 from smoltorrent import defaults
 from smoltorrent.errors import NotFoundError

@@ -8,15 +8,8 @@ import json
 import redis
 
 from coordinator.state import redis_keys as K
+from coordinator.state.clock import redis_clock
 from smoltorrent import defaults
-
-
-def redis_clock(r: redis.Redis) -> float:
-    """Seconds on the Redis server's clock: one clock for every host. What the reconcile
-    sweep compares (a request's age, a remove's, a commit sent) is written on it, so a
-    host whose clock is off, or stepped, neither hides nor hurries a re-drive."""
-    seconds, micros = r.time()
-    return seconds + micros / 1e6
 
 
 def lock_holder(host: str, boot: str, run: str) -> str:

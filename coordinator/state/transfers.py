@@ -13,8 +13,8 @@ import redis
 from coordinator.dataplane.chunk_source import chunk_span
 from coordinator.plan.manifest import BlobSpan, blob_spans
 from coordinator.state import redis_keys as K
+from coordinator.state.clock import redis_clock
 from coordinator.state.scripts import load
-from coordinator.state.sweeps import redis_clock
 from coordinator.state.versions import Versions
 from smoltorrent import defaults
 from smoltorrent.errors import CopyBeingTrimmedError, NotFoundError

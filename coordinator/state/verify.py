@@ -12,7 +12,6 @@ and quarantined copies with a good copy elsewhere are discarded.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 from coordinator.dataplane.node_client import NodeClient
@@ -44,7 +43,7 @@ def verify_now(
 ) -> dict[str, Any]:
     nodes = md.nodes.nodes()
     live = probe_registered(md, cluster_key)
-    health = node_health(md, time.time(), dead_after, set(live))
+    health = node_health(md, dead_after, set(live))
     counted = {n for n, h in health.items() if h.state != DEAD}
     vkeys = [
         vkey

@@ -483,9 +483,7 @@ def test_replicas_raised_counts_no_copy_on_a_dead_node(make_cluster, tiny_tmp, t
     third, failing = sorted(set(by_id) - md.blobs.placement(digest))
     tiny_tmp(by_id[failing])
     by_id[dead_id].kill()
-    wait_until(
-        lambda: node_health(md, time.time(), 3)[dead_id].state == DEAD, 30, what="a dead node"
-    )
+    wait_until(lambda: node_health(md, 3)[dead_id].state == DEAD, 30, what="a dead node")
     store = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "up.safetensors"]
         + ["--replicas", "3"],
@@ -530,9 +528,7 @@ def test_a_failing_targets_backoff_doubles_from_a_minute_up_to_an_hour(
     (failing_id,) = set(by_id) - md.blobs.placement(digest)
     tiny_tmp(by_id[failing_id])  # the only target left: every put it takes fails
     by_id[dead_id].kill()
-    wait_until(
-        lambda: node_health(md, time.time(), 3)[dead_id].state == DEAD, 30, what="a dead node"
-    )
+    wait_until(lambda: node_health(md, 3)[dead_id].state == DEAD, 30, what="a dead node")
     run_sweep(c, "health")
     field = f"{digest}:{failing_id}"
 

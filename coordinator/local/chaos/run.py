@@ -32,9 +32,9 @@ from coordinator.local.chaos.workload import (
 )
 from coordinator.local.cluster import LocalCluster
 from coordinator.state import redis_keys as K
+from coordinator.state.clock import redis_clock
 from coordinator.state.leaks import find_leaks
 from coordinator.state.metadata import Metadata
-from coordinator.state.sweeps import redis_clock
 from smoltorrent.errors import SmoltorrentError
 
 # Sweep intervals of a second or two, so a run of a minute heals within it; the dead
