@@ -287,6 +287,12 @@ def dead_after() -> float:
     return _seconds_from_env("SMOLTORRENT_DEAD_AFTER_S", defaults.DEAD_AFTER_S)
 
 
+def step_patience() -> float:
+    """Seconds save_sharded(wait=True) waits for a rank that has not begun its part of the
+    step (SMOLTORRENT_STEP_PATIENCE_S)."""
+    return _seconds_from_env("SMOLTORRENT_STEP_PATIENCE_S", defaults.STEP_PATIENCE_S)
+
+
 def scrub_interval() -> float:
     """Seconds between scrub sweeps (SMOLTORRENT_SCRUB_INTERVAL_S)."""
     return _seconds_from_env("SMOLTORRENT_SCRUB_INTERVAL_S", defaults.SCRUB_INTERVAL_S)

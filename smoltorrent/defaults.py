@@ -574,6 +574,23 @@ WRITER_IDLE_POLL_S = 0.5  # seconds between a writer's checks that its trainer i
 # shared memory held between saves
 SNAPSHOT_POOL_BUFFERS = 1
 
+# --- steps of per-rank parts (smoltorrent/sharded.py, coordinator/state/steps.py) ---
+
+# seconds between the heartbeats a rank's writer records while it stores its part of a
+# step: one small Redis write, so that others can tell a part in flight from a dead one
+STEP_BEAT_S = 5.0
+# seconds without a heartbeat after which a part that began counts as abandoned (its
+# writer died: killed, or its machine lost): six missed beats, so a Redis hiccup of a few
+# seconds never makes a live part look dead
+STEP_STALE_S = 30.0
+# seconds save_sharded(wait=True) waits, once this rank's part is stored, for a rank that
+# has not begun its part (SMOLTORRENT_STEP_PATIENCE_S); a rank whose writer still beats is
+# waited for past it (its writer gives up after SAVE_PATIENCE_S and says so), a failed or
+# abandoned one is reported at once. Ten minutes, as torch.distributed's default NCCL
+# timeout: a rank that has not reached its save by then has not reached it at all.
+STEP_PATIENCE_S = 600.0
+STEP_WAIT_POLL_S = 0.2  # seconds between looks at the step while wait=True waits for it
+
 # --- the local tier (smoltorrent/local_tier.py) ----------------------------------
 
 # saves kept on the training machine once committed (SMOLTORRENT_LOCAL_KEEP; 0: none):

@@ -10,9 +10,13 @@ A rank's part is an ordinary checkpoint named `NAME/step-SSSSSSSS/rank-RRRRR-of-
 .safetensors`, stored through save() (wait=False works the same). Once a part is
 committed, its version is recorded in the step's Redis hash (coordinator/state/
 steps.py); the rank that records the last part commits the step in the same script.
+save_sharded(wait=True) returns once the whole step is committed (every rank's part),
+not only this rank's part: a load right after it, on any rank, finds the step.
 load_sharded refuses, each with its own error under ShardedCheckpointError: a world
 size other than the step's (WorldSizeMismatchError), a step not every rank finished
-(PartialStepError), a committed step one of whose parts is gone (MissingRankError).
+(PartialStepError, saying of each missing rank whether its part is still in flight,
+abandoned, failed, or not begun), a committed step one of whose parts is gone
+(MissingRankError).
 A saved part's version id (a SHA-256 over its header and blob digests) is the rank's
 digest; loading it verifies every byte against the blob digests.
 
@@ -34,9 +38,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from coordinator import config
 from coordinator.plan.manifest import storage_key
 from coordinator.state.steps import (
     COMMITTED,
@@ -47,6 +53,7 @@ from coordinator.state.steps import (
     STEP_NAME_KEY,
     WORLD_SIZE_KEY,
     Part,
+    Step,
     Steps,
 )
 from coordinator.state.versions import COMMITTED as VERSION_COMMITTED
@@ -109,7 +116,10 @@ def save_sharded(
     partitions: Mapping[str, tuple[str, int, int]] | None = None,
 ) -> SavedVersion | SaveHandle:
     """Save this rank's part of `step`; the step commits when every rank's part is stored.
-    Returns what save() returns for the part (a SaveHandle with wait=False).
+    With wait=True, return once the whole step is committed (this rank's part's
+    SavedVersion); PartialStepError if another rank's part failed or was abandoned, or
+    a rank never began its part within SMOLTORRENT_STEP_PATIENCE_S. With wait=False, a
+    SaveHandle of this rank's part (its result() is the part's commit only).
     `partitions`: {key path: ("flat", offset, total) or ("rows", first_row, total_rows)}
     for the tensors that are this rank's share of a larger one, so that
     load_sharded(..., reshard=True) can re-partition them for another world size."""
@@ -133,7 +143,41 @@ def save_sharded(
     if keep_last is not None:
         spec["keep_last"] = keep_last
     handle = start_save(state_dict, part, replicas, {**(metadata or {}), **own}, staging_dir, spec)
-    return handle.result() if wait else handle
+    if not wait:
+        return handle
+    saved = handle.result()
+    _wait_for_step(name, step, rank, world_size, saved)
+    return saved
+
+
+def _wait_for_step(name: str, step: int, rank: int, world_size: int, saved: SavedVersion) -> None:
+    """Return once the step is committed (every rank's part recorded). A rank whose part
+    failed or was abandoned ends the wait at once; one that has not begun its part is
+    waited for SMOLTORRENT_STEP_PATIENCE_S; one whose writer still beats, as long as it
+    does (its writer gives up after SAVE_PATIENCE_S and records the failure)."""
+    patience = config.step_patience()
+    deadline = time.monotonic() + patience
+    steps = _steps()
+    while True:
+        found = steps.get(name, step)
+        if found is None or found.state != PENDING:
+            # Committed (or committed and pruned by keep_last since): whole. Nothing else
+            # takes a step out of pending.
+            return
+        now = time.time()
+        kinds = _missing(found, now)
+        give_up = kinds["failed"] or kinds["abandoned"]
+        if not give_up and time.monotonic() > deadline and kinds["not begun"]:
+            give_up = True
+        if give_up:
+            latest = steps.latest(name, world_size)
+            waited = "" if not kinds["not begun"] else f" (waited {patience:g} s for it)"
+            raise PartialStepError(
+                f"step {step} of {name} is not whole: rank {rank}'s part is stored (version "
+                f"{saved.version_id[:12]}), but {_describe(found, kinds, now)}{waited}. "
+                + _advice(name, step, found, kinds, latest)
+            )
+        time.sleep(defaults.STEP_WAIT_POLL_S)
 
 
 def _check_partitions(
@@ -181,10 +225,121 @@ def _count(tensor: Any) -> int:
 
 
 def begin_part(spec: dict[str, Any]) -> None:
-    """Open the part's step, or join it (the writer runs this before submitting the
-    part's store); WorldSizeMismatchError or ShardedCheckpointError for a conflict."""
+    """Open the part's step, or join it, marking this rank's part begun (the writer runs
+    this before submitting the part's store); WorldSizeMismatchError or
+    ShardedCheckpointError for a conflict."""
     name, step, world_size = spec["name"], spec["step"], spec["world_size"]
-    _raise_conflict(name, step, world_size, _steps().begin(name, step, world_size))
+    answer = _steps().begin(name, step, world_size, spec["rank"])
+    _raise_conflict(name, step, world_size, answer)
+
+
+def beat_part(spec: dict[str, Any]) -> None:
+    """The writer still stores this rank's part (every STEP_BEAT_S while it does)."""
+    _steps().beat(spec["name"], spec["step"], spec["rank"])
+
+
+def fail_part(spec: dict[str, Any], error: str) -> None:
+    """This rank's part failed for good: the other ranks stop waiting for it."""
+    _steps().fail(spec["name"], spec["step"], spec["rank"], error)
+
+
+_KINDS_MISSING = ("failed", "abandoned", "in flight", "not begun")
+
+
+def _missing(found: Step, now: float) -> dict[str, list[int]]:
+    """The ranks of a pending step whose part is not recorded, by what became of it:
+    failed (its writer recorded a failure), abandoned (it began, and its writer has been
+    silent past STEP_STALE_S: it died), in flight (began, its writer beats), not begun."""
+    kinds: dict[str, list[int]] = {k: [] for k in _KINDS_MISSING}
+    for r in range(found.world_size):
+        if r in found.parts:
+            continue
+        if r in found.failed:
+            kinds["failed"].append(r)
+        elif r not in found.begun:
+            kinds["not begun"].append(r)
+        elif now - found.beats.get(r, found.begun[r]) > defaults.STEP_STALE_S:
+            kinds["abandoned"].append(r)
+        else:
+            kinds["in flight"].append(r)
+    return kinds
+
+
+def _describe(found: Step, kinds: dict[str, list[int]], now: float) -> str:
+    """What became of each missing rank's part, in words."""
+
+    def ago(t: float) -> str:
+        return f"{max(0, round(now - t))} s ago"
+
+    said = []
+    for kind in _KINDS_MISSING:
+        ranks = kinds[kind]
+        if not ranks:
+            continue
+        one, first = len(ranks) == 1, ranks[0]
+        who = f"rank {first}" if one else f"ranks {_ranks(ranks)}"
+        began = ago(found.begun[first]) if first in found.begun else None
+        if kind == "in flight":
+            said.append(
+                f"rank {first}'s part is still being stored (began {began})"
+                if one
+                else f"{who} are still storing their parts (rank {first} began {began})"
+            )
+        elif kind == "failed":
+            at, error = found.failed[first]
+            said.append(
+                f"rank {first} began {began} and failed {ago(at)}: abandoned ({error})"
+                if one and began
+                else f"{who} failed storing {'its part' if one else 'their parts'}: "
+                f"abandoned (rank {first}, {ago(at)}: {error})"
+            )
+        elif kind == "abandoned":
+            silent = ago(found.beats.get(first, found.begun[first]))
+            said.append(
+                f"{who} began {began if one else 'their parts'} and "
+                f"{'its writer has' if one else 'their writers have'} not been heard from "
+                f"since {silent if one else 'long ago'}: abandoned (the writer died, or its "
+                "machine did)"
+            )
+        else:
+            said.append(
+                f"{who} never finished storing {'its part' if one else 'their parts'}: "
+                f"{'it has' if one else 'they have'} not begun "
+                f"{'it' if one else 'them'} (not saved yet, or died first)"
+            )
+    return "; ".join(said)
+
+
+def _advice(
+    name: str, step: int, found: Step, kinds: dict[str, list[int]], latest: int | None
+) -> str:
+    """What to do about a partial step."""
+    gone = kinds["failed"] + kinds["abandoned"]
+    missing = sorted(gone or kinds["not begun"] or kinds["in flight"])
+    redo = (
+        f"save_sharded(state, {name!r}, {step}, {missing[0]}, {found.world_size})"
+        if len(missing) == 1
+        else f"save_sharded(state, {name!r}, {step}, rank, {found.world_size}) on each of them"
+    )
+    older = (
+        f"resume from the newest complete step, {latest}"
+        if latest is not None
+        else "no step of it is complete"
+    )
+    if gone:
+        return (
+            f"It will not commit by itself: {older}, or save the step again on "
+            f"{'that rank' if len(missing) == 1 else 'those ranks'}: {redo} (the parts "
+            "stored already count)."
+        )
+    if kinds["in flight"]:
+        return (
+            "It may still commit: load it once save_sharded(..., wait=True) has returned on "
+            f"every rank (it returns when the whole step is stored), or {older}."
+        )
+    if latest is not None:
+        return f"To load it, {older}, or commit this one: {redo}."
+    return f"To load it, commit it ({older}): {redo}."
 
 
 def record_part(spec: dict[str, Any], part: str, saved: SavedVersion) -> None:
@@ -292,23 +447,12 @@ def load_sharded(
         )
     if found.state != COMMITTED:
         # The stored step's ranks, not the loading world's: under reshard=True they differ.
-        missing = sorted(set(range(found.world_size)) - set(found.parts))
-        one = len(missing) == 1
-        redo = (
-            f"save_sharded({name!r}, {step}, {missing[0]}, {found.world_size})"
-            if one
-            else f"save_sharded({name!r}, {step}, rank, {found.world_size}) on each of them"
-        )
-        resume = (
-            f"resume from the newest complete step, {latest}, or commit this one: {redo}"
-            if latest is not None
-            else f"no step of it is complete; commit this one: {redo}"
-        )
+        now = time.time()
+        kinds = _missing(found, now)
         raise PartialStepError(
             f"step {step} of {name} is partial: of its {found.world_size} ranks, "
-            f"{'rank' if one else 'ranks'} {_ranks(missing)} never finished storing "
-            f"{'its' if one else 'their'} part, so it was never committed. To load it, "
-            f"{resume}."
+            f"{_describe(found, kinds, now)}, so it is not committed. "
+            + _advice(name, step, found, kinds, latest)
         )
     gone = [
         r

@@ -183,20 +183,37 @@ class Writer:
                 self.finish(path, fd, record, saved, keep_record=False)
 
     def store(self, path: str, record: dict[str, Any]) -> Any:
+        staged, step = record["staged"], record.get("step")
+        read_header(staged)  # a bad file fails for good here, never retried
+        sidecar = Path(_request_path(path))
+        request = sidecar.read_text() if sidecar.exists() else None
+        deadline = time.monotonic() + defaults.SAVE_PATIENCE_S
+        # A rank's part of a step (smoltorrent/sharded.py) opens the step first; a part
+        # whose store was submitted already (adopted) had its step opened then.
+        begun = step is None or request is not None
+        beating = threading.Event()
+        if step is not None:  # others tell this part in flight from a dead one by its beat
+            threading.Thread(target=_beat, args=(step, beating), daemon=True).start()
+        try:
+            return self._store(record, request, sidecar, begun, deadline)
+        finally:
+            beating.set()
+
+    def _store(
+        self,
+        record: dict[str, Any],
+        request: str | None,
+        sidecar: Path,
+        begun: bool,
+        deadline: float,
+    ) -> Any:
         from redis.exceptions import RedisError
 
         from smoltorrent.api import SavedVersion
         from tasks.requests import StoreRequest, connected_metadata, submit_store, wait_store
 
         staged, name, step = record["staged"], record["name"], record.get("step")
-        read_header(staged)  # a bad file fails for good here, never retried
-        sidecar = Path(_request_path(path))
-        request = sidecar.read_text() if sidecar.exists() else None
-        deadline = time.monotonic() + defaults.SAVE_PATIENCE_S
         last_error = None
-        # A rank's part of a step (smoltorrent/sharded.py) opens the step first; a part
-        # whose store was submitted already (adopted) had its step opened then.
-        begun = step is None or request is not None
         saved = None
         while True:
             try:
@@ -258,6 +275,8 @@ class Writer:
                     "is fixed."
                 )
             log.error("%s", error)
+            if record.get("step") and not isinstance(outcome, (ShardedCheckpointError, _Pending)):
+                _fail(record["step"], error)  # the other ranks stop waiting for this part
             message = {
                 "id": record["id"],
                 "ok": False,
@@ -318,6 +337,29 @@ class Writer:
 
 class _Pending(SmoltorrentError):
     """Not submitted within SAVE_PATIENCE_S; the record stays for the next writer."""
+
+
+def _beat(step: dict[str, Any], done: threading.Event) -> None:
+    """Heartbeats of a rank's part while its store runs; a beat Redis misses is the next
+    one's to make (the part counts as abandoned only after STEP_STALE_S of silence)."""
+    from smoltorrent.sharded import beat_part
+
+    while not done.wait(defaults.STEP_BEAT_S):
+        try:
+            beat_part(step)
+        except Exception as exc:  # noqa: BLE001 (Redis away: the store rides it out)
+            log.debug("heartbeat of %s missed: %s", step, exc)
+
+
+def _fail(step: dict[str, Any], error: str) -> None:
+    """Record the part's failure in its step, if Redis answers; if not, its beat going
+    stale says the same, later."""
+    from smoltorrent.sharded import fail_part
+
+    try:
+        fail_part(step, error)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("the failure of %s's part is not recorded in its step: %s", step, exc)
 
 
 def _serialize(snapshot: str, layout: list[list[Any]], header: dict | None, out: str) -> None:

@@ -5,7 +5,11 @@ Each rank's part of a step is an ordinary checkpoint (its own name, versions and
 manifest). A step is a hash: its world size, its state and, per rank, the version
 that rank stored. It moves pending -> committed in the same Lua script that records
 the last rank's part, so it is complete for every reader at once or for none; a
-reader ignores anything not committed (torchsnapshot's marker-last rule). A step is
+reader ignores anything not committed (torchsnapshot's marker-last rule). While a step
+is pending, each rank's writer marks when it began its part (`begun:R`), beats while it
+stores it (`beat:R`, every STEP_BEAT_S) and records a failure for good (`failed:R`), so
+that a reader tells a part still in flight from one abandoned (failed, or its writer
+silent past STEP_STALE_S: it died). A step is
 only ever marked removing once it is committed and older than the K newest, and a
 pending step (a save in flight, or one a crash left behind) is never removed by
 keep-last-K: only `remove_step` does that.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -27,6 +31,9 @@ COMMITTED = "committed"
 REMOVING = "removing"
 
 _RANK = "rank:"  # hash field prefix of one rank's part
+_BEGUN = "begun:"  # ... of when a rank's writer began storing its part (unix s)
+_BEAT = "beat:"  # ... of the last heartbeat of that writer (unix s)
+_FAILED = "failed:"  # ... of its failure for good: {"at", "error"}, JSON
 
 # Metadata keys each rank's part carries in its own safetensors header, so the nodes
 # alone say which step it belongs to (rebuild restores steps from them).
@@ -55,6 +62,9 @@ class Step:
     state: str
     parts: dict[int, Part]
     created_at: float
+    begun: dict[int, float] = field(default_factory=dict)  # rank -> when its part began
+    beats: dict[int, float] = field(default_factory=dict)  # rank -> its writer's last beat
+    failed: dict[int, tuple[float, str]] = field(default_factory=dict)  # rank -> (when, why)
 
 
 class Steps:
@@ -63,13 +73,27 @@ class Steps:
         self._begin = load(r, "steps/begin")
         self._complete = load(r, "steps/complete")
         self._mark_removing = load(r, "steps/mark_removing")
+        self._beat = load(r, "steps/beat")
+        self._fail = load(r, "steps/fail")
 
-    def begin(self, name: str, step: int, world_size: int) -> list[str]:
-        """Open the step (or join it): ["ok"], ["world_size", theirs] or ["state", state]."""
+    def begin(self, name: str, step: int, world_size: int, rank: int | None = None) -> list[str]:
+        """Open the step (or join it): ["ok"], ["world_size", theirs] or ["state", state].
+        With `rank`, that rank's part is marked begun (and alive) now."""
         return self._begin(
             keys=[K.STEP.format(name=name, step=step), K.STEPS.format(name=name)],
-            args=[step, world_size, time.time()],
+            args=[step, world_size, time.time(), "" if rank is None else rank],
         )
+
+    def beat(self, name: str, step: int, rank: int) -> bool:
+        """The rank's writer is still storing its part; False once the step is not pending."""
+        return bool(
+            self._beat(keys=[K.STEP.format(name=name, step=step)], args=[rank, time.time()])
+        )
+
+    def fail(self, name: str, step: int, rank: int, error: str) -> bool:
+        """The rank's part failed for good; False once the step is not pending."""
+        failure = json.dumps({"at": time.time(), "error": error})
+        return bool(self._fail(keys=[K.STEP.format(name=name, step=step)], args=[rank, failure]))
 
     def complete(self, name: str, step: int, world_size: int, part: Part) -> list[str]:
         """Record a rank's stored part: ["committed"] when it was the last one, ["pending"],
@@ -89,6 +113,11 @@ class Steps:
             for field, value in raw.items()
             if field.startswith(_RANK)
         }
+
+        def per_rank(prefix: str) -> dict[int, str]:
+            return {int(f[len(prefix) :]): v for f, v in raw.items() if f.startswith(prefix)}
+
+        failed = {r: json.loads(v) for r, v in per_rank(_FAILED).items()}
         return Step(
             name=name,
             step=step,
@@ -96,6 +125,9 @@ class Steps:
             state=raw["state"],
             parts=parts,
             created_at=float(raw["created_at"]),
+            begun={r: float(v) for r, v in per_rank(_BEGUN).items()},
+            beats={r: float(v) for r, v in per_rank(_BEAT).items()},
+            failed={r: (float(f["at"]), str(f["error"])) for r, f in failed.items()},
         )
 
     def all(self, name: str) -> list[Step]:

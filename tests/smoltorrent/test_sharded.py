@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+from coordinator.state import redis_keys as K
 from tests.smoltorrent.conftest import ROOT, run_api
 from tests.tasks.conftest import wait_until
 
@@ -21,7 +22,9 @@ from tests.checkpoints import llm_like_tensors
 name, step, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 keep = int(sys.argv[5]) if len(sys.argv) > 5 else None
 sd = llm_like_tensors(layers=1, hidden=16, seed=1000 * step + rank)
-saved = smoltorrent.save_sharded(sd, name, step, rank, world, keep_last=keep)
+# This rank's part only: some tests leave a step partial on purpose, which wait=True
+# (the whole step) would wait out.
+saved = smoltorrent.save_sharded(sd, name, step, rank, world, keep_last=keep, wait=False).result()
 print(json.dumps({"version_id": saved.version_id}))
 """
 
@@ -87,7 +90,8 @@ except WorldSizeMismatchError as exc:
 # Step 2 of the 4 ranks: rank 2 never stores its part. Resharding it onto 2 or 8 ranks is
 # refused, naming the stored step's missing rank (not ranks of the world loading it).
 for r in (0, 1, 3):
-    smoltorrent.save_sharded(*share(r, 4)[:1], "zero", 2, r, 4, partitions=share(r, 4)[1])
+    smoltorrent.save_sharded(*share(r, 4)[:1], "zero", 2, r, 4, partitions=share(r, 4)[1],
+                             wait=False).result()
 for world in (2, 8):
     try:
         smoltorrent.load_sharded("zero", 2, 0, world, reshard=True)
@@ -185,7 +189,7 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
         message = resharded[f"partial{world}"]
         assert "of its 4 ranks, rank 2 never finished" in message, message
         assert "newest complete step, 1" in message, message
-        assert "save_sharded('zero', 2, 2, 4)" in message, message
+        assert "save_sharded(state, 'zero', 2, 2, 4)" in message, message
 
     # A missing rank: one rank's part of the committed step removed behind its back.
     c.cli("rm", "run/step-00000100/rank-00001-of-00003.safetensors", "--yes")
@@ -444,3 +448,131 @@ def test_latest_step_never_picks_a_step_of_another_world_size_unless_asked(make_
     assert "world sizes 1 and 2" in unknown["message"], unknown
     assert "world_size=" in unknown["message"], unknown
     assert refused["error"] == "ShardedCheckpointError", refused
+
+
+# One rank of a 2-rank step: rank 0 saves after `delay` s (the slower rank), the other
+# at once; each loads its part right after save_sharded(wait=True) returns.
+WHOLE = """
+import json, sys, time, torch, smoltorrent
+from smoltorrent.errors import SmoltorrentError
+
+name, step, rank, delay = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+time.sleep(delay)
+started = time.time()
+out = {"started": started}
+try:
+    smoltorrent.save_sharded({"w": torch.full((256, 256), float(rank))}, name, step, rank, 2)
+    out["returned"] = time.time()
+    out["loaded"] = float(smoltorrent.load_sharded(name, step, rank, 2)["w"][0, 0])
+except SmoltorrentError as exc:
+    out.update(returned=time.time(), error=type(exc).__name__, message=str(exc))
+print(json.dumps(out))
+"""
+
+
+def both_ranks(cluster, name: str, step: int, delays, env=None) -> list[dict]:
+    """Each rank of `delays` ({rank: delay} or delays in rank order) its own process."""
+    delays = delays if isinstance(delays, dict) else dict(enumerate(delays))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WHOLE, name, str(step), str(r), str(d)],
+            env={**cluster.env(), **(env or {})},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, d in delays.items()
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def test_save_sharded_wait_returns_once_the_whole_step_is_stored(make_cluster):
+    """Issue 39: save_sharded(wait=True) returned once this rank's part was stored, so a
+    load right after it on the faster rank raised PartialStepError while rank 0 was still
+    saving. It returns once every rank's part is committed: the load right after it
+    finds the step, on either rank."""
+    c = make_cluster(2)
+    slow, fast = both_ranks(c, "whole", 1, (2.5, 0))
+    assert "error" not in fast, fast["message"]
+    assert fast["returned"] > slow["started"], (fast, slow)  # it waited for rank 0
+    assert fast["loaded"] == 1.0 and slow["loaded"] == 0.0, (fast, slow)
+
+
+HOLD = """
+import json, sys, torch, smoltorrent
+from smoltorrent import api
+
+rank = int(sys.argv[1])
+handle = smoltorrent.save_sharded({"w": torch.ones(4)}, "held", 1, rank, 2, wait=False)
+if rank == 1:
+    handle.result()
+print(json.dumps({"writer": next(iter(api._writers.values())).proc.pid}))
+"""
+
+
+def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_cluster):
+    """Issue 39: PartialStepError said rank 0 "never finished storing" and to call
+    save_sharded while rank 0 was still saving. A pending step now records when each
+    rank's writer began its part, its heartbeat and its failure, and the error says which:
+    still being stored, abandoned (failed, or its writer silent: died), or not begun."""
+    c = make_cluster(2)
+    hold = [sys.executable, "-c", HOLD]
+    run = subprocess.run([*hold, "1"], env=c.env(), cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    c.kill_worker()  # rank 0's part is begun, and its store waits for a worker
+    run = subprocess.run([*hold, "0"], env=c.env(), cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    writer = json.loads(run.stdout.strip().splitlines()[-1])["writer"]
+    key = K.STEP.format(name="held", step=1)
+    wait_until(lambda: c.md.r.hexists(key, "begun:0"), what="rank 0's part begun")
+    load = "smoltorrent.load_sharded('held', 1, 1, 2)"
+    (flight,) = attempts(c, load)
+    assert flight["error"] == "PartialStepError", flight
+    assert "rank 0's part is still being stored (began" in flight["message"], flight
+    assert "It may still commit" in flight["message"], flight
+    assert "never finished" not in flight["message"], flight
+
+    # Its writer dies (the trainer went first): its heartbeat stops. Dated back past
+    # STEP_STALE_S rather than waited for.
+    os.kill(writer, signal.SIGKILL)
+    c.md.r.hset(key, "beat:0", float(c.md.r.hget(key, "beat:0")) - 120)
+    (dead,) = attempts(c, load)
+    assert "rank 0 began" in dead["message"] and "abandoned" in dead["message"], dead
+    assert "save_sharded(state, 'held', 1, 0, 2)" in dead["message"], dead
+
+    # A rank that never begins its part: wait=True gives up after the step's patience.
+    c.start_worker(env={"SMOLTORRENT_NO_NODE_RETRIES": "0"})
+    (alone,) = both_ranks(c, "never", 1, {1: 0}, env={"SMOLTORRENT_STEP_PATIENCE_S": "1"})
+    assert alone["error"] == "PartialStepError", alone
+    assert "rank 0 never finished storing its part: it has not begun" in alone["message"]
+    assert "waited 1 s" in alone["message"], alone
+
+    # A part that fails for good (no node left, and no retry of that): rank 1, stored and
+    # waiting for it, stops at once, naming it, rather than waiting out its patience.
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", WHOLE, "failed", "1", "1", "0"],
+        env=c.env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    failed = K.STEP.format(name="failed", step=1)
+    wait_until(lambda: c.md.r.hexists(failed, "rank:1"), what="rank 1's part recorded")
+    for node in c.node_procs:
+        node.kill()
+    (failing,) = both_ranks(c, "failed", 1, {0: 0})
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    waiting = json.loads(out.strip().splitlines()[-1])
+    assert "error" in failing, failing
+    assert waiting["error"] == "PartialStepError", waiting
+    assert "rank 0 began" in waiting["message"] and "failed" in waiting["message"], waiting
+    assert "rank 1's part is stored" in waiting["message"], waiting
+    assert waiting["returned"] - failing["returned"] < 5, (waiting, failing)

@@ -161,7 +161,10 @@ def test_every_caller_passes_the_keys_its_script_names(md, calls):
     assert seq > 0 and md.requests.start_request("r1", "boot", "boot:1").found == "queued"
     assert md.requests.renew_lease("r1", "boot:1", 30)
     steps = Steps(md.r)
-    assert steps.begin("sharded", 7, 1) == ["ok"]
+    assert steps.begin("sharded", 7, 1, 0) == ["ok"]
+    assert steps.beat("sharded", 7, 0)
+    assert steps.fail("sharded", 7, 0, "its store failed")
+    assert steps.get("sharded", 7).failed[0][1] == "its store failed"
     part = Part(rank=0, name="sharded/rank0", vkey=b, version_id="v", size=1)
     assert steps.complete("sharded", 7, 1, part) == ["committed"]
     assert steps.mark_removing("sharded", 7)

@@ -8,6 +8,8 @@
     ARGV[1] step: the step number
     ARGV[2] world_size: number of ranks
     ARGV[3] now: unix time (s)
+    ARGV[4] rank: the rank beginning its part ('' for none): marks it begun and alive
+          now and clears a failure it recorded (the part is tried again)
 
   Output:
     {"ok"} | {"world_size", theirs} | {"state", state}
@@ -20,5 +22,9 @@ if not ws then
   redis.call('HSET', KEYS[1], 'world_size', ARGV[2], 'state', 'pending', 'parts', 0,
              'created_at', ARGV[3])
   redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+end
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], 'begun:' .. ARGV[4], ARGV[3], 'beat:' .. ARGV[4], ARGV[3])
+  redis.call('HDEL', KEYS[1], 'failed:' .. ARGV[4])
 end
 return {'ok'}
