@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from coordinator import config
+from coordinator.plan.file_pack import PACK_FILE, is_pack
 from coordinator.plan.manifest import Manifest, check_name
 from coordinator.plan.safetensors_header import parse_header, read_header
 from coordinator.plan.selection import pick
@@ -479,10 +480,15 @@ def _load_directory(
     `tensors`, only the files holding a match are read, and of them only the matches."""
     md = metadata()
     found = _read(lambda: Directories(md.r).get(name, version), name)
-    wanted: dict[str, list[str] | None] = dict.fromkeys(found.files)
+    files = dict(found.files)
+    if PACK_FILE in files:  # the directory's other files (store --all-files): no tensors
+        pack = _read(lambda: md.versions.manifest(files[PACK_FILE].vkey), name)
+        if is_pack(pack.header()):
+            del files[PACK_FILE]
+    wanted: dict[str, list[str] | None] = dict.fromkeys(files)
     if tensors is not None:
         manifests = {
-            f: _read(lambda m=m: md.versions.manifest(m.vkey), name) for f, m in found.files.items()
+            f: _read(lambda m=m: md.versions.manifest(m.vkey), name) for f, m in files.items()
         }
         names = {f: [t.name for t in m.header().tensors] for f, m in manifests.items()}
         chosen, missing = pick([t for ts in names.values() for t in ts], tensors)

@@ -18,10 +18,13 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from coordinator import config
+from coordinator.dataplane.pack_io import unpack, write_pack
 from coordinator.dataplane.staged_output import staged_directory
 from coordinator.plan.directory import (
     RECORD_FILE,
@@ -31,11 +34,13 @@ from coordinator.plan.directory import (
     plan_directory,
     record_bytes,
 )
+from coordinator.plan.file_pack import PACK_FILE
 from coordinator.plan.manifest import check_name
 from coordinator.state.directories import Directories, DirectoryVersion, Member
 from smoltorrent import defaults, durable
 from smoltorrent.errors import SmoltorrentError
 from tasks.requests import (
+    StoreRequest,
     connected_metadata,
     submit_gather,
     submit_store,
@@ -60,19 +65,60 @@ def store_directory(
     name: str | None = None,
     replicas: int = defaults.DEFAULT_REPLICAS,
     on_file: Callable[[str], None] | None = None,
+    *,
+    all_files: bool = False,
 ) -> StoredDirectory:
-    """Store the directory at `path` as one version of `name` (default: its base name)."""
-    plan = plan_directory(path)
+    """Store the directory at `path` as one version of `name` (default: its base name).
+    all_files: every other file in it (and its folders) too, byte for byte, in one more
+    member, NAME/.files.safetensors (coordinator/plan/file_pack.py); else only the
+    .safetensors files and the index are stored."""
+    plan = plan_directory(path, all_files=all_files)
     name = name or os.path.basename(plan.root.rstrip(os.sep))
-    for file in plan.files:  # every name first: a bad one queues none of the files
+    members = [*plan.files, *([PACK_FILE] if plan.other_files else [])]
+    for file in members:  # every name first: a bad one queues none of the files
         check_name(member_name(name, file))
     # Its place among the directory's stores: whichever finishes first, the one accepted
     # last is current.
     seq = Directories(connected_metadata().r).accept()
-    requests = [
-        (file, submit_store(os.path.join(plan.root, file), member_name(name, file), replicas))
-        for file in plan.files
-    ]
+    with _packed(plan, name) as pack:
+        requests = [
+            (file, submit_store(os.path.join(plan.root, file), member_name(name, file), replicas))
+            for file in plan.files
+        ]
+        if pack is not None:
+            request = submit_store(pack, member_name(name, PACK_FILE), replicas, complete=True)
+            requests.append((PACK_FILE, request))
+        return _commit(plan, name, replicas, seq, requests, on_file)
+
+
+@contextmanager
+def _packed(plan: DirectoryPlan, name: str) -> Iterator[str | None]:
+    """The path of the pack of the plan's other files, written in the staging directory
+    and deleted once its store has ended; None when there are none."""
+    if not plan.other_files:
+        yield None
+        return
+    staging = config.home() / "staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    path = str(staging / f".files.{uuid.uuid4().hex}.safetensors")
+    try:
+        write_pack(plan.root, plan.other_files, path, name)
+        yield path
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _commit(
+    plan: DirectoryPlan,
+    name: str,
+    replicas: int,
+    seq: int,
+    requests: list[tuple[str, StoreRequest]],
+    on_file: Callable[[str], None] | None,
+) -> StoredDirectory:
+    """Wait for every member's store, then store the directory's record and make its
+    version current (unless a store accepted later is)."""
     md = connected_metadata()
     members: dict[str, Member] = {}
     new_files = []
@@ -154,4 +200,7 @@ def gather_directory(name: str, out: str, version: str | None = None) -> Directo
             wait_gather(request)
         if found.index_name is not None:
             durable.write_file(path_in(tmp, found.index_name, name), found.index or b"")
+        if PACK_FILE in found.files:  # the directory's other files, stored with all_files
+            taken = [f for f in [*found.files, found.index_name] if f and f != PACK_FILE]
+            unpack(path_in(tmp, PACK_FILE, name), tmp, name, taken)
     return found

@@ -243,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         " to it",
     )
     st.add_argument("--shards", type=_count(1), help="shard count (default: number of live nodes)")
+    st.add_argument(
+        "--all-files",
+        action="store_true",
+        help="for a directory: keep every other file in it too (config, optimizer.pt,"
+        " trainer_state.json, ...), byte for byte, never parsed; without it only its"
+        " .safetensors files and their index are stored",
+    )
     _bwlimit_argument(st, "send")
     st.add_argument(
         "--no-wait",

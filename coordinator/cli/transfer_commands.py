@@ -11,6 +11,7 @@ from coordinator import config
 from coordinator.cli import reports
 from coordinator.cli.cluster import at_label, metadata
 from coordinator.cli.output import console, emit_json, human_bytes, pieces, warn
+from coordinator.plan.file_pack import PACK_FILE
 from coordinator.state.liveness import probe_registered
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults
@@ -101,6 +102,8 @@ def cmd_store(args: argparse.Namespace) -> int:
 
     if os.path.isdir(args.path):
         return _store_directory(args, asked)
+    if args.all_files:
+        raise UsageError("--all-files applies to a directory; a file is stored whole as it is")
 
     request = submit_store(args.path, args.name, args.replicas, args.shards, bwlimit=args.bwlimit)
     name = request.name
@@ -279,9 +282,10 @@ def _store_directory(args: argparse.Namespace, asked: bool) -> int:
             "--no-wait, --shards and --bwlimit apply to a single file, not to a directory"
         )
     started = time.monotonic()
-    stored = store_directory(args.path, args.name, args.replicas)
+    stored = store_directory(args.path, args.name, args.replicas, all_files=args.all_files)
     seconds = time.monotonic() - started
     v = stored.version
+    kept = stored.plan.other_files
     row = {
         "name": v.name,
         "version_id": v.version_id,
@@ -290,6 +294,7 @@ def _store_directory(args: argparse.Namespace, asked: bool) -> int:
         "size": sum(m.size for m in v.files.values()),
         "new_files": stored.new_files,
         "ignored": list(stored.plan.ignored),
+        "kept_files": [f.path for f in kept],  # with --all-files, in NAME/.files.safetensors
     }
     if args.json:
         emit_json(row)
@@ -300,11 +305,18 @@ def _store_directory(args: argparse.Namespace, asked: bool) -> int:
         + f", {human_bytes(row['size'])} ({len(stored.new_files)} new), "
         + _time_and_rate(row["size"], seconds)
     )
-    if stored.plan.ignored:
-        warn(
-            "not stored (only .safetensors files and their index are): "
-            + ", ".join(stored.plan.ignored)
+    if kept:
+        console.print(
+            f"kept {len(kept)} other files byte for byte"
+            f" ({human_bytes(sum(f.size for f in kept))}) in {v.name}/{PACK_FILE}"
         )
+    if stored.plan.ignored:
+        why = (
+            "links and special files are not followed"
+            if args.all_files
+            else "only .safetensors files and their index are; --all-files keeps the others too"
+        )
+        warn(f"not stored ({why}): " + ", ".join(stored.plan.ignored))
     kept = len(v.files) - len(stored.new_files)
     if asked and kept:
         warn(

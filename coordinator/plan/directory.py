@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from coordinator.plan.file_names import check_file_name, check_relative_path
+from coordinator.plan.file_pack import MODE_BITS, PACK_FILE, PackedFile
 from coordinator.plan.safetensors_header import (
     LENGTH_PREFIX_BYTES,
     METADATA_KEY,
@@ -44,16 +47,30 @@ class DirectoryPlan:
     files: tuple[str, ...]  # the .safetensors files, by name, sorted
     index_name: str | None  # e.g. "model.safetensors.index.json"
     index_bytes: bytes | None  # verbatim
-    ignored: tuple[str, ...]  # other files in the directory, not stored
+    ignored: tuple[str, ...]  # other entries in the directory, not stored
+    # With all_files: every other regular file, by path relative to root, kept byte for
+    # byte in the directory's pack (coordinator/plan/file_pack.py)
+    other_files: tuple[PackedFile, ...] = field(default=())
 
 
-def plan_directory(path: str | os.PathLike[str]) -> DirectoryPlan:
-    """The files of the directory at `path` and its index, checked against each other."""
+def plan_directory(path: str | os.PathLike[str], *, all_files: bool = False) -> DirectoryPlan:
+    """The files of the directory at `path` and its index, checked against each other;
+    with `all_files`, every other regular file in it and its folders too (symbolic links
+    are not followed, and are not stored)."""
     root = os.path.abspath(os.fspath(path))
     entries = sorted(os.listdir(root))
     files = tuple(e for e in entries if e.endswith(SAFETENSORS_SUFFIX) and _is_file(root, e))
     indexes = [e for e in entries if e.endswith(INDEX_SUFFIX) and _is_file(root, e)]
     ignored = tuple(e for e in entries if e not in files and e not in indexes)
+    other_files: tuple[PackedFile, ...] = ()
+    if all_files:
+        if PACK_FILE in files:
+            raise UsageError(
+                f"{os.path.join(root, PACK_FILE)}: with every file kept, that name is the"
+                " pack smoltorrent keeps them in; rename the file, or store without"
+                " --all-files"
+            )
+        other_files, ignored = _other_files(root, ignored)
     if not files:
         raise UsageError(
             f"{root} is a directory with no .safetensors files in it: store a directory of"
@@ -73,11 +90,39 @@ def plan_directory(path: str | os.PathLike[str]) -> DirectoryPlan:
     else:
         for file in files:
             read_header(os.path.join(root, file))
-    return DirectoryPlan(root, files, index_name, index_bytes, ignored)
+    return DirectoryPlan(root, files, index_name, index_bytes, ignored, other_files)
 
 
 def _is_file(root: str, entry: str) -> bool:
     return os.path.isfile(os.path.join(root, entry))
+
+
+def _other_files(
+    root: str, entries: tuple[str, ...]
+) -> tuple[tuple[PackedFile, ...], tuple[str, ...]]:
+    """(the regular files among `entries` and under the folders among them, by relative
+    path; what is neither, by relative path: links, sockets, devices). lstat throughout:
+    a link is never followed, so nothing outside `root` is read, or walked into twice."""
+    kept: list[PackedFile] = []
+    skipped: list[str] = []
+    todo = list(entries)
+    while todo:
+        rel = todo.pop()
+        st = os.lstat(os.path.join(root, rel))
+        if stat.S_ISDIR(st.st_mode):
+            todo += [f"{rel}/{e}" for e in os.listdir(os.path.join(root, rel))]
+        elif stat.S_ISREG(st.st_mode):
+            try:
+                check_relative_path(rel, root)
+            except UnsafeNameError:
+                raise UsageError(
+                    f"{os.path.join(root, rel)!r}: smoltorrent keeps no file whose name has a"
+                    " backslash or a control character; rename it and store again"
+                ) from None
+            kept.append(PackedFile(rel, st.st_size, st.st_mode & MODE_BITS))
+        else:
+            skipped.append(rel)
+    return tuple(sorted(kept, key=lambda f: f.path)), tuple(sorted(skipped))
 
 
 def _check_index(root: str, index_name: str, raw: bytes, files: tuple[str, ...]) -> None:
@@ -105,24 +150,6 @@ def _check_index(root: str, index_name: str, raw: bytes, files: tuple[str, ...])
         if names != mapped:
             stray = sorted(names ^ mapped)[:3]
             fail(f"{file} and the index disagree on its tensors ({', '.join(stray)}, ...)")
-
-
-def check_file_name(file: object, directory: str) -> str:
-    """`file` if it is one file name, else UnsafeNameError. A directory's file and index
-    names come from Redis, or from a node's copy of its record in a rebuild, and a gather
-    joins them to its output: '/home/u/.bashrc' or '../x' would be written there."""
-    if (
-        not isinstance(file, str)
-        or file in ("", ".", "..")
-        or "/" in file
-        or "\\" in file
-        or any(ord(c) < 0x20 or ord(c) == 0x7F for c in file)
-    ):
-        raise UnsafeNameError(
-            f"{str(file)[:80]!r} in directory checkpoint {directory} is not one file name;"
-            " its record was not written by smoltorrent. Store the directory again."
-        )
-    return file
 
 
 def path_in(directory: str, file: str, name: str) -> str:

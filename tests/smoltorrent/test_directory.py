@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from coordinator.state import redis_keys as K
 from coordinator.state.requests import IN_PROCESS_GATHER
@@ -187,3 +189,106 @@ def file_requests(c, prefix: str) -> list[dict]:
         if record.get("kind") == "store" and json.loads(record["args"])["name"].startswith(prefix):
             found.append(record)
     return found
+
+
+def tree(root: Path) -> dict[str, tuple[str, int]]:
+    """Every regular file under `root`: its SHA-256 and permission bits, by relative path."""
+    return {
+        str(f.relative_to(root)): (
+            hashlib.sha256(f.read_bytes()).hexdigest(),
+            f.stat().st_mode & 0o777,
+        )
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and not f.is_symlink()
+    }
+
+
+def test_every_file_of_a_directory_comes_back_byte_for_byte_with_all_files(make_cluster, tmp_path):
+    """store DIR --all-files keeps the files that are not safetensors (pickles included,
+    never parsed) in NAME/.files.safetensors, and gather writes each back byte for byte
+    with its permission bits, folders, an empty file and all; a link is not followed. The
+    default still stores only the safetensors files and the index."""
+    c = make_cluster(3)
+    src = tmp_path / "checkpoint-3"
+    weight_map = write_hf_dir(src, parts=2)
+    (src / "optimizer.pt").write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40)  # a zip
+    (src / "rng_state.pth").write_bytes(b"\x80\x02" + b"\x00" * 10)  # a pickle
+    (src / "empty.txt").write_bytes(b"")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o750)
+    (src / "sub" / "deeper").mkdir(parents=True)
+    (src / "sub" / "deeper" / "notes.bin").write_bytes(b"\x01" * 3000)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside")
+    (src / "link.txt").symlink_to(secret)
+    (src / "sub" / "outside").symlink_to(tmp_path)
+
+    plain = c.cli_json("store", str(src), "--name", "plain")
+    assert plain["kept_files"] == [] and "optimizer.pt" in plain["ignored"]
+    stored = c.cli_json("store", str(src), "--name", "hf/run/checkpoint-3", "--all-files")
+    assert stored["kept_files"] == [
+        "config.json", "empty.txt", "optimizer.pt", "rng_state.pth", "run.sh",
+        "sub/deeper/notes.bin",
+    ]  # fmt: skip
+    assert stored["ignored"] == ["link.txt", "sub/outside"]
+    assert ".files.safetensors" in stored["files"]
+
+    out = tmp_path / "out"
+    c.cli_json("gather", "hf/run/checkpoint-3", "-o", str(out))
+    want = {k: v for k, v in tree(src).items() if k not in ("link.txt",)}
+    assert tree(out) == want
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in src.iterdir() if p.name != "link.txt"
+    )  # no pack left behind, no link
+    # load() merges the safetensors files' tensors, not the pack's.
+    loaded = run_api(
+        c,
+        """
+        import json
+        import smoltorrent
+        state = smoltorrent.load("hf/run/checkpoint-3", framework="numpy")
+        print(json.dumps(sorted(state)))
+        """,
+    )
+    assert loaded == sorted(weight_map)
+    # Stored again: nothing new, the same version.
+    again = c.cli_json("store", str(src), "--name", "hf/run/checkpoint-3", "--all-files")
+    assert (again["version_id"], again["new_files"]) == (stored["version_id"], [])
+
+
+def hostile_pack(path: Path, names: list[str]) -> None:
+    """A pack as smoltorrent writes one, listing `names` (its paths planted)."""
+    data = b"owned\n"
+    header = {n: {"dtype": "U8", "shape": [len(data)], "data_offsets": [i * 6, i * 6 + 6]}
+              for i, n in enumerate(names)}  # fmt: skip
+    header["__metadata__"] = {"smoltorrent.files": json.dumps(dict.fromkeys(names, 0o644))}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data * len(names))
+
+
+@pytest.mark.parametrize(
+    "names",
+    [["../escaped"], ["/tmp/escaped"], ["sub/../../escaped"], ["a", "a/b"], ["model.safetensors"]],
+)
+def test_a_planted_path_in_a_directorys_pack_is_refused_and_nothing_is_written(
+    make_cluster, tmp_path, names
+):
+    """A pack whose file list escapes the output (absolute, '..'), makes a file a folder,
+    or replaces a member is refused before a byte is written: the gather fails naming it,
+    the output does not exist, and nothing appears outside it. The pack is planted as the
+    directory's own file of that name, stored without --all-files (so as it is)."""
+    c = make_cluster(2)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": np.zeros(4, np.float32)}, str(src / "model.safetensors"))
+    hostile_pack(src / ".files.safetensors", names)
+    refused = c.cli("store", str(src), "--name", "evil", "--all-files", check=False)
+    assert refused.returncode == 2 and "rename the file" in refused.stderr
+    c.cli_json("store", str(src), "--name", "evil")
+    out = tmp_path / "out" / "inner"
+    out.parent.mkdir()
+    gathered = c.cli("gather", "evil", "-o", str(out), check=False)
+    assert gathered.returncode != 0 and "not written by smoltorrent" in gathered.stderr
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    assert not (tmp_path / "escaped").exists() and not Path("/tmp/escaped").exists()
