@@ -216,11 +216,16 @@ def plan(
     load: Counter[str] = Counter()
     sending: Counter[str] = Counter()
     arriving: dict[str, set[str]] = defaultdict(set)
+    # A trim in flight brings no copy: counted as one, a blob that lost a copy while its
+    # trim's record lived (an hour, if its message was lost) was never repaired.
+    trimming: set[str] = set()
     running: dict[str, tuple[str, str]] = {}
     for r in busy:
+        if r.target == TRIM:
+            trimming.add(r.digest)
+            continue
         arriving[r.digest].add(r.target)
-        if r.target != TRIM:
-            running[r.session or f"{r.digest}:{r.target}"] = (r.source, r.target)
+        running[r.session or f"{r.digest}:{r.target}"] = (r.source, r.target)
     for source, target in running.values():
         load[source] += 1
         load[target] += 1
@@ -235,7 +240,12 @@ def plan(
         copies = len(holders & counted)
         if copies < blob.replicas:
             short.append((copies, d))
-        elif len(holders & up) > blob.replicas and not arriving[d] and not blob.placing:
+        elif (
+            len(holders & up) > blob.replicas
+            and not arriving[d]
+            and d not in trimming
+            and not blob.placing
+        ):
             out.trims.append(d)
 
     short.sort(key=lambda cd: (cd[0], not blobs[cd[1]].favoured, -blobs[cd[1]].newest, cd[1]))

@@ -136,6 +136,18 @@ def test_surplus_on_up_nodes_is_trimmed_unless_a_step_is_in_flight():
     assert decide([blob("x")], {"x": {"a", "b", "c"}}, nodes, busy=busy).trims == []
 
 
+def test_a_trim_in_flight_is_no_copy_arriving():
+    """A blob with a trim on its way (decided when it had a copy to spare) that then lost a
+    copy to a dead node is repaired: the trim brings no copy. Counted as one, a fault run's
+    shared blob stayed at one copy while a trim record, its message lost with a Redis
+    killed after the claim, lived out its hour."""
+    nodes = health(a=UP, b=UP, c=UP, d=DEAD)
+    busy = [InFlight("x", TRIM, "", 0, 0.0, 1e18)]
+    p = decide([blob("x")], {"x": {"a", "d"}}, nodes, busy=busy)
+    assert [(r.digest, r.source) for r in p.repairs] == [("x", "a")]
+    assert p.trims == []
+
+
 def test_a_target_backing_off_is_skipped_for_another_or_waits_not_unrepairable():
     nodes = health(a=UP, b=DEAD, c=UP, d=UP)
     p = decide([blob("x")], {"x": {"a", "b"}}, nodes, backoff={"x": {"d"}})
