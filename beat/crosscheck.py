@@ -110,10 +110,19 @@ def _manifests(md: Metadata, registered, manifests: dict[str, list[str]], counts
         md.versions.note_manifests_held(
             node_id, [k for k, s in zip(keys, states, strict=True) if s == COMMITTED]
         )
+        # Manifests owed since a remove finished while the node was dead: one it does not
+        # hold is settled, and so is one whose version was committed again since (the
+        # same name and bytes: the copy is that version's now).
+        held = dict(zip(keys, states, strict=True))
+        owed = md.nodes.manifests_owed(node_id)
+        md.nodes.manifests_paid(
+            node_id, [k for k in owed if k not in held or held[k] not in (None, REMOVED)]
+        )
         for key, state in zip(keys, states, strict=True):
             try:
-                if state == REMOVED:
+                if state == REMOVED or (state is None and key in owed):
                     client.delete_manifest(key)
+                    md.nodes.manifests_paid(node_id, [key] if key in owed else [])
                     counts["manifests_deleted"] += 1
                 elif state is None:
                     counts["manifests_unknown"] += 1

@@ -7,6 +7,8 @@ the remove again finishes it. Redis keys go last.
 
 from __future__ import annotations
 
+from coordinator import config
+from coordinator.state.liveness import DEAD, node_health
 from coordinator.state.versions import REMOVED
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError
@@ -28,6 +30,11 @@ def remove(self, vkey: str) -> dict:
     if found in (None, REMOVED):
         return {"vkey": vkey, "removed": False, "blobs_deleted": 0}
     registered = md.nodes.nodes()
+    # A dead node's copies count no more (repair replaced them): the remove does not wait
+    # for it, or a node lost for good kept every remove of its versions open for ever. What
+    # it may hold of this version is left to the node's return: a blob no version uses is
+    # the crosscheck's orphan, and the manifest is owed (deleted then, never rebuilt).
+    dead = {n for n, h in node_health(md, config.dead_after()).items() if h.state == DEAD}
     manifest = md.versions.manifest(vkey)
     # Nodes that may hold its manifest: every holder of one of its blobs (a holder whose
     # copy is deleted below leaves the placement only once it answered), and every node
@@ -50,7 +57,7 @@ def remove(self, vkey: str) -> dict:
             continue
         gone, left = [], False
         for node_id in sorted(md.blobs.placement(digest)):
-            if node_id not in registered:
+            if node_id not in registered or node_id in dead:
                 continue
             try:
                 node_client(node_id, registered).delete(digest)
@@ -71,6 +78,10 @@ def remove(self, vkey: str) -> dict:
     # Ask every node: a manifest left on any of them would let rebuild bring it back.
     # Only a node that may hold it (involved) and cannot answer keeps the remove open.
     for node_id in registered:
+        if node_id in dead:
+            if node_id in involved:
+                md.nodes.owe_manifest(node_id, vkey)
+            continue
         try:
             node_client(node_id, registered).delete_manifest(vkey)
         except (NodeUnavailableError, NodeError) as exc:

@@ -74,6 +74,7 @@ class Nodes:
             p.hdel(K.NODE_SEEN, node_id)
             p.hdel(K.NODE_SCRUB, node_id)
             p.srem(K.NODES_DEAD, node_id)
+            p.delete(K.MANIFESTS_OWED.format(node_id=node_id))
             p.hdel(K.NODES, node_id)
             *_, removed = p.execute()
         return bool(removed)
@@ -149,6 +150,20 @@ class Nodes:
     def declare_dead(self, node_id: str) -> bool:
         """True the first time a node is declared dead (until it comes back)."""
         return bool(self.r.sadd(K.NODES_DEAD, node_id))
+
+    def owe_manifest(self, node_id: str, vkey: str) -> None:
+        """Dead `node_id` may hold a manifest of `vkey`, which a remove finished without it:
+        deleted when the node answers again (crosscheck), never rebuilt meanwhile."""
+        self.r.sadd(K.MANIFESTS_OWED.format(node_id=node_id), vkey)
+
+    def manifests_owed(self, node_id: str) -> set[str]:
+        return set(self.r.smembers(K.MANIFESTS_OWED.format(node_id=node_id)))
+
+    def manifests_paid(self, node_id: str, vkeys: Iterable[str]) -> None:
+        """These owed manifests are gone from `node_id` (or live again: a version of the
+        same name and bytes was committed since)."""
+        if vkeys := list(vkeys):
+            self.r.srem(K.MANIFESTS_OWED.format(node_id=node_id), *vkeys)
 
     def readmit(self, node_id: str) -> bool:
         """True if the node was declared dead and is now back."""

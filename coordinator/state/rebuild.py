@@ -53,6 +53,12 @@ def rebuild_metadata(
         except (NodeUnavailableError, NodeError, SmoltorrentError) as exc:
             unreachable.append(f"{address}: {exc}")
             continue
+        # Versions removed while this node was dead: its copies are owed, never restored.
+        owed = md.nodes.manifests_owed(stat.node_id)
+        skipped += [
+            f"manifest {k} on {address}: removed while the node was dead" for k in keys if k in owed
+        ]
+        keys = [k for k in keys if k not in owed]
         # One unreadable manifest costs only itself, never the node's whole inventory.
         # Every copy is read: the one with the highest request number (a rollback's,
         # tasks/commit.py record_request_order) says where the version stands.

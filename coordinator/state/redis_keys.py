@@ -29,6 +29,10 @@ NODE_SEEN = PREFIX + "nodes:seen"
 NODE_SCRUB = PREFIX + "nodes:scrub"
 # set of node ids the health sweep has declared dead (to log each death and return once)
 NODES_DEAD = PREFIX + "nodes:dead"
+# set per node of the vkeys whose manifest it may hold from versions removed while it was
+# dead (a remove does not wait for a dead node): the crosscheck deletes each when the node
+# answers again, and rebuild never restores one
+MANIFESTS_OWED = PREFIX + "node:{node_id}:manifests_owed"
 
 # set of checkpoint names
 NAMES = PREFIX + "names"

@@ -10,6 +10,7 @@ import sys
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED
+from tests.beat.test_repair import run_sweep
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_chunked_store import model, write
 from tests.tasks.test_control_plane import make_ckpt, sha
@@ -65,6 +66,41 @@ def test_a_remove_a_down_node_interrupted_is_never_rebuilt(make_cluster, tmp_pat
     c.md.r.flushall()
     summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
     assert summary["versions"] == 0 and c.cli_json("ls") == []
+
+
+def test_a_remove_finishes_without_a_dead_node_which_owes_its_manifest_when_back(
+    make_cluster, tmp_path
+):
+    """A node lost for good (dead: silent past the dead timeout) does not keep a remove
+    open: its copies count no more, so the remove finishes without them (a fault run's
+    scratch version stayed removing for ever after its node was lost), and the manifest
+    it may hold is owed: deleted by the crosscheck when it answers again, never rebuilt,
+    even once the removed version's tombstone has lapsed."""
+    dead_after = 2.0
+    c = make_cluster(3, SMOLTORRENT_DEAD_AFTER_S=str(dead_after))
+    src = make_ckpt(tmp_path / "gone.safetensors")
+    c.cli("store", str(src), "--shards", "3")
+    vkey = c.md.versions.current("gone.safetensors")
+    lost = c.node_procs[0]
+    lost_id = lost.client().ping()
+    assert lost_id in c.md.versions.manifest_nodes(vkey)
+    lost.kill()
+    killed = c.md.sweeps.redis_time()
+    wait_until(lambda: c.md.sweeps.redis_time() - killed > dead_after + 1, what="its death")
+    assert run_sweep(c, "health")["newly_dead"] == 1
+    c.cli("rm", "gone.safetensors", "--yes")
+    assert c.md.versions.version(vkey)["state"] == "removed"
+    assert vkey in c.md.nodes.manifests_owed(lost_id)
+    c.md.r.delete(K.VERSION.format(vkey=vkey))  # the removed tombstone has lapsed
+    lost.start()
+    assert vkey in lost.client().list_manifests()
+    summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
+    assert summary["restored"] == 0
+    run_sweep(c, "crosscheck")
+    assert vkey not in lost.client().list_manifests()
+    assert c.md.nodes.manifests_owed(lost_id) == set()
+    c.md.r.flushall()
+    assert c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))["versions"] == 0
 
 
 def test_rebuild_restores_only_versions_whose_every_shard_is_on_a_node(make_cluster, tmp_path):
