@@ -30,6 +30,9 @@ def run(epochs, ckpt_path=None):
 
 first, _ = run(1)
 resumed, second = run(2, ckpt_path="last")
+# A link as save_last="link" makes it: removing it removes the link alone.
+os.symlink("epoch=1-step=6.ckpt", "ck/link.ckpt")
+CheckpointIO("lt").remove_checkpoint("ck/link.ckpt")
 print(json.dumps({
     "first_step": first["global_step"],
     "resumed": resumed == expected,
@@ -77,12 +80,14 @@ def test_a_trainer_resumes_from_the_cluster_with_ckpt_path_last_exactly(make_clu
     # Every file smoltorrent kept on this machine (its local tier) is .safetensors.
     kept = [p for p in (c.root / "staging").rglob("*") if p.is_file()]
     assert all(p.suffix == ".safetensors" for p in kept if "journal" not in p.parts), kept
-    # epoch=0-step=3.ckpt, replaced by epoch=1-step=6.ckpt, is removed from the cluster too.
+    # epoch=0-step=3.ckpt, replaced by epoch=1-step=6.ckpt, is removed from the cluster too;
+    # what the removed link pointed to stays.
     wait_until(
         lambda: "lt/ck/epoch=0-step=3.ckpt" not in {v["name"] for v in c.cli_json("ls")},
         timeout=30,
         what="the replaced checkpoint's removal",
     )
+    assert "lt/ck/epoch=1-step=6.ckpt" in {v["name"] for v in c.cli_json("ls")}
 
 
 def test_the_lightning_page_example_resumes_from_the_cluster_on_a_fresh_machine(
