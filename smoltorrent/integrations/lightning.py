@@ -84,7 +84,7 @@ class CheckpointIO(_LightningCheckpointIO):
                 f"the checkpoint path {str(path)!r} is outside {self.root}, the root its name "
                 "is taken from: give CheckpointIO(..., root=) a directory above it"
             ) from None
-        return f"{self.prefix}/{relative.as_posix()}"
+        return "/".join((self.prefix, *relative.parts))
 
     def save_checkpoint(
         self,
@@ -158,7 +158,7 @@ class CheckpointIO(_LightningCheckpointIO):
         from tasks.context import metadata
 
         directory = Path(os.path.abspath(dirpath))
-        under = self.name_of(directory / "x")[: -len("x")]
+        under = self.name_of(directory) + "/"
         md = metadata()
         written = []
         for name in md.versions.names():
