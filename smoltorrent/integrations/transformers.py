@@ -1,0 +1,130 @@
+"""The Hugging Face Trainer's checkpoints onto a smoltorrent cluster: a TrainerCallback.
+
+    from transformers import Trainer
+    from smoltorrent.integrations.transformers import Callback, restore
+
+    restore("out", "run1")  # the newest checkpoint the cluster holds, on a fresh machine
+    trainer = Trainer(..., args=TrainingArguments("out", ...), callbacks=[Callback("run1")])
+    trainer.train(resume_from_checkpoint=True)
+
+The Trainer writes each checkpoint itself, a directory `OUTPUT_DIR/checkpoint-N`, then
+calls the callbacks' on_save. The callback stores that directory whole as the directory
+checkpoint `NAME/checkpoint-N` (tasks/directory_requests.py, with all_files): its
+.safetensors files (the weights) as chunks, deduplicated against the checkpoints before
+it, and every other file (trainer_state.json, training_args.bin, optimizer.pt,
+scheduler.pt, rng_state.pth, the config) byte for byte in its pack
+(coordinator/plan/file_pack.py). Those are torch.save pickles the Trainer wrote and will
+read back itself; smoltorrent never unpickles them.
+
+on_save returns once the checkpoint is committed at its replicas, so the Trainer's
+rotation (save_total_limit) never deletes a directory still being stored. A store that
+fails is logged with the command that stores it by hand, and training goes on: the
+Trainer's own copy is still on disk (invariant 12).
+
+`restore(output_dir, name)` gathers the newest stored checkpoint (the highest N) into
+OUTPUT_DIR/checkpoint-N, where `resume_from_checkpoint=True` looks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+
+from transformers import TrainerCallback
+
+from smoltorrent import defaults
+from smoltorrent.errors import SmoltorrentError
+
+log = logging.getLogger("smoltorrent")
+CHECKPOINT_PREFIX = "checkpoint-"  # the Trainer's name for its checkpoint directories
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def default_name(output_dir: str | os.PathLike[str]) -> str:
+    """The name a run's checkpoints are stored under when none is given: the output
+    directory's base name."""
+    return os.path.basename(os.path.abspath(output_dir).rstrip(os.sep))
+
+
+class Callback(TrainerCallback):
+    """Store each checkpoint-N directory the Trainer writes as NAME/checkpoint-N.
+
+    name: the run's name on the cluster (default: the output directory's base name; give
+    one when several runs share a cluster). replicas: copies of each chunk.
+    stored: the checkpoint names stored so far; failed: (name, error) of those that were
+    not (the Trainer's directory is still on disk)."""
+
+    def __init__(self, name: str | None = None, *, replicas: int = defaults.DEFAULT_REPLICAS):
+        if name is not None and (not isinstance(name, str) or not name.strip("/")):
+            raise SmoltorrentError(f"a run's name is a non-empty name, not {name!r}")
+        self.name = None if name is None else name.strip("/")
+        self.replicas = replicas
+        self.stored: list[str] = []
+        self.failed: list[tuple[str, str]] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:  # one rank stores; the others wrote the same
+            return
+        path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.global_step}")
+        name = f"{self.name or default_name(args.output_dir)}/{os.path.basename(path)}"
+        started = time.monotonic()
+        try:
+            from tasks.directory_requests import store_directory
+
+            store_directory(path, name, self.replicas, all_files=True)
+        except Exception as exc:  # never into the training step: its copy is on disk
+            self.failed.append((name, str(exc)))
+            log.warning(
+                "smoltorrent: %s was not stored (%s); it is still at %s: `smoltorrent store"
+                " %s --name %s --all-files` stores it",
+                name,
+                exc,
+                path,
+                path,
+                name,
+            )
+            return
+        self.stored.append(name)
+        log.info("smoltorrent: stored %s in %.1f s", name, time.monotonic() - started)
+
+
+def checkpoints(name: str) -> list[tuple[int, str]]:
+    """(step, directory checkpoint name) of every checkpoint stored under `name`, newest
+    first."""
+    from coordinator.plan.directory import RECORD_FILE
+    from coordinator.state.directories import Directories
+    from tasks.requests import connected_metadata
+
+    md = connected_metadata()
+    found = []
+    for member in md.versions.names():
+        folder, _, file = member.rpartition("/")
+        parent, _, base = folder.rpartition("/")
+        match = _CHECKPOINT.match(base)
+        if file == RECORD_FILE and parent == name and match:
+            found.append((int(match.group(1)), folder))
+    directories = Directories(md.r)
+    return sorted((c for c in found if directories.is_directory(c[1])), reverse=True)
+
+
+def restore(output_dir: str | os.PathLike[str], name: str | None = None) -> str | None:
+    """Gather the newest checkpoint stored under `name` (default: the output directory's
+    base name) into OUTPUT_DIR/checkpoint-N, so `trainer.train(resume_from_checkpoint=
+    True)` resumes from it; its path, or None when the cluster holds none. A directory
+    already there is left as it is (the Trainer wrote it, or an earlier restore did)."""
+    from tasks.directory_requests import gather_directory
+
+    name = (name or default_name(output_dir)).strip("/")
+    found = checkpoints(name)
+    if not found:
+        return None
+    step, newest = found[0]
+    out = os.path.join(os.fspath(output_dir), f"{CHECKPOINT_PREFIX}{step}")  # as the Trainer's
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        log.info("smoltorrent: %s is there already; %s not gathered", out, newest)
+        return out
+    os.makedirs(os.fspath(output_dir), exist_ok=True)
+    gather_directory(newest, os.path.abspath(out))
+    return out

@@ -1,0 +1,91 @@
+"""smoltorrent.integrations.transformers: the Hugging Face Trainer's checkpoints on the
+cluster, resumed from it, against a real cluster, in a process of their own (as a
+training script runs)."""
+
+from __future__ import annotations
+
+from tests.smoltorrent.conftest import ROOT, run_api
+
+
+def test_a_trainer_resumed_from_the_cluster_ends_as_an_uninterrupted_run(make_cluster, tmp_path):
+    """A run stopped after its checkpoint-3 (stored by the callback), its output directory
+    deleted, restore()d and resumed with resume_from_checkpoint=True ends bit for bit as a
+    run never interrupted: every weight, global_step, every step's loss. Every file of
+    checkpoint-3 (the pickles optimizer.pt, scheduler.pt, rng_state.pth,
+    training_args.bin, and trainer_state.json) comes back byte for byte; then restore()
+    picks the newest checkpoint, checkpoint-6."""
+    c = make_cluster(2)
+    got = run_api(
+        c,
+        f"""
+        import json, os, shutil
+        from tests.smoltorrent.hf_run import (
+            Steps, StopAfterSave, digests, losses, same_weights, trainer)
+        from smoltorrent.integrations.transformers import Callback, restore
+
+        tmp = {str(tmp_path)!r}
+        whole = trainer(f"{{tmp}}/whole")
+        whole.train()
+
+        out = f"{{tmp}}/out"
+        first = Callback("run1")
+        trainer(out, [first, StopAfterSave(3)]).train()
+        files = digests(f"{{out}}/checkpoint-3")
+        shutil.rmtree(out)
+        restored = restore(out, "run1")
+        resumed_files = digests(restored)
+        second, steps = Callback("run1"), Steps()
+        resumed = trainer(out, [second, steps])
+        resumed.train(resume_from_checkpoint=True)
+        shutil.rmtree(out)
+        print(json.dumps({{
+            "restored": os.path.relpath(restored, tmp),
+            "files": sorted(files), "same_files": files == resumed_files,
+            "same_weights": same_weights(whole, resumed),
+            "steps": [whole.state.global_step, resumed.state.global_step],
+            "losses": [losses(whole), losses(resumed)], "trained": steps.trained,
+            "stored": first.stored + second.stored, "failed": first.failed + second.failed,
+            "newest": os.path.relpath(restore(out, "run1"), tmp),
+        }}))
+        """,
+    )
+    assert got["restored"] == "out/checkpoint-3"
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"} <= set(
+        got["files"]
+    ) and {"trainer_state.json", "training_args.bin"} <= set(got["files"])
+    assert got["same_files"]
+    assert got["stored"] == ["run1/checkpoint-3", "run1/checkpoint-6"] and got["failed"] == []
+    assert got["same_weights"] and got["steps"] == [6, 6]
+    assert got["trained"] == [4, 5, 6]  # steps 1-3 came from the cluster
+    whole, resumed = got["losses"]  # the resumed run's history holds steps 1-3 too
+    assert resumed == whole and sorted(whole) == ["1", "2", "3", "4", "5", "6"]
+    assert got["newest"] == "out/checkpoint-6"
+
+
+def test_the_transformers_page_example_stores_and_resumes(make_cluster, tmp_path):
+    """docs/transformers.md's example, run as written but for max_steps: 10 steps
+    (checkpoint-10 stored), then 20 steps on another machine's empty directory, resuming
+    from the cluster's checkpoint-10."""
+    page = (ROOT / "docs" / "transformers.md").read_text()
+    example = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "max_steps=20" in example
+    c = make_cluster(2)
+    check = """
+import json
+[callback] = [c for c in trainer.callback_handler.callbacks if isinstance(c, Callback)]
+print(json.dumps({"checkpoint": checkpoint, "step": trainer.state.global_step,
+                  "stored": callback.stored}))
+"""
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+    first = run_api(
+        c,
+        f"import os\nos.chdir({str(tmp_path / 'first')!r})\n"
+        + example.replace("max_steps=20", "max_steps=10")
+        + check,
+    )
+    assert (first["checkpoint"], first["step"]) == (None, 10)
+    assert first["stored"] == ["tiny-run/checkpoint-10"]
+    second = run_api(c, f"import os\nos.chdir({str(tmp_path / 'second')!r})\n" + example + check)
+    assert second["checkpoint"] == "out/checkpoint-10" and second["step"] == 20
+    assert second["stored"] == ["tiny-run/checkpoint-20"]  # steps 1-10 were not trained again
