@@ -6,21 +6,19 @@ finish(), with the checkpoint's Metadata as JSON in its header: the part that co
 the step carries the metadata, so a step every rank finished has it, and a step some
 rank never finished is never committed, never read, never the newest.
 
-A part is written as a .safetensors file in memory (/dev/shm; the staging directory
-where there is none), stored through the same request a CLI store makes, and deleted
-once committed: nothing is kept on the training machine's disk.
+A part is written as a .safetensors file in memory (smoltorrent/dcp/scratch.py: /dev/shm,
+the staging directory where there is none), stored through the same request a CLI store
+makes, and deleted once committed (or, if its writer was killed, by the next part's
+writer): nothing is kept on the training machine's disk or in its memory.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import uuid
-from pathlib import Path
 
 import torch
 
-from coordinator import config
 from coordinator.state.steps import (
     COMMITTED,
     RANK_KEY,
@@ -30,13 +28,13 @@ from coordinator.state.steps import (
     Steps,
 )
 from smoltorrent.api import SavedVersion, manifest_metadata
+from smoltorrent.dcp import scratch
 from smoltorrent.errors import ShardedCheckpointError
 from smoltorrent.sharded import part_name, record_part
 
 DCP_NAME_KEY = "smoltorrent.dcp.name"  # header metadata of rank 0's part: the name saved
 DCP_METADATA_KEY = "smoltorrent.dcp.metadata"  # header metadata of rank 0's part: its JSON
 _STEP = re.compile(r"(\d+)$")  # the step: the digits ending the name's last component
-_SHM = Path("/dev/shm")  # noqa: S108  (memory, where the platform has it)
 
 
 def split(name: str) -> tuple[str, int]:
@@ -110,27 +108,16 @@ def store_part(
         )
         for key, t in tensors.items()
     }
-    path = _scratch() / f".dcp.{uuid.uuid4().hex}.safetensors"
-    try:
+    with scratch.part_file() as path:
         serialize_file(specs, str(path), metadata={**header, **own})
         request = submit_store(str(path), part, replicas, complete=True)
         out = wait_store(StoreRequest(request.task_id, part, str(path)))
         v = connected_metadata().versions.version(out["vkey"])
-    finally:
-        path.unlink(missing_ok=True)
     saved = SavedVersion(part, v["version_id"], bool(out["new"]), int(v["size"]))
     spec = {"name": run, "step": step, "rank": rank, "world_size": world_size}
     record_part(spec, part, saved)
     found = steps().get(run, step)
     return found.state if found is not None else "missing"
-
-
-def _scratch() -> Path:
-    if _SHM.is_dir() and os.access(_SHM, os.W_OK):
-        return _SHM
-    directory = config.home() / "staging"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
 
 
 def committed_metadata(name: str) -> tuple[dict[str, str], dict[int, tuple[str, str]]]:

@@ -77,6 +77,10 @@ def test_an_fsdp2_job_killed_mid_save_resumes_bit_identical_and_reshards(make_cl
     hold = held(out, job)
     os.kill(hold["pid"], signal.SIGKILL)  # rank 0, its part in flight
     finished(job)  # torchrun restarted both ranks, which resumed and trained to the end
+    # The killed rank's part was a file in memory (/dev/shm) it never got to delete: the
+    # next save on this host deleted it (no process held it), or it would hold that
+    # memory until the machine reboots.
+    assert not Path(hold["path"]).exists(), hold
 
     # The crash left step 4 pending, rank 1's part recorded and rank 0's not: the resumed
     # job found step 2 the newest complete step, and resumed from it.
@@ -115,3 +119,23 @@ def test_an_fsdp2_job_killed_mid_save_resumes_bit_identical_and_reshards(make_cl
         if rank == 0:
             assert (found["plain_differ"], found["plain_tensors"]) == ([], 16), found
             assert found["whole_differ"] == [], found
+
+
+def test_a_part_file_is_swept_once_no_process_holds_it(tmp_path, monkeypatch):
+    """The sweep the kill-and-resume test relies on, alone: a part file whose writer died
+    (nothing holds it) goes, a live one (held, as each writer holds its own) stays, and
+    so does a file of the older, unlocked naming (maybe an older smoltorrent's save in
+    flight)."""
+    from smoltorrent.dcp import scratch
+
+    monkeypatch.setattr(scratch, "directory", lambda: tmp_path)
+    orphan = tmp_path / ".dcp-part.0123.safetensors"  # no process holds it
+    orphan.write_bytes(b"x")
+    older = tmp_path / ".dcp.4567.safetensors"
+    older.write_bytes(b"x")
+    with scratch.part_file() as live:  # sweeps first
+        assert not orphan.exists()
+        assert scratch.sweep(tmp_path) == []  # held by this block
+        assert live.exists() and older.exists()
+    assert not live.exists()  # its writer deletes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [older.name]
