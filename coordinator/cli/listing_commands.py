@@ -26,7 +26,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # "chunks": a version's pieces (a version stored with --shards: its shards)
     columns = ["name", "version", "state", "tensors", "size", "chunks", "copies", "kept"]
     columns.append("created")
-    one_name = args.name is not None and not args.name.endswith("/")
+    # One name's versions (not a prefix's, nor a directory checkpoint's files)
+    one_name = args.name is not None and all(r["name"] == args.name for r in rows)
     if one_name:
         columns = columns[1:]
     # On a terminal the current marker goes on the first column, with a legend below; a

@@ -9,6 +9,7 @@ from coordinator import config
 from coordinator.plan.directory import RECORD_FILE
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
 from coordinator.state import repairs, scrub_reports
+from coordinator.state.directories import Directories
 from coordinator.state.liveness import node_health, probe_registered
 from coordinator.state.metadata import Metadata
 from coordinator.state.versions import COMMITTED
@@ -17,11 +18,14 @@ from smoltorrent.errors import NotFoundError
 
 def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
     """Every version of every checkpoint, or of `name` only (NotFoundError if unknown), or,
-    with `name` ending in "/", of every name under that prefix. A directory's own record
+    with `name` ending in "/" or naming a directory checkpoint, of every name under that
+    prefix. A directory's own record
     (NAME/.directory.safetensors, internal) is listed only when named."""
-    if name is not None and not name.endswith("/"):
-        if not md.versions.has_name(name):
+    if name is not None and not name.endswith("/") and not md.versions.has_name(name):
+        if not Directories(md.r).is_directory(name):
             raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
+        name += "/"  # a directory checkpoint: its files, as `ls NAME/` lists them
+    if name is not None and not name.endswith("/"):
         rows = [row for row, _, _ in _versions(md, name)]
     else:
         # A prefix reads every summary and keeps its own: the listing is one sorted set of

@@ -105,6 +105,8 @@ def cmd_store(args: argparse.Namespace) -> int:
     if args.all_files:
         raise UsageError("--all-files applies to a directory; a file is stored whole as it is")
 
+    if args.name is None:
+        _warn_of_another_source(os.path.abspath(args.path))
     request = submit_store(args.path, args.name, args.replicas, args.shards, bwlimit=args.bwlimit)
     name = request.name
     if args.no_wait:
@@ -164,6 +166,41 @@ def _stopped_waiting(kind: str, request, as_json: bool) -> int:
     else:
         warn(message)
     return 3
+
+
+def _warn_of_another_source(path: str) -> None:
+    """A store under its default name (the file name) whose name's current version was
+    stored from another file: two runs' checkpoints/step_100.safetensors became versions
+    of one name without a word, and keep-last retention pruned one run for the other. Says
+    where the name's versions came from and a name that keeps them apart. Never in the
+    store's way: with Redis unreachable it says nothing (the store rides the outage out)."""
+    name = os.path.basename(path)
+    try:
+        md = metadata()
+        vkey = md.versions.current(name)
+        came = md.versions.version(vkey) if vkey else {}
+    except SmoltorrentError:
+        return
+    source, host = came.get("path"), came.get("host")
+    if not source or (source, host) == (path, config.host_id()):
+        return
+    where = source if host == config.host_id() else f"{host}:{source}"
+    warn(
+        f"{name} holds versions stored from {where}; this one, from {path}, becomes"
+        f" another version of the same name, and keep-last retention counts them together."
+        f" To keep them apart, name it: --name {_distinct_name(path, source)}"
+    )
+
+
+def _distinct_name(path: str, other: str) -> str:
+    """The shortest tail of `path` (folders and file name) that `other` does not end
+    with: b/checkpoints/step_100.safetensors beside a/checkpoints/step_100.safetensors;
+    the same path on another host: this host's id before the file name."""
+    parts, others = path.split(os.sep), other.split(os.sep)
+    for n in range(2, len(parts)):
+        if parts[-n:] != others[-n:]:
+            return "/".join(parts[-n:])
+    return f"{config.host_id()}/{parts[-1]}"  # the same path on another host
 
 
 def _change_replicas(name: str, out: dict, replicas: int | None) -> tuple[int, int] | None:

@@ -10,6 +10,7 @@ import pytest
 
 import smoltorrent
 from coordinator.local.cluster import LocalCluster
+from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.embedded_redis import free_port
 from smoltorrent import defaults
 from smoltorrent.errors import MetadataError
@@ -63,3 +64,45 @@ def test_a_missing_file_and_an_empty_directory_exit_alike(
     missing = run("store", str(tmp_path / "nope.safetensors"), env=empty_cluster.env())
     nothing = run("store", str(empty), env=empty_cluster.env())
     assert missing.returncode == nothing.returncode == 2, (missing.stderr, nothing.stderr)
+
+
+def test_ls_of_a_directory_checkpoint_lists_its_files(make_cluster, tmp_path: Path) -> None:
+    """`store DIR/` then `ls DIR` said "no checkpoint named DIR": a directory is listed by
+    its name as by its prefix."""
+    c = make_cluster(2)
+    run1 = tmp_path / "run1"
+    run1.mkdir()
+    write_checkpoint(run1 / "model-00001-of-00002.safetensors", 200_000)
+    write_checkpoint(run1 / "model-00002-of-00002.safetensors", 300_000)
+    c.cli("store", f"{run1}/")
+    by_name, by_prefix = c.cli_json("ls", "run1"), c.cli_json("ls", "run1/")
+    assert (
+        [r["name"] for r in by_name]
+        == [r["name"] for r in by_prefix]
+        == [
+            "run1/model-00001-of-00002.safetensors",
+            "run1/model-00002-of-00002.safetensors",
+        ]
+    )
+
+
+def test_a_file_of_another_folder_under_the_same_default_name_is_warned(
+    make_cluster, tmp_path: Path
+) -> None:
+    """Two runs' checkpoints/step_100.safetensors became versions of one name without a
+    word, so keep-last retention pruned one run for the other: the second store says
+    whence the name's versions came and how to keep the runs apart."""
+    c = make_cluster(2)
+    a, b = tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints"
+    for folder, size in ((a, 200_000), (b, 300_000)):
+        folder.mkdir(parents=True)
+        write_checkpoint(folder / "step_100.safetensors", size)
+    first = c.cli("store", str(a / "step_100.safetensors"))
+    assert "warning" not in first.stderr
+    again = c.cli("store", str(a / "step_100.safetensors"))  # the same file again: no word
+    assert "warning" not in again.stderr
+    other = c.cli("store", str(b / "step_100.safetensors"))
+    said = " ".join(other.stderr.split())
+    assert str(a / "step_100.safetensors") in said and "--name" in said, other.stderr
+    named = c.cli("store", str(b / "step_100.safetensors"), "--name", "step_100.safetensors")
+    assert "warning" not in named.stderr  # named on purpose: no word
