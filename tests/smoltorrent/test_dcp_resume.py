@@ -5,6 +5,7 @@ complete step, bit-identical with a run never interrupted, and that state reshar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ from tests.smoltorrent.dcp_resume_run import SAVE_EVERY, STEPS
 
 KILL_STEP = 4  # the second save: one complete step (2) is behind it, steps 5-6 after it
 HOLD_TIMEOUT_S = 90  # attempt 0 reaches KILL_STEP's save in ~10 s alone on 2 cores
+JOB_TIMEOUT_S = 240  # a job takes ~15 s alone on 2 cores, ~30 s beside a loaded CI run
+STOP_GRACE_S = 40  # torchrun's own grace for its ranks on SIGTERM is 30 s
 
 
 def torchrun(cluster, ranks: int, *args: str, restarts: int = 0) -> subprocess.Popen:
@@ -46,21 +49,45 @@ def torchrun(cluster, ranks: int, *args: str, restarts: int = 0) -> subprocess.P
     )
 
 
-def finished(proc: subprocess.Popen, timeout: float = 120) -> None:
-    out, _ = proc.communicate(timeout=timeout)
+def finished(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> None:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        stop(proc)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}"
 
 
+def stop(proc: subprocess.Popen, held_pid: int | None = None) -> None:
+    """A job the test gave up on ends with it: the held rank (stopped, it would never
+    act on SIGTERM) killed, then torchrun asked to stop, as it then stops its ranks."""
+    if held_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(held_pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 def held(out: Path, proc: subprocess.Popen) -> dict:
-    """What rank 0 wrote when it stopped itself mid-save."""
+    """What rank 0 wrote when it stopped itself mid-save (the job stopped if it never does)."""
     deadline = time.monotonic() + HOLD_TIMEOUT_S
-    while not (out / "held").exists():
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"the job ended (exit {proc.returncode}) before the hold\n{proc.communicate()[0]}"
-            )
-        assert time.monotonic() < deadline, "rank 0 never reached the held save"
-        time.sleep(0.05)
+    try:
+        while not (out / "held").exists():
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"the job ended (exit {proc.returncode}) before the hold\n"
+                    f"{proc.communicate()[0]}"
+                )
+            assert time.monotonic() < deadline, "rank 0 never reached the held save"
+            time.sleep(0.05)
+    except BaseException:
+        late = out / "held"  # written just as the wait ended: that rank is stopped too
+        stop(proc, json.loads(late.read_text())["pid"] if late.exists() else None)
+        raise
     return json.loads((out / "held").read_text())
 
 
