@@ -256,6 +256,13 @@ def test_a_target_that_keeps_failing_backs_off_and_status_says_until_when(
     assert {d for d in stuck if len(c.md.blobs.placement(d) - {ids[dying]}) < 2} == stuck
 
 
+def forget_alive(md, node_id: str) -> None:
+    """A killed node's alive key deleted, as it lapses NODE_ALIVE_TTL_S (30 s) after its last
+    answer: no beat here refreshes it. Waited for, it was 28 s of each test that kills a
+    node; it is dead DEAD_AFTER_S after it was last seen either way (node_health)."""
+    md.r.delete(K.NODE_ALIVE.format(node_id=node_id))
+
+
 def run_sweep(c, name: str) -> dict:
     """One pass of a sweep, run by the cluster's worker now (no beat)."""
     from celery import Celery
@@ -483,6 +490,7 @@ def test_replicas_raised_counts_no_copy_on_a_dead_node(make_cluster, tiny_tmp, t
     third, failing = sorted(set(by_id) - md.blobs.placement(digest))
     tiny_tmp(by_id[failing])
     by_id[dead_id].kill()
+    forget_alive(md, dead_id)
     wait_until(lambda: node_health(md, 3)[dead_id].state == DEAD, 30, what="a dead node")
     store = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "store", str(src), "--name", "up.safetensors"]
@@ -528,6 +536,7 @@ def test_a_failing_targets_backoff_doubles_from_a_minute_up_to_an_hour(
     (failing_id,) = set(by_id) - md.blobs.placement(digest)
     tiny_tmp(by_id[failing_id])  # the only target left: every put it takes fails
     by_id[dead_id].kill()
+    forget_alive(md, dead_id)
     wait_until(lambda: node_health(md, 3)[dead_id].state == DEAD, 30, what="a dead node")
     run_sweep(c, "health")
     field = f"{digest}:{failing_id}"
