@@ -61,6 +61,7 @@ from coordinator.state.versions import REMOVED
 from smoltorrent import defaults
 from smoltorrent.api import SavedVersion, SaveHandle, load, manifest_metadata, start_save
 from smoltorrent.errors import (
+    MetadataError,
     MissingRankError,
     PartialStepError,
     ShardedCheckpointError,
@@ -155,22 +156,38 @@ def _wait_for_step(name: str, step: int, rank: int, world_size: int, saved: Save
     failed or was abandoned ends the wait at once; one that has not begun its part is
     waited for SMOLTORRENT_STEP_PATIENCE_S; one whose writer still beats, as long as it
     does (its writer gives up after SAVE_PATIENCE_S and records the failure)."""
+    from redis.exceptions import RedisError
+
     patience = config.step_patience()
     deadline = time.monotonic() + patience
-    steps = _steps()
+    trust_beats_after = 0.0  # no beat lands while Redis is away: none is judged stale then
     while True:
-        found = steps.get(name, step)
+        try:
+            steps = _steps()
+            found = steps.get(name, step)
+        except (RedisError, MetadataError):
+            # Redis away: the other ranks' writers ride it out, and so does this wait.
+            trust_beats_after = time.monotonic() + defaults.STEP_STALE_S
+            deadline = max(deadline, trust_beats_after)
+            time.sleep(defaults.SAVE_RETRY_S)
+            continue
         if found is None or found.state != PENDING:
             # Committed (or committed and pruned by keep_last since): whole. Nothing else
             # takes a step out of pending.
             return
         now = time.time()
         kinds = _missing(found, now)
+        if kinds["abandoned"] and time.monotonic() < trust_beats_after:
+            kinds["in flight"] += kinds["abandoned"]  # their beats were missed with Redis
+            kinds["abandoned"] = []
         give_up = kinds["failed"] or kinds["abandoned"]
         if not give_up and time.monotonic() > deadline and kinds["not begun"]:
             give_up = True
         if give_up:
-            latest = steps.latest(name, world_size)
+            try:
+                latest = steps.latest(name, world_size)
+            except (RedisError, MetadataError):
+                latest = None  # the hint only
             waited = "" if not kinds["not begun"] else f" (waited {patience:g} s for it)"
             raise PartialStepError(
                 f"step {step} of {name} is not whole: rank {rank}'s part is stored (version "

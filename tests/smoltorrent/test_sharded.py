@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from coordinator.state import redis_keys as K
 from tests.smoltorrent.conftest import ROOT, run_api
@@ -576,3 +577,29 @@ def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_clust
     assert "rank 0 began" in waiting["message"] and "failed" in waiting["message"], waiting
     assert "rank 1's part is stored" in waiting["message"], waiting
     assert waiting["returned"] - failing["returned"] < 5, (waiting, failing)
+
+
+def test_save_sharded_wait_rides_out_redis_down_while_it_waits_for_the_step(make_cluster):
+    """wait=True waits on Redis for the other ranks' parts: with Redis killed meanwhile it
+    raised ConnectionError into the step, though every rank's writer rides the outage out
+    (invariant 12). It waits for Redis too, and returns once the step commits."""
+    c = make_cluster(2)
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", WHOLE, "outage", "1", "1", "0"],
+        env=c.env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    key = K.STEP.format(name="outage", step=1)
+    wait_until(lambda: c.md.r.hexists(key, "rank:1"), what="rank 1's part recorded")
+    c.kill_redis()
+    time.sleep(3)  # rank 1 finds Redis gone while it waits
+    c.start_redis()
+    (slow,) = both_ranks(c, "outage", 1, {0: 0})
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    fast = json.loads(out.strip().splitlines()[-1])
+    assert "error" not in fast and "error" not in slow, (fast, slow)
+    assert fast["loaded"] == 1.0 and slow["loaded"] == 0.0, (fast, slow)
