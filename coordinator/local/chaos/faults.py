@@ -49,6 +49,10 @@ FAULT_KINDS = (
 # timeout, a repair sweep or two, and a scrub pass, at the run's fast intervals).
 DESTRUCTIVE_KINDS = ("flip-node", "wipe-node", "lose-node")
 DESTRUCTIVE_GAP_S = 30.0
+# ...and, when its time comes, waits for the cluster back at R, for this long at most (and
+# never past the next fault's time): still short, it is skipped (nemesis.py)
+R_WAIT_S = 120.0
+STATUS_TIMEOUT_S = 30.0  # seconds one `status --json` may take on a loaded machine
 EIO_POINTS = {  # libfiu's failure point (fiu-utils' function_list) per disk-error kind
     "eio": "posix/io/sync/fsync",
     # pwrite, not write: the node writes its sockets with write(2) (and a blob's bytes with

@@ -68,6 +68,8 @@ class Report:
             "operations": ops,
             "faults": faults,
             "faults_without_effect": len(self.faults_applied) - len(self.effective_faults()),
+            # of those: copy-destroying faults skipped, the cluster not back at R in time
+            "skipped_not_at_r": sum("skipped" in f for f in self.faults_applied),
             "violations": self.violations,
         }
 
@@ -81,6 +83,7 @@ class Report:
         return (
             f"seed {self.seed}: {len(self.ops)} operations ({ops}); "
             f"{len(self.effective_faults())} faults ({faults}; "
-            f"{f['faults_without_effect']} more without effect); "
+            f"{f['faults_without_effect']} more without effect, of which"
+            f" {f['skipped_not_at_r']} skipped as the cluster was not back at R); "
             f"{len(self.violations)} violations; {self.seconds:.0f} s"
         )

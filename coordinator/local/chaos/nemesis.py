@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import random
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,11 +23,14 @@ from pathlib import Path
 from coordinator.local import netns
 from coordinator.local.chaos.faults import (
     COORDINATOR_HOST,
+    DESTRUCTIVE_KINDS,
     EIO_POINTS,
     FAKETIME_LIB,
     FLAP_HALF_PERIOD_S,
     NETNS_TAG,
     NODE_FS_BYTES,
+    R_WAIT_S,
+    STATUS_TIMEOUT_S,
     Fault,
     Schedule,
 )
@@ -60,6 +65,20 @@ class Nemesis:
             if delay > 0:
                 time.sleep(delay)
             record = {**asdict(fault), "applied_at": time.time(), "took_effect": False}
+            # A copy destroyed while the last one destroyed is not yet repaired can take a
+            # blob's every copy at R=2, a loss the design does not promise to survive: such
+            # a fault waits for the cluster back at R, not a fixed gap (a 30-minute run's
+            # wiped node, 736 blobs, was not repaired 33 s later when the next was wiped,
+            # under other faults on a loaded machine). Past the wait it is skipped, and
+            # recorded so.
+            # Waited for at most until the next fault's time: no fault moves onto another.
+            until = began + min(next_at[fault], fault.at_s + R_WAIT_S)
+            if fault.kind in DESTRUCTIVE_KINDS and (short := self._wait_for_r(until)):
+                record["skipped"] = f"the cluster was not back at R: {short}"
+                record["healed_at"] = time.time()
+                with self._lock:
+                    self.faults_applied.append(record)
+                return
             # A fault that could not be applied or undone whole (a worker restarted while
             # another fault holds Redis down, say) is recorded so; heal() sets it right.
             # One that did not take effect (its process was down, fiu-ctrl failed) is
@@ -77,6 +96,10 @@ class Nemesis:
             with self._lock:
                 self.faults_applied.append(record)
 
+        starts = sorted(f.at_s for f in schedule.faults)
+        next_at = {
+            f: min((t for t in starts if t > f.at_s), default=self.seconds) for f in schedule.faults
+        }
         threads = [threading.Thread(target=run, args=(f,), daemon=True) for f in schedule.faults]
         for thread in threads:
             thread.start()
@@ -85,6 +108,27 @@ class Nemesis:
         rest = self.seconds - (time.monotonic() - began)
         if rest > 0:
             time.sleep(rest)
+
+    def _wait_for_r(self, deadline: float) -> str:
+        """Wait (until `deadline`, on the monotonic clock) for `status` to show every
+        committed chunk at R; "" then, else what it last showed."""
+        while True:
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-m", "coordinator.cli", "status", "--json"],
+                    env=self.cluster.env(),
+                    capture_output=True,
+                    text=True,
+                    timeout=STATUS_TIMEOUT_S,
+                )
+                status = json.loads(done.stdout)
+                short = len(status["under_replicated"]) + len(status["unrepairable"])
+                said = f"status showed {short} chunk(s) short of R" if short else ""
+            except (subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+                said = f"status failed: {exc!r}"[:200]
+            if not said or time.monotonic() > deadline:
+                return said
+            time.sleep(1.0)
 
     def _pid(self, fault: Fault) -> int | None:
         c = self.cluster
