@@ -556,14 +556,7 @@ def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_clust
 
     # A part that fails for good (no node left, and no retry of that): rank 1, stored and
     # waiting for it, stops at once, naming it, rather than waiting out its patience.
-    waiter = subprocess.Popen(
-        [sys.executable, "-c", WHOLE, "failed", "1", "1", "0"],
-        env=c.env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    waiter = _waiting_rank_1(c, "failed")
     failed = K.STEP.format(name="failed", step=1)
     wait_until(lambda: c.md.r.hexists(failed, "rank:1"), what="rank 1's part recorded")
     for node in c.node_procs:
@@ -579,19 +572,24 @@ def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_clust
     assert waiting["returned"] - failing["returned"] < 5, (waiting, failing)
 
 
-def test_save_sharded_wait_rides_out_redis_down_while_it_waits_for_the_step(make_cluster):
-    """wait=True waits on Redis for the other ranks' parts: with Redis killed meanwhile it
-    raised ConnectionError into the step, though every rank's writer rides the outage out
-    (invariant 12). It waits for Redis too, and returns once the step commits."""
-    c = make_cluster(2)
-    waiter = subprocess.Popen(
-        [sys.executable, "-c", WHOLE, "outage", "1", "1", "0"],
+def _waiting_rank_1(c, name: str) -> subprocess.Popen:
+    """Rank 1 of 2 saving step 1 of `name` with wait=True, in a process of its own."""
+    return subprocess.Popen(
+        [sys.executable, "-c", WHOLE, name, "1", "1", "0"],
         env=c.env(),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_save_sharded_wait_rides_out_redis_down_while_it_waits_for_the_step(make_cluster):
+    """wait=True waits on Redis for the other ranks' parts: with Redis killed meanwhile it
+    raised ConnectionError into the step, though every rank's writer rides the outage out
+    (invariant 12). It waits for Redis too, and returns once the step commits."""
+    c = make_cluster(2)
+    waiter = _waiting_rank_1(c, "outage")
     key = K.STEP.format(name="outage", step=1)
     wait_until(lambda: c.md.r.hexists(key, "rank:1"), what="rank 1's part recorded")
     c.kill_redis()
