@@ -40,13 +40,14 @@ def probe_registered(
     live = {n: NodeStat(**stat) for n, stat in recent.items()}
     to_probe = {nid: rec.address for nid, rec in nodes.items() if nid not in live}
     stats = probe_nodes(to_probe, cluster_key)
+    now = redis_clock(md.r) if stats else None  # when they answered, one read for all
     for node_id in to_probe:
         stat = stats.get(node_id)
         # A node answering with another id is a different data dir at the old address.
         if stat is None or stat.node_id != node_id:
             md.nodes.mark_down(node_id)
             continue
-        md.nodes.mark_alive(node_id, dataclasses.asdict(stat))
+        md.nodes.mark_alive(node_id, dataclasses.asdict(stat), now)
         live[node_id] = stat
     return live
 

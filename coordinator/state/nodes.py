@@ -94,10 +94,10 @@ class Nodes:
 
     # --- liveness ------------------------------------------------------------------
 
-    def mark_alive(self, node_id: str, stat: dict) -> None:
+    def mark_alive(self, node_id: str, stat: dict, now: float | None = None) -> None:
         """The node answered just now: up for NODE_ALIVE_TTL_S, and last seen now (on the
-        Redis clock, as node_health reads it)."""
-        now = redis_clock(self.r)
+        Redis clock, as node_health reads it; a probe of every node reads it once)."""
+        now = redis_clock(self.r) if now is None else now
         with self.r.pipeline() as p:
             p.set(
                 K.NODE_ALIVE.format(node_id=node_id),
