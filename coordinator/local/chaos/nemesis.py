@@ -69,9 +69,8 @@ class Nemesis:
             # blob's every copy at R=2, a loss the design does not promise to survive: such
             # a fault waits for the cluster back at R, not a fixed gap (a 30-minute run's
             # wiped node, 736 blobs, was not repaired 33 s later when the next was wiped,
-            # under other faults on a loaded machine). Past the wait it is skipped, and
-            # recorded so.
-            # Waited for at most until the next fault's time: no fault moves onto another.
+            # under other faults on a loaded machine). It waits until the next fault's time
+            # at most (no fault moves onto another), then it is skipped, and recorded so.
             until = began + min(next_at[fault], fault.at_s + R_WAIT_S)
             if fault.kind in DESTRUCTIVE_KINDS and (short := self._wait_for_r(until)):
                 record["skipped"] = f"the cluster was not back at R: {short}"

@@ -32,9 +32,9 @@ from coordinator.local.chaos.workload import (
 )
 from coordinator.local.cluster import LocalCluster
 from coordinator.state import redis_keys as K
-from coordinator.state.clock import redis_clock
 from coordinator.state.leaks import find_leaks
 from coordinator.state.metadata import Metadata
+from coordinator.state.sweeps import Sweeps
 from smoltorrent.errors import SmoltorrentError
 
 # Sweep intervals of a second or two, so a run of a minute heals within it; the dead
@@ -314,14 +314,15 @@ class ChaosRun:
         """What a run that did not settle leaves to read: the nodes' health, the repairs
         in flight, backing off or impossible, each sweep's last run, stand-downs and lock,
         and the worker's last warnings."""
-        now = redis_clock(r)
+        record = Sweeps(r)
+        now = record.redis_time()
         sweeps = {}
         for name in SWEEP_NAMES:
-            runs = [json.loads(x) for x in r.lrange(K.SWEEP_RUNS.format(name=name), -1, -1)]
+            runs = record.sweep_runs(name)
             sweeps[name] = {
                 "last_finished_s_ago": round(now - runs[-1]["finished"], 1) if runs else None,
                 "last_outcome": runs[-1]["outcome"] if runs else None,
-                "skipped": int(r.get(K.SWEEP_SKIPPED.format(name=name)) or 0),
+                "skipped": record.sweep_skips(name),
                 "lock": r.get(K.SWEEP_LOCK.format(name=name)),
                 "lock_ttl_s": r.ttl(K.SWEEP_LOCK.format(name=name)),
             }
