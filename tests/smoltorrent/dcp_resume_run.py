@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tests.smoltorrent.dcp_run import bits, model
+from tests.smoltorrent.dcp_run import bits, model, sharded_model
 
 STEPS = 6
 SAVE_EVERY = 2
@@ -53,15 +53,7 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model fully_shard'ed over every rank (FSDP2), and its AdamW."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    net = model(seed)
-    for layer in net:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    net = sharded_model(seed)
     return net, torch.optim.AdamW(net.parameters(), lr=LR)
 
 

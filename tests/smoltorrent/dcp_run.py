@@ -57,6 +57,22 @@ def bits(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: repr(tree)}
 
 
+def sharded_model(seed: int) -> torch.nn.Module:
+    """model(seed) fully_shard'ed (FSDP2) over every rank of the process group, layer by
+    layer, then whole."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    net = model(seed)
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
 def fsdp_save(name: str, directory: str, seed: int = 0) -> None:
     """A rank under torchrun (gloo, CPU): the model fully_shard'ed over every rank, one
     AdamW step, its state saved through smoltorrent's Writer as `name` and through
@@ -64,19 +80,12 @@ def fsdp_save(name: str, directory: str, seed: int = 0) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import smoltorrent.dcp
 
     dist.init_process_group("gloo")
     try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        net = model(seed)
-        for layer in net:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(net, mesh=mesh)
+        net = sharded_model(seed)
         saved = state(net, trained(net, seed))
         dcp.save(saved, storage_writer=smoltorrent.dcp.Writer(name))
         dcp.save(saved, storage_writer=dcp.FileSystemWriter(directory))
