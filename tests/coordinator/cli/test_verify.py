@@ -93,16 +93,18 @@ def test_verifys_copies_keep_to_the_repair_rate(make_cluster, tmp_path):
     src = make_ckpt(tmp_path / "p.safetensors", size=2_000_000)
     digests = store(c, src, "p.safetensors")
     by_id = {n.client().ping(): n for n in c.node_procs}
-    lost = 0
+    pushed: dict[str, int] = {}  # bytes each surviving holder must send
     for d in set(digests):
-        holder = by_id[min(c.md.blobs.placement(d))]
-        path = holder.data_dir / "blobs" / d[:2] / d
-        lost += path.stat().st_size
+        lost_on, source = sorted(c.md.blobs.placement(d))
+        path = by_id[lost_on].data_dir / "blobs" / d[:2] / d
+        pushed[source] = pushed.get(source, 0) + path.stat().st_size
         path.unlink()
     started = time.monotonic()
     report = c.cli_json("verify", "p.safetensors")
     elapsed = time.monotonic() - started
     assert {r["digest"] for r in report["repaired"]} == set(digests)
-    # A lower bound, whatever the machine's load: every byte paid to a bucket at the rate,
-    # less the burst it lets through after an idle spell.
-    assert elapsed >= lost / rate - defaults.BWLIMIT_BURST_S, (elapsed, lost)
+    # A lower bound, whatever the machine's load: each node pays its own bucket at the
+    # rate, less the burst it lets through after an idle spell. All the copies' bytes over
+    # one rate were no bound: two sources' buckets each let a burst through after the
+    # other's turn, and verify took 3.19 s for 1.66 MB at 500 KB/s (bound 3.22 s).
+    assert elapsed >= max(pushed.values()) / rate - defaults.BWLIMIT_BURST_S, (elapsed, pushed)
