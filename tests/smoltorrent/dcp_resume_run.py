@@ -15,9 +15,9 @@ Each rank writes its per-step losses as it goes, and its final local shards.
 
 `python -m tests.smoltorrent.dcp_resume_run reshard OUT NAME`, under torchrun with any
 number of ranks: NAME loaded through smoltorrent.dcp.Reader and OUT/fs through DCP's
-FileSystemReader into fresh models sharded over these ranks; rank 0 first does the same
-in one process with no process group (a plain model), then gathers the sharded load
-whole to compare with it.
+FileSystemReader into fresh models sharded over these ranks, the sharded load gathered
+whole; then, the process group destroyed, rank 0 does the same in one process (a plain
+model) and compares it with the gathered load.
 """
 
 from __future__ import annotations
@@ -188,13 +188,9 @@ def differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def run_reshard(out: Path, name: str) -> None:
     import smoltorrent.dcp
 
-    rank = int(os.environ["RANK"])
-    found: dict[str, Any] = {}
-    if rank == 0:  # before any process group exists: DCP loads as one process
-        whole = plain(smoltorrent.dcp.Reader(name))
-        found["plain_differ"] = differ(whole, plain(dcp.FileSystemReader(out / "fs")))
-        found["plain_tensors"] = sum(1 for v in whole.values() if isinstance(v, list))
     dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found: dict[str, Any] = {}
     net, optim = sharded(1)
     found["step"] = load(net, optim, smoltorrent.dcp.Reader(name))
     ours = local(net, optim)
@@ -202,14 +198,21 @@ def run_reshard(out: Path, name: str) -> None:
     load(other, other_optim, dcp.FileSystemReader(out / "fs"))
     found["differ"] = differ(ours, local(other, other_optim))
     found["tensors"] = sum(1 for v in ours.values() if isinstance(v, list))
-    # The sharded load, gathered whole, is the plain load.
+    # The sharded load, gathered whole, to compare with the plain load below.
     msd, osd = get_state_dict(
         net, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    if rank == 0:
-        found["whole_differ"] = differ(whole, bits({"model": msd, "optim": osd}))
-    write_json(out / f"reshard-{dist.get_world_size()}-{rank}.json", found)
+    gathered = bits({"model": msd, "optim": osd})
     dist.destroy_process_group()
+    if rank == 0:
+        # With the process group gone, DCP loads as one process. (Done before
+        # init_process_group, these loads kept the other ranks waiting in the rendezvous
+        # for rank 0's TCPStore.)
+        whole = plain(smoltorrent.dcp.Reader(name))
+        found["plain_differ"] = differ(whole, plain(dcp.FileSystemReader(out / "fs")))
+        found["plain_tensors"] = sum(1 for v in whole.values() if isinstance(v, list))
+        found["whole_differ"] = differ(whole, gathered)
+    write_json(out / f"reshard-{world}-{rank}.json", found)
 
 
 if __name__ == "__main__":
