@@ -11,7 +11,7 @@ from pathlib import Path
 
 from coordinator.plan.manifest import storage_key
 from smoltorrent import local_tier
-from tests.smoltorrent.conftest import run_api
+from tests.smoltorrent.conftest import ApiSession
 
 SAVE = """
 import json, torch, smoltorrent
@@ -35,13 +35,18 @@ print(json.dumps(out))
 """
 
 
-def load(c, calls) -> list:
-    return run_api(c, LOAD.replace("CALLS", repr(calls)), timeout=120)
-
-
 def test_a_hit_needs_no_node_a_miss_and_a_bad_copy_read_the_cluster(make_cluster):
     c = make_cluster(2, SMOLTORRENT_LOCAL_KEEP="2")
-    v1, v2, v3 = run_api(c, SAVE)
+    # One API process for the saves and every load (one import of torch), as a trainer.
+    with ApiSession(c, timeout=120) as api:
+        check(c, api)
+
+
+def check(c, api: ApiSession) -> None:
+    def load(calls) -> list:
+        return api.run(LOAD.replace("CALLS", repr(calls)))
+
+    v1, v2, v3 = api.run(SAVE)
     tier = local_tier.tier_dir(c.root / "staging")
     kept = {p.name for p in tier.iterdir()}
     assert kept == {f"{storage_key('tier/run', v)}.safetensors" for v in (v2, v3)}  # v1 evicted
@@ -51,13 +56,13 @@ def test_a_hit_needs_no_node_a_miss_and_a_bad_copy_read_the_cluster(make_cluster
     for node in c.node_procs:
         node.send_signal(signal.SIGSTOP)
     try:
-        assert load(c, [(None, "auto"), (v2[:12], "local")]) == [whole, [2, 2.0, 2.0 * 4096]]
+        assert load([(None, "auto"), (v2[:12], "local")]) == [whole, [2, 2.0, 2.0 * 4096]]
     finally:
         for node in c.node_procs:
             node.send_signal(signal.SIGCONT)
 
     # Miss: v1 was evicted by the count; it comes from the cluster, and not from the tier.
-    assert load(c, [(v1[:12], "auto"), (v1[:12], "local")]) == [[1, 1.0, 4096.0], "NotFoundError"]
+    assert load([(v1[:12], "auto"), (v1[:12], "local")]) == [[1, 1.0, 4096.0], "NotFoundError"]
 
     # A bit flipped in v3's kept copy: the copy is deleted, and v3 read from the cluster.
     bad = tier / f"{storage_key('tier/run', v3)}.safetensors"
@@ -66,9 +71,9 @@ def test_a_hit_needs_no_node_a_miss_and_a_bad_copy_read_the_cluster(make_cluster
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    # One process for both loads (one import of torch): the auto load reads the cluster
-    # and deletes the bad copy, so the local-only load after it finds nothing.
-    assert load(c, [(None, "auto"), (None, "local")]) == [whole, "NotFoundError"]
+    # The auto load reads the cluster and deletes the bad copy, so the local-only load
+    # after it finds nothing.
+    assert load([(None, "auto"), (None, "local")]) == [whole, "NotFoundError"]
     assert not bad.exists()
 
 
