@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.smoltorrent.conftest import ROOT, run_api
+from tests.smoltorrent.conftest import ROOT, ApiSession, run_api
 
 
 def test_torch_round_trip_is_bit_exact_with_bf16_and_fp8(make_cluster):
@@ -234,45 +234,48 @@ def test_load_reads_name_at_label_and_name_at_version(make_cluster):
     from tests.coordinator.cli.test_papercuts import run
 
     c = make_cluster(2)
-    script = """
-        import json
-        import numpy as np
-        import smoltorrent
+    # One API process for the saves and every load (one import of the API), the tag
+    # between them from the CLI.
+    with ApiSession(c) as api:
+        first, second = api.run(
+            """
+            import json
+            import numpy as np
+            import smoltorrent
 
-        ids = [
-            smoltorrent.save({"w": np.full(64, step, np.float32)}, "api/at.safetensors").version_id
-            for step in (1.0, 2.0)
-        ]
-        print(json.dumps(ids))
-        """
-    first, second = run_api(c, script)
-    tagged = run("tag", "api/at.safetensors", first[:12], "best", env=c.env())
-    assert tagged.returncode == 0, tagged.stderr
-    out = run_api(
-        c,
-        f"""
-        import json
-        import smoltorrent
+            ids = [
+                smoltorrent.save({"w": np.full(64, step, np.float32)}, "api/at.safetensors")
+                .version_id
+                for step in (1.0, 2.0)
+            ]
+            print(json.dumps(ids))
+            """
+        )
+        tagged = run("tag", "api/at.safetensors", first[:12], "best", env=c.env())
+        assert tagged.returncode == 0, tagged.stderr
+        out = api.run(
+            f"""
+            import json
+            import smoltorrent
 
-        def w(name):
-            return float(smoltorrent.load(name, framework="numpy")["w"][0])
+            def w(name):
+                return float(smoltorrent.load(name, framework="numpy")["w"][0])
 
-        print(json.dumps([
-            w("api/at.safetensors"),
-            w("api/at.safetensors@best"),
-            w("api/at.safetensors@{first[:12]}"),
-            w("api/at.safetensors@{second}"),
-        ]))
-        """,
-    )
-    assert out == [2.0, 1.0, 1.0, 2.0]
-    missing = run_api(
-        c,
-        """
-        import smoltorrent
-        smoltorrent.load("api/at.safetensors@worst", framework="numpy")
-        """,
-        check=False,
-    )
-    assert missing.returncode == 1
-    assert "no version of api/at.safetensors is tagged 'worst'" in missing.stderr
+            print(json.dumps([
+                w("api/at.safetensors"),
+                w("api/at.safetensors@best"),
+                w("api/at.safetensors@{first[:12]}"),
+                w("api/at.safetensors@{second}"),
+            ]))
+            """
+        )
+        assert out == [2.0, 1.0, 1.0, 2.0]
+        ok, _, err = api.run(
+            """
+            import smoltorrent
+            smoltorrent.load("api/at.safetensors@worst", framework="numpy")
+            """,
+            check=False,
+        )
+    assert not ok
+    assert "no version of api/at.safetensors is tagged 'worst'" in err
