@@ -12,7 +12,7 @@ import sys
 import time
 
 from coordinator.state import redis_keys as K
-from tests.smoltorrent.conftest import ROOT, run_api
+from tests.smoltorrent.conftest import ROOT, ApiSession, run_api
 from tests.tasks.conftest import wait_until
 
 RANK = """
@@ -29,10 +29,10 @@ saved = smoltorrent.save_sharded(sd, name, step, rank, world, keep_last=keep, wa
 print(json.dumps({"version_id": saved.version_id}))
 """
 
-# Tries each call in turn, in one process (one import of torch and the API, not one
-# per call): per call, the error's class and message, or what CHECK made of its result.
+# Tries each call of CALLS in turn, in one process (one import of torch and the API, not
+# one per call): per call, the error's class and message, or what CHECK made of its result.
 TRY = """
-import json, sys
+import json
 import smoltorrent
 from smoltorrent.errors import ShardedCheckpointError
 from tests.checkpoints import llm_like_tensors
@@ -42,7 +42,7 @@ def bits(sd):
     return {k: v.contiguous().reshape(-1).view(torch.uint8).tolist() for k, v in sd.items()}
 
 results = []
-for call, check in json.loads(sys.argv[1]):
+for call, check in json.loads(CALLS):
     try:
         out = eval(call)
     except ShardedCheckpointError as exc:
@@ -122,30 +122,24 @@ def ranks(cluster, name: str, step: int, rank_ids, world: int, keep: int | None 
         assert "version_id" in json.loads(out.strip().splitlines()[-1])
 
 
-def attempts(cluster, *calls: str | tuple[str, str]) -> list[dict]:
-    """Each call tried in order in one API process: a call alone (its result unchecked) or
+def attempts(api: ApiSession, *calls: str | tuple[str, str]) -> list[dict]:
+    """Each call tried in order in the API session: a call alone (its result unchecked) or
     (call, check), check an expression of its result `out`."""
     pairs = [(c, "None") if isinstance(c, str) else c for c in calls]
-    proc = subprocess.run(
-        [sys.executable, "-c", TRY, json.dumps(pairs)],
-        env=cluster.env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = api.run(TRY.replace("CALLS", repr(json.dumps(pairs))))
     assert len(results) == len(pairs)
     return results
 
 
-def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(make_cluster):
+def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(
+    make_cluster, api_session
+):
     c = make_cluster(3)
+    api = api_session(c)  # one API process for this test's attempts
     # Ranks 0 and 1 of 3 store step 100; rank 2 never does: the step stays partial.
     ranks(c, "run", 100, [0, 1], 3)
     latest, partial = attempts(
-        c, ("smoltorrent.latest_step('run')", "out"), "smoltorrent.load_sharded('run', 100, 0, 3)"
+        api, ("smoltorrent.latest_step('run')", "out"), "smoltorrent.load_sharded('run', 100, 0, 3)"
     )
     assert latest == {"value": None}
     assert partial["error"] == "PartialStepError" and "rank 2 never finished" in partial["message"]
@@ -157,7 +151,7 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
         "smoltorrent.save_sharded(llm_like_tensors(layers=1), 'run', 100, 3, 4)",
     )
     latest, *loaded = attempts(
-        c,
+        api,
         ("smoltorrent.latest_step('run')", "out"),
         *(
             (
@@ -178,7 +172,7 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
     # With reshard=True the same change re-partitions what the ranks recorded: a step of 4
     # ranks (a flat ZeRO partition of 10 elements, 7 rows of a dim-0 shard, a replicated
     # step) loads on 2 and on 8 ranks, byte-equal with the same cut of the whole.
-    resharded = run_api(c, RESHARD)
+    resharded = api.run(RESHARD)
     assert {k: resharded.pop(k) for k in ("2", "8", "refused")} == {
         "2": True,
         "8": True,
@@ -199,20 +193,21 @@ def test_a_step_commits_when_every_rank_is_stored_and_resume_refuses_bad_steps(m
         "smoltorrent.load_sharded('run', 100, 0, 3)",
         "smoltorrent.load_sharded('run', 100, 0, 2, reshard=True)",
     )
-    for call, missing in zip(calls, attempts(c, *calls), strict=True):
+    for call, missing in zip(calls, attempts(api, *calls), strict=True):
         assert missing["error"] == "MissingRankError", call
         assert "the part of rank 1 of its 3 ranks" in missing["message"], missing
         assert "No older step of it has every part" in missing["message"], missing
 
 
-def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster):
+def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster, api_session):
     c = make_cluster(2)
+    api = api_session(c)  # one API process for this test's attempts
     ranks(c, "keep", 1, [0, 1], 2, keep=2)
     ranks(c, "keep", 2, [0, 1], 2, keep=2)
     ranks(c, "keep", 3, [0], 2, keep=1)  # step 3 in flight: rank 1 has not stored it yet
     ranks(c, "keep", 4, [0, 1], 2, keep=1)  # committing step 4 keeps 1: steps 1, 2 go
     latest, gone = attempts(
-        c, ("smoltorrent.latest_step('keep')", "out"), "smoltorrent.load_sharded('keep', 1, 0, 2)"
+        api, ("smoltorrent.latest_step('keep')", "out"), "smoltorrent.load_sharded('keep', 1, 0, 2)"
     )
     assert latest == {"value": 4}
     assert gone["error"] == "StepNotFoundError"
@@ -224,7 +219,7 @@ def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster)
     # Step 3 was pending throughout: untouched, and it commits when rank 1 stores it.
     ranks(c, "keep", 3, [1], 2)
     same, latest = attempts(
-        c,
+        api,
         (
             "smoltorrent.load_sharded('keep', 3, 1, 2)",
             "bits(out) == bits(llm_like_tensors(layers=1, hidden=16, seed=3001))",
@@ -235,15 +230,16 @@ def test_keep_last_removes_old_committed_steps_never_one_in_flight(make_cluster)
     assert latest == {"value": 4}
 
 
-def test_rebuild_after_losing_redis_restores_complete_steps_only(make_cluster):
+def test_rebuild_after_losing_redis_restores_complete_steps_only(make_cluster, api_session):
     c = make_cluster(2)
+    api = api_session(c)  # one API process for this test's attempts
     ranks(c, "lost", 7, [0, 1], 2)
     ranks(c, "lost", 8, [0], 2)  # partial: rank 1 never stored step 8
     c.md.r.flushall()
     summary = c.cli_json("rebuild", *(str(n.address) for n in c.node_procs))
     assert summary["steps"] == 1
     latest, same, partial = attempts(
-        c,
+        api,
         ("smoltorrent.latest_step('lost')", "out"),
         (
             "smoltorrent.load_sharded('lost', 7, 1, 2)",
@@ -428,16 +424,19 @@ def test_a_dtensor_is_refused_with_a_pointer_to_smoltorrent_dcp(tmp_path):
         assert "DTensor" in out[label], out[label]
 
 
-def test_latest_step_never_picks_a_step_of_another_world_size_unless_asked(make_cluster):
+def test_latest_step_never_picks_a_step_of_another_world_size_unless_asked(
+    make_cluster, api_session
+):
     """Issue 39: a 1-rank step saved by mistake under a 2-rank run's name was picked by
     latest_step and resharded silently. latest_step(name, world_size) takes the newest
     step of that world size; without one (and no process group to say it) a name whose
     steps were saved by several world sizes is refused; reshard=True asks for any."""
     c = make_cluster(2)
+    api = api_session(c)  # one API process for this test's attempts
     ranks(c, "mix", 1, [0, 1], 2)
     ranks(c, "mix", 2, [0], 1)  # the mistake: a 1-rank step, newer
     two, one, unknown, any_size, refused = attempts(
-        c,
+        api,
         ("smoltorrent.latest_step('mix', 2)", "out"),
         ("smoltorrent.latest_step('mix', world_size=1)", "out"),
         "smoltorrent.latest_step('mix')",
@@ -517,12 +516,13 @@ print(json.dumps({"writer": next(iter(api._writers.values())).proc.pid}))
 """
 
 
-def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_cluster):
+def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_cluster, api_session):
     """Issue 39: PartialStepError said rank 0 "never finished storing" and to call
     save_sharded while rank 0 was still saving. A pending step now records when each
     rank's writer began its part, its heartbeat and its failure, and the error says which:
     still being stored, abandoned (failed, or its writer silent: died), or not begun."""
     c = make_cluster(2)
+    api = api_session(c)  # one API process for this test's attempts
     hold = [sys.executable, "-c", HOLD]
     run = subprocess.run([*hold, "1"], env=c.env(), cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
@@ -533,7 +533,7 @@ def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_clust
     key = K.STEP.format(name="held", step=1)
     wait_until(lambda: c.md.r.hexists(key, "begun:0"), what="rank 0's part begun")
     load = "smoltorrent.load_sharded('held', 1, 1, 2)"
-    (flight,) = attempts(c, load)
+    (flight,) = attempts(api, load)
     assert flight["error"] == "PartialStepError", flight
     assert "rank 0's part is still being stored (began" in flight["message"], flight
     assert "It may still commit" in flight["message"], flight
@@ -543,7 +543,7 @@ def test_a_partial_step_says_whether_a_part_is_in_flight_or_abandoned(make_clust
     # STEP_STALE_S rather than waited for.
     os.kill(writer, signal.SIGKILL)
     c.md.r.hset(key, "beat:0", float(c.md.r.hget(key, "beat:0")) - 120)
-    (dead,) = attempts(c, load)
+    (dead,) = attempts(api, load)
     assert "rank 0 began" in dead["message"] and "abandoned" in dead["message"], dead
     assert "save_sharded(state, 'held', 1, 0, 2)" in dead["message"], dead
 
