@@ -10,7 +10,6 @@ from coordinator.plan.read_order import read_order
 from coordinator.plan.selection import select
 from coordinator.state import redis_keys as K
 from tests.nodeproc import bytes_sent
-from tests.smoltorrent.conftest import run_api
 
 SAVE = """
 import json
@@ -44,12 +43,13 @@ print(json.dumps({{
 """
 
 
-def test_a_partial_load_moves_only_the_selected_bytes(make_cluster):
+def test_a_partial_load_moves_only_the_selected_bytes(make_cluster, api_session):
     c = make_cluster(4, chunks=False, SMOLTORRENT_METRICS_PORT="0")
-    run_api(c, SAVE)
+    api = api_session(c)  # the save and both loads in one API process (one import of torch)
+    api.run(SAVE)
     before = bytes_sent(c.node_procs)
     patterns = ["model.layers.3.*", "lm_head.*"]
-    out = run_api(c, LOAD.format(patterns=patterns, framework="torch"))
+    out = api.run(LOAD.format(patterns=patterns, framework="torch"))
     moved = bytes_sent(c.node_procs) - before
     assert out["same_bits"]
     assert out["names"] and all(
@@ -59,14 +59,15 @@ def test_a_partial_load_moves_only_the_selected_bytes(make_cluster):
     assert moved == out["bytes"]  # counted by the nodes themselves
 
     before = bytes_sent(c.node_procs)
-    out = run_api(c, LOAD.format(patterns=["model.norm.weight"], framework="numpy"))
+    out = api.run(LOAD.format(patterns=["model.norm.weight"], framework="numpy"))
     assert out["names"] == ["model.norm.weight"] and out["same_bits"]
     assert bytes_sent(c.node_procs) - before == out["bytes"] == 64 * 4
 
 
-def test_bad_bytes_under_a_selected_tensor_fall_back_to_the_replica(make_cluster):
+def test_bad_bytes_under_a_selected_tensor_fall_back_to_the_replica(make_cluster, api_session):
     c = make_cluster(3, chunks=False, SMOLTORRENT_METRICS_PORT="0")
-    run_api(c, SAVE)
+    api = api_session(c)  # the save and the load in one API process (one import of torch)
+    api.run(SAVE)
     md = c.md
     name = "model.layers.4.mlp.up_proj.weight"
     manifest = md.versions.manifest(md.versions.current("api/partial.safetensors"))
@@ -82,7 +83,7 @@ def test_bad_bytes_under_a_selected_tensor_fall_back_to_the_replica(make_cluster
     start = piece.blob_offset
     data[start + 3] ^= 0x10
     blob.write_bytes(bytes(data))
-    out = run_api(c, LOAD.format(patterns=[name], framework="torch"))
+    out = api.run(LOAD.format(patterns=[name], framework="torch"))
     assert out["names"] == [name] and out["same_bits"]
     # The corrupt copy went on record for repair (gone from it once its at-once check ran).
     assert md.r.hexists(K.BAD_COPIES, f"{shard.blob_sha256}:{first}") or (
