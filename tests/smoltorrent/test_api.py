@@ -5,10 +5,10 @@ from __future__ import annotations
 from tests.smoltorrent.conftest import ROOT, ApiSession, run_api
 
 
-def test_torch_round_trip_is_bit_exact_with_bf16_and_fp8(make_cluster):
+def test_torch_round_trip_is_bit_exact_with_bf16_fp8_tied_and_transposed(make_cluster, api_session):
     c = make_cluster(4)
-    out = run_api(
-        c,
+    api = api_session(c)  # both scripts in one API process (one import of torch)
+    out = api.run(
         """
         import json
         import safetensors.torch
@@ -35,11 +35,32 @@ def test_torch_round_trip_is_bit_exact_with_bf16_and_fp8(make_cluster):
     assert list((c.root / "staging").glob("*.safetensors")) == []
     assert len(list((c.root / "staging" / "local").glob("*.safetensors"))) == 1
 
+    # An LLM's state dict often ties lm_head.weight to the embeddings (one tensor under
+    # two names), and may hold a transposed view: safetensors refuses both, so save() failed
+    # on them. Each name now comes back with its exact values.
+    out = api.run(
+        """
+        import json
+        import torch
+        import smoltorrent
 
-def test_numpy_round_trip_keeps_bf16_and_fp8_bits(make_cluster):
+        embed = torch.randn(64, 16)
+        w = torch.randn(8, 4)
+        sd = {"embed.weight": embed, "lm_head.weight": embed, "proj.weight": w.t(),
+              "first_rows": embed[:2]}
+        smoltorrent.save(sd, "api/tied.safetensors")
+        back = smoltorrent.load("api/tied.safetensors")
+        print(json.dumps({k: torch.equal(back[k], v) for k, v in sd.items()}
+                         | {"keys": sorted(back) == sorted(sd)}))
+        """
+    )
+    assert all(out.values()), out
+
+
+def test_numpy_and_mlx_round_trips_keep_bf16_and_fp8_bits(make_cluster, api_session):
     c = make_cluster(3)
-    out = run_api(
-        c,
+    api = api_session(c)  # both scripts in one API process
+    out = api.run(
         """
         import json
         import ml_dtypes
@@ -70,11 +91,8 @@ def test_numpy_round_trip_keeps_bf16_and_fp8_bits(make_cluster):
     assert out["same_bytes"]
     assert out["dtypes"]["w_bf16"] == "bfloat16" and out["dtypes"]["w_e4m3"] == "float8_e4m3fn"
 
-
-def test_mlx_round_trip_and_fp8_from_torch_as_mlx_bits(make_cluster):
-    c = make_cluster(3)
-    out = run_api(
-        c,
+    # mlx, and fp8 saved from torch loaded as mlx (its bits, as uint8).
+    out = api.run(
         """
         import json
         import mlx.core as mx
@@ -141,31 +159,6 @@ def test_async_save_returns_a_handle_and_saves_of_one_name_run_in_order(make_clu
     assert float(by_id[first_id]["committed_at"]) <= float(by_id[second_id]["created_at"])
     current = [v for v in versions if v["current"]]
     assert [v["version_id"] for v in current] == [second_id]
-
-
-def test_tied_and_transposed_weights_save_and_load_as_they_are(make_cluster):
-    """An LLM's state dict often ties lm_head.weight to the embeddings (one tensor under
-    two names), and may hold a transposed view: safetensors refuses both, so save() failed
-    on them. Each name now comes back with its exact values."""
-    c = make_cluster(2)
-    out = run_api(
-        c,
-        """
-        import json
-        import torch
-        import smoltorrent
-
-        embed = torch.randn(64, 16)
-        w = torch.randn(8, 4)
-        sd = {"embed.weight": embed, "lm_head.weight": embed, "proj.weight": w.t(),
-              "first_rows": embed[:2]}
-        smoltorrent.save(sd, "api/tied.safetensors")
-        back = smoltorrent.load("api/tied.safetensors")
-        print(json.dumps({k: torch.equal(back[k], v) for k, v in sd.items()}
-                         | {"keys": sorted(back) == sorted(sd)}))
-        """,
-    )
-    assert all(out.values()), out
 
 
 def test_bad_input_is_refused_before_anything_is_stored(make_cluster):
