@@ -472,9 +472,12 @@ def test_latest_step_never_picks_a_step_of_another_world_size_unless_asked(
 
 
 # One rank of a 2-rank step: rank 0 saves after `delay` s (the slower rank), the other
-# at once; each loads its part right after save_sharded(wait=True) returns.
+# at once; each loads its part right after save_sharded(wait=True) returns. numpy, as
+# RANK: no torch to import in these processes.
 WHOLE = """
-import json, sys, time, torch, smoltorrent
+import json, sys, time
+import numpy as np
+import smoltorrent
 from smoltorrent.errors import SmoltorrentError
 
 name, step, rank, delay = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
@@ -482,9 +485,10 @@ time.sleep(delay)
 started = time.time()
 out = {"started": started}
 try:
-    smoltorrent.save_sharded({"w": torch.full((256, 256), float(rank))}, name, step, rank, 2)
+    smoltorrent.save_sharded({"w": np.full((256, 256), rank, np.float32)}, name, step, rank, 2)
     out["returned"] = time.time()
-    out["loaded"] = float(smoltorrent.load_sharded(name, step, rank, 2)["w"][0, 0])
+    back = smoltorrent.load_sharded(name, step, rank, 2, framework="numpy")
+    out["loaded"] = float(back["w"][0, 0])
 except SmoltorrentError as exc:
     out.update(returned=time.time(), error=type(exc).__name__, message=str(exc))
 print(json.dumps(out))
@@ -526,11 +530,13 @@ def test_save_sharded_wait_returns_once_the_whole_step_is_stored(make_cluster):
 
 
 HOLD = """
-import json, sys, torch, smoltorrent
+import json, sys
+import numpy as np
+import smoltorrent
 from smoltorrent import api
 
 rank = int(sys.argv[1])
-handle = smoltorrent.save_sharded({"w": torch.ones(4)}, "held", 1, rank, 2, wait=False)
+handle = smoltorrent.save_sharded({"w": np.ones(4, np.float32)}, "held", 1, rank, 2, wait=False)
 if rank == 1:
     handle.result()
 print(json.dumps({"writer": next(iter(api._writers.values())).proc.pid}))
