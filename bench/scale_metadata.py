@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as `python bench/scale_metadata.py`
 from coordinator.cli import reports  # noqa: E402
 from coordinator.local.cluster import NodeProcess  # noqa: E402
 from coordinator.local.synthetic import synthetic_manifest  # noqa: E402
-from coordinator.plan.manifest import storage_key  # noqa: E402
+from coordinator.plan.version_ids import storage_key  # noqa: E402
 from coordinator.state.embedded_redis import start_redis, url_for  # noqa: E402
 from coordinator.state.metadata import Metadata  # noqa: E402
 

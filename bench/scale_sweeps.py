@@ -41,7 +41,9 @@ if __package__ in (None, ""):  # run as `python bench/scale_sweeps.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.local.cluster import NodeProcess  # noqa: E402
-from coordinator.plan.manifest import ChunkEntry, Manifest, chunked_version_id  # noqa: E402
+from coordinator.plan.manifest import Manifest  # noqa: E402
+from coordinator.plan.manifest_entries import ChunkEntry  # noqa: E402
+from coordinator.plan.version_ids import chunked_version_id  # noqa: E402
 from coordinator.state import redis_keys as K  # noqa: E402
 from coordinator.state.embedded_redis import start_redis, url_for  # noqa: E402
 from coordinator.state.metadata import Metadata  # noqa: E402

@@ -40,9 +40,10 @@ from typing import Any, TypeVar
 
 from coordinator import config
 from coordinator.plan.file_pack import PACK_FILE, is_pack
-from coordinator.plan.manifest import Manifest, check_name
+from coordinator.plan.manifest import Manifest
 from coordinator.plan.safetensors_header import parse_header, read_header
 from coordinator.plan.selection import pick
+from coordinator.plan.version_ids import check_name
 from coordinator.state.directories import Directories
 from coordinator.state.versions import COMMITTED
 from smoltorrent import defaults, local_tier, snapshot

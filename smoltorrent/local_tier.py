@@ -26,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from coordinator.dataplane.store_engine import hash_blob
-from coordinator.plan.manifest import Manifest, blob_spans, source_prefix, storage_key
+from coordinator.plan.blob_spans import blob_spans
+from coordinator.plan.manifest import Manifest, source_prefix
+from coordinator.plan.version_ids import storage_key
 from smoltorrent import defaults, durable
 
 log = logging.getLogger("smoltorrent.local_tier")

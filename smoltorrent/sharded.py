@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator import config
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state.steps import (
     COMMITTED,
     PENDING,

@@ -35,7 +35,7 @@ from coordinator.plan.directory import (
     record_bytes,
 )
 from coordinator.plan.file_pack import PACK_FILE
-from coordinator.plan.manifest import check_name
+from coordinator.plan.version_ids import check_name
 from coordinator.state.directories import Directories, DirectoryVersion, Member
 from smoltorrent import defaults, durable
 from smoltorrent.errors import SmoltorrentError

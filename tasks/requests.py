@@ -23,9 +23,9 @@ import redis
 from coordinator import config
 from coordinator.dataplane.bandwidth import WireBytes
 from coordinator.dataplane.gather_engine import check_destination
-from coordinator.plan.manifest import check_name
 from coordinator.plan.safetensors_header import read_header
 from coordinator.plan.selection import select
+from coordinator.plan.version_ids import check_name
 from coordinator.state import process_gathers, wakeups
 from coordinator.state import redis_keys as K
 from coordinator.state.metadata import Metadata

@@ -21,7 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from coordinator.plan.manifest import BlobSpan
+from coordinator.plan.blob_spans import BlobSpan
 from smoltorrent import defaults
 from worker_server.token_bucket import TokenBucket
 

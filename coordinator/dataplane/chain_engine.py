@@ -29,7 +29,7 @@ from functools import partial
 from coordinator.dataplane.chunk_source import sendable
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.store_engine import mismatch_cause
-from coordinator.plan.manifest import BlobSpan
+from coordinator.plan.blob_spans import BlobSpan
 from coordinator.plan.source_file import SourceIdentity
 from smoltorrent import defaults
 from smoltorrent.errors import (

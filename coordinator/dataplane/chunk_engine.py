@@ -44,18 +44,14 @@ from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.dataplane.ordered_map import ordered_map
 from coordinator.dataplane.replicas import BadCopy, Unanswered, first_intact
 from coordinator.dataplane.store_engine import hash_blob, probe_nodes, send_shard, write_manifest
+from coordinator.plan.blob_spans import BlobSpan
 from coordinator.plan.chunks import ChunkPlan, plan_chunks
-from coordinator.plan.manifest import (
-    SCHEMA_VERSION,
-    BlobSpan,
-    ChunkEntry,
-    Manifest,
-    chunk_entries,
-    chunked_version_id,
-)
+from coordinator.plan.manifest import SCHEMA_VERSION, Manifest
+from coordinator.plan.manifest_entries import ChunkEntry, chunk_entries
 from coordinator.plan.placement import place
 from coordinator.plan.safetensors_header import CheckpointHeader, read_header
 from coordinator.plan.source_file import SourceIdentity
+from coordinator.plan.version_ids import chunked_version_id
 from smoltorrent import defaults
 from smoltorrent.errors import (
     ChunkFormatError,

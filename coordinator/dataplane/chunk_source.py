@@ -19,10 +19,13 @@ import time
 from typing import NoReturn
 
 from coordinator.dataplane import codec
+from coordinator.plan.blob_spans import BlobSpan
 from coordinator.plan.chunks import ChunkPlan, plan_chunks
-from coordinator.plan.manifest import BlobSpan, ChunkEntry, Manifest, check_version_key
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.manifest_entries import ChunkEntry
 from coordinator.plan.safetensors_header import CheckpointHeader, read_header
 from coordinator.plan.source_file import SourceIdentity
+from coordinator.plan.version_ids import check_version_key
 from smoltorrent.errors import SourceChangedError
 
 

@@ -22,17 +22,14 @@ from dataclasses import dataclass, field
 from coordinator.dataplane.chunk_source import sendable
 from coordinator.dataplane.digest_cache import DigestCache
 from coordinator.dataplane.node_client import NodeAddress, NodeClient, NodeStat
-from coordinator.plan.manifest import (
-    BlobSpan,
-    Manifest,
-    blob_spans,
-    shard_entries,
-    version_id_for,
-)
+from coordinator.plan.blob_spans import BlobSpan, blob_spans
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.manifest_entries import shard_entries
 from coordinator.plan.placement import place
 from coordinator.plan.planner import ShardPlan, plan_shards
 from coordinator.plan.safetensors_header import CheckpointHeader, read_header
 from coordinator.plan.source_file import SourceIdentity
+from coordinator.plan.version_ids import version_id_for
 from smoltorrent import defaults
 from smoltorrent.errors import (
     BadTargetError,

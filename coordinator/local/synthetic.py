@@ -11,7 +11,8 @@ import json
 import os
 import struct
 
-from coordinator.plan.manifest import Manifest, ShardEntry
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.manifest_entries import ShardEntry
 from smoltorrent import defaults
 
 _ITEM = {"BF16": 2, "F32": 4}

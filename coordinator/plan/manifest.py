@@ -20,25 +20,40 @@ range of the data section, the SHA-256 of its raw bytes (its address, the same i
 version that holds those bytes) and the size and SHA-256 of the encoded chunk a node
 keeps (coordinator/dataplane/codec.py). Every schema is read; a store writes schema 3
 by default, schema 2 with --shards N or SMOLTORRENT_CHUNKS=0.
+
+Here: the Manifest, its canonical JSON written, and its parse (kept beside it: from_json
+builds a Manifest, so a parse module of its own would import this one and be imported by
+it). By concern beside it: manifest_entries.py (shards, chunks, the ChunkTable),
+version_ids.py (version ids, version keys, checkpoint names), blob_spans.py (what a
+transfer sends of one blob), canonical_read.py (the fast read of to_json's own form),
+manifest_checks.py (the field checks every parse shares).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 import json
 import re
 import struct
-from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from typing import Any, NoReturn
+from typing import Any
 
-from coordinator.plan.chunks import ChunkPlan
-from coordinator.plan.planner import ShardPlan, blob_prefix
+from coordinator.plan.canonical_read import canonical_document, document_from_pieces
+from coordinator.plan.manifest_checks import (
+    NOT_JSON,
+    SHA256_HEX,
+    checked_count,
+    checked_fields,
+    checked_sha256,
+    fail,
+    reject_duplicate_keys,
+    shown,
+)
+from coordinator.plan.manifest_entries import ChunkEntry, ChunkTable, ShardEntry
 from coordinator.plan.safetensors_header import (
     LENGTH_PREFIX_BYTES,
     CheckpointHeader,
@@ -46,226 +61,13 @@ from coordinator.plan.safetensors_header import (
     checked_data_size,
     parse_header,
 )
+from coordinator.plan.version_ids import chunked_version_id, storage_key, version_id_for
 from smoltorrent import defaults
-from smoltorrent.errors import CheckpointFormatError, ManifestError, UnsafeNameError, UsageError
+from smoltorrent.errors import CheckpointFormatError, ManifestError
 
 SCHEMA_VERSION = 3  # the newest: chunks
 SHARD_SCHEMA_VERSION = 2  # the newest of whole shards
 READABLE_SCHEMAS = (1, 2, 3)  # 1: before per-tensor digests; 3: chunks
-_VERSION_ID_DOMAIN = b"smoltorrent version v1\0"  # keeps these digests apart from any other
-# A chunked version's id hashes raw chunk digests, never blob digests: another domain, so
-# it can never equal a whole-shard version's id
-_CHUNKED_VERSION_ID_DOMAIN = b"smoltorrent chunked version v1\0"
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class ShardEntry:
-    index: int
-    data_start: int  # relative to the source's data section
-    data_end: int
-    tensors: tuple[str, ...]  # in data order
-    blob_size: int
-    blob_sha256: str
-    blob_data_offset: int  # == len(blob prefix): where the source bytes start in the blob
-    # SHA-256 of each tensor's bytes, in the order of `tensors`; None in schema 1 manifests
-    tensor_sha256: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkEntry:
-    index: int  # its position in the manifest's chunks (not written: the order says it)
-    data_start: int  # relative to the source's data section
-    data_end: int
-    raw_sha256: str  # of the raw bytes: the chunk's address, the same in every version
-    blob_size: int  # of the encoded chunk a node keeps and verifies
-    blob_sha256: str
-
-
-_DIGEST_BYTES = 32  # a SHA-256
-
-
-class _Columns:
-    """A ChunkTable's five buffers as they are filled, a chunk at a time."""
-
-    def __init__(self) -> None:
-        self.starts, self.ends, self.sizes = array("q"), array("q"), array("q")
-        self.raw, self.blob = bytearray(), bytearray()
-
-    def add(self, start: int, end: int, size: int, raw: bytes, blob: bytes) -> None:
-        self.starts.append(start)
-        self.ends.append(end)
-        self.sizes.append(size)
-        self.raw += raw
-        self.blob += blob
-
-    def add_match(self, found: re.Match) -> str | bytes:
-        """One chunk's object matched by _CHUNK_TEXT or _CHUNK_BYTES; what follows it."""
-        blob_hex, size, end, start, raw_hex, after = found.groups()
-        self.add(
-            int(start),
-            int(end),
-            int(size),
-            binascii.unhexlify(raw_hex),
-            binascii.unhexlify(blob_hex),
-        )
-        return after
-
-    def table(self) -> ChunkTable:
-        return ChunkTable(self.starts, self.ends, self.sizes, bytes(self.raw), bytes(self.blob))
-
-
-class ChunkTable(Sequence[ChunkEntry]):
-    """A manifest's chunks, held in five flat buffers (each chunk's data_start, data_end
-    and blob size as 64-bit integers, its two SHA-256 as 32 bytes each): ~90 bytes a chunk
-    in a handful of allocations, where a tuple of ChunkEntry held ~430 in six small objects
-    a chunk. A 16 GB checkpoint's 4,629 chunks are 0.4 MB here against 2 MB, and buffers
-    that size come from malloc's own mappings, given back whole when the manifest goes,
-    not pymalloc's arenas, which a few survivors among thousands of small objects pin for
-    the rest of a worker child's life (bench/RESULTS.md, memflat5).
-
-    Reads as the tuple it replaces: indexing, iteration, len and == against any sequence
-    of ChunkEntry; an entry is built as it is read."""
-
-    __slots__ = ("_starts", "_ends", "_sizes", "_raw", "_blob")
-
-    def __init__(self, starts: array, ends: array, sizes: array, raw: bytes, blob: bytes):
-        self._starts, self._ends, self._sizes = starts, ends, sizes
-        self._raw, self._blob = raw, blob
-
-    @classmethod
-    def of(cls, entries: Iterable[ChunkEntry]) -> ChunkTable:
-        """The table of `entries`, each at the position its index says (ValueError
-        otherwise, or for a digest that is not 64 lowercase hex digits)."""
-        if isinstance(entries, ChunkTable):
-            return entries
-        columns = _Columns()
-        for position, entry in enumerate(entries):
-            if entry.index != position:
-                raise ValueError(f"chunk {entry.index} is listed at position {position}")
-            columns.add(
-                entry.data_start,
-                entry.data_end,
-                entry.blob_size,
-                _digest_bytes(entry.raw_sha256),
-                _digest_bytes(entry.blob_sha256),
-            )
-        return columns.table()
-
-    def __len__(self) -> int:
-        return len(self._starts)
-
-    def write_json(self, out: io.BytesIO) -> None:
-        """The chunks as Manifest.to_json writes them (canonical: sorted keys, no spaces),
-        straight from the buffers, one chunk at a time."""
-        out.write(b"[")
-        rows = zip(self._starts, self._ends, self._sizes, strict=True)
-        for i, (start, end, size) in enumerate(rows):
-            at = i * _DIGEST_BYTES
-            out.write(
-                b'%s{"blob_sha256":"%s","blob_size":%d,"data_end":%d,"data_start":%d,'
-                b'"raw_sha256":"%s"}'
-                % (
-                    b"," if i else b"",
-                    binascii.hexlify(self._blob[at : at + _DIGEST_BYTES]),
-                    size,
-                    end,
-                    start,
-                    binascii.hexlify(self._raw[at : at + _DIGEST_BYTES]),
-                )
-            )
-        out.write(b"]")
-
-    def json_size(self) -> int:
-        """How many bytes write_json writes."""
-        fixed = len(b'{"blob_sha256":"","blob_size":,"data_end":,"data_start":,"raw_sha256":""}')
-        count = len(self)
-        digits = sum(len(str(value)) for part in (self._starts, self._ends, self._sizes)
-                     for value in part)  # fmt: skip
-        return 2 + max(count - 1, 0) + count * (fixed + 4 * _DIGEST_BYTES) + digits
-
-    @classmethod
-    def from_canonical_json(cls, data: bytes | str, start: int) -> tuple[ChunkTable, int] | None:
-        """The chunk list that opens at `start` of a manifest's JSON text, read straight
-        into a table when it is written as to_json writes it (every manifest smoltorrent
-        stores), with the offset just past its closing bracket; None when it is not
-        (spaces, another key order, a value _parse_chunk would not take, a number past
-        18 digits): the caller then decodes the whole text as JSON. No object per chunk is
-        kept, nor a JSON document of the whole list built."""
-        pattern, close = (_CHUNK_BYTES, b"]") if isinstance(data, bytes) else (_CHUNK_TEXT, "]")
-        columns = _Columns()
-        position = start + 1  # past the "["
-        if data[position : position + 1] != close:
-            match = pattern.match
-            while True:
-                found = match(data, position)
-                if found is None:
-                    return None
-                position = found.end()
-                if columns.add_match(found) == close:
-                    break
-            position -= 1
-        return columns.table(), position + 1
-
-    def _entry(self, i: int) -> ChunkEntry:
-        at = i * _DIGEST_BYTES
-        return ChunkEntry(
-            i,
-            self._starts[i],
-            self._ends[i],
-            self._raw[at : at + _DIGEST_BYTES].hex(),
-            self._sizes[i],
-            self._blob[at : at + _DIGEST_BYTES].hex(),
-        )
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self._entry(j) for j in range(*i.indices(len(self))))
-        count = len(self)
-        if not -count <= i < count:
-            raise IndexError("chunk index out of range")
-        return self._entry(i + count if i < 0 else i)
-
-    def __iter__(self) -> Iterator[ChunkEntry]:
-        return map(self._entry, range(len(self)))
-
-    def ranges(self) -> Iterator[tuple[int, int]]:
-        """(data_start, data_end) of each chunk, in order, no entry built."""
-        return zip(self._starts, self._ends, strict=True)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, ChunkTable):
-            return self._key() == other._key()
-        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
-            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    def _key(self) -> tuple:
-        return (self._starts, self._ends, self._sizes, self._raw, self._blob)
-
-    def __hash__(self) -> int:
-        return hash(tuple(bytes(part) for part in self._key()))
-
-    def __repr__(self) -> str:
-        return f"ChunkTable({list(self)!r})"
-
-
-# One chunk's object exactly as to_json writes it, with what follows it (a comma or the
-# list's end). Its values are those _parse_chunk takes: 64 lowercase hex digits, a
-# blob size of at least 1; at most 18 digits, so every number fits the table's int64.
-_CHUNK_PATTERN = (
-    r'\{"blob_sha256":"([0-9a-f]{64})","blob_size":([1-9][0-9]{0,17}),'
-    r'"data_end":(0|[1-9][0-9]{0,17}),"data_start":(0|[1-9][0-9]{0,17}),'
-    r'"raw_sha256":"([0-9a-f]{64})"\}([,\]])'
-)
-_CHUNK_TEXT = re.compile(_CHUNK_PATTERN)
-_CHUNK_BYTES = re.compile(_CHUNK_PATTERN.encode("ascii"))
-
-
-def _digest_bytes(digest: str) -> bytes:
-    if type(digest) is not str or not _SHA256_HEX.fullmatch(digest):
-        raise ValueError(f"a digest must be 64 lowercase hex digits, got {digest!r}")
-    return bytes.fromhex(digest)
 
 
 @dataclass(frozen=True)
@@ -471,7 +273,7 @@ class Manifest:
         fields after the list. None, the rest of the pieces left unread, when the text is
         not written as to_json writes it: the caller then reads it whole (from_json), which
         names what is wrong. ManifestError as from_json for a manifest that does not hold."""
-        document = _document_from_pieces(pieces)
+        document = document_from_pieces(pieces)
         return None if document is None else _manifest_of(document)
 
     @classmethod
@@ -532,206 +334,9 @@ def _shard_document(shard: ShardEntry) -> dict[str, Any]:
     } | ({} if shard.tensor_sha256 is None else {"tensor_sha256": list(shard.tensor_sha256)})
 
 
-def check_name(name: str) -> str:
-    """A checkpoint name as given, or UsageError if it holds a control character: a newline
-    or a tab would split or shift its row in `ls` (one line per version in a pipe, cells
-    split by tabs) and in every log line that names it."""
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
-        raise UsageError(
-            f"the checkpoint name {name!r} holds a control character (newline, tab, ...);"
-            " choose another (--name on the command line)"
-        )
-    return name
-
-
-def storage_key(name: str, version_id: str) -> str:
-    """The version key of `version_id` under `name` (see Manifest.storage_key)."""
-    digest = hashlib.sha256(f"{name}\0{version_id}".encode()).hexdigest()
-    return digest[: defaults.VERSION_KEY_CHARS]
-
-
-_VERSION_KEY = re.compile(f"[0-9a-f]{{{defaults.VERSION_KEY_CHARS}}}")
-
-
-def check_version_key(vkey: object) -> str:
-    """`vkey` if it is a version key as storage_key makes them, else UnsafeNameError. A
-    key from a broker message or Redis names a directory on the source's host (the spool's),
-    so '/home/u' or '..' must never pass for one."""
-    if not isinstance(vkey, str) or not _VERSION_KEY.fullmatch(vkey):
-        raise UnsafeNameError(
-            f"refusing the version key {str(vkey)[:80]!r}: a version key is"
-            f" {defaults.VERSION_KEY_CHARS} lowercase hex digits. A message or a Redis"
-            " value that says otherwise was not written by smoltorrent."
-        )
-    return vkey
-
-
-def version_id_for(header_bytes: bytes, blob_digests: Sequence[str]) -> str:
-    """SHA-256 over the header and the ordered blob digests, each length-framed.
-
-    Header and blobs together determine every byte of the source, so equal
-    ids mean equal content; the framing keeps two different (header,
-    digests) pairs from hashing the same concatenation.
-    """
-    return _version_id(_VERSION_ID_DOMAIN, header_bytes, blob_digests)
-
-
-def chunked_version_id(header_bytes: bytes, raw_digests: Sequence[str]) -> str:
-    """A chunked version's id: as version_id_for, over the chunks' raw digests, so it does
-    not depend on how the chunks were encoded."""
-    return _version_id(_CHUNKED_VERSION_ID_DOMAIN, header_bytes, raw_digests)
-
-
-def _version_id(domain: bytes, header_bytes: bytes, digests: Sequence[str]) -> str:
-    digest = hashlib.sha256(domain)
-    digest.update(struct.pack("<Q", len(header_bytes)))
-    digest.update(header_bytes)
-    digest.update(struct.pack("<Q", len(digests)))
-    for one in digests:
-        if not _SHA256_HEX.fullmatch(one):
-            raise ValueError(f"a digest must be 64 lowercase hex digits, got {one!r}")
-        digest.update(bytes.fromhex(one))
-    return digest.hexdigest()
-
-
-def shard_entries(
-    plans: Sequence[ShardPlan],
-    digests: Sequence[str],
-    tensor_digests: Sequence[Sequence[str]] | None = None,
-) -> tuple[ShardEntry, ...]:
-    """Manifest entries for planned shards, the SHA-256 of each one's blob and (schema 2)
-    of each of its tensors."""
-    if len(plans) != len(digests):
-        raise ValueError(f"{len(plans)} shard plans but {len(digests)} blob digests")
-    if tensor_digests is None:
-        tensor_digests = [None] * len(plans)
-    for plan, per_tensor in zip(plans, tensor_digests, strict=True):
-        if per_tensor is not None and len(per_tensor) != len(plan.tensors):
-            raise ValueError(
-                f"shard {plan.index} has {len(plan.tensors)} tensors but {len(per_tensor)} digests"
-            )
-    return tuple(
-        ShardEntry(
-            index=plan.index,
-            data_start=plan.data_start,
-            data_end=plan.data_end,
-            tensors=plan.tensors,
-            blob_size=plan.blob_size,
-            blob_sha256=digest,
-            blob_data_offset=len(plan.prefix),
-            tensor_sha256=None if per_tensor is None else tuple(per_tensor),
-        )
-        for plan, digest, per_tensor in zip(plans, digests, tensor_digests, strict=True)
-    )
-
-
-def chunk_entries(
-    plans: Sequence[ChunkPlan], digests: Sequence[tuple[str, str, int]]
-) -> tuple[ChunkEntry, ...]:
-    """Manifest entries for planned chunks and, per chunk, (raw SHA-256, encoded SHA-256,
-    encoded size)."""
-    if len(plans) != len(digests):
-        raise ValueError(f"{len(plans)} chunk plans but {len(digests)} digests")
-    return tuple(
-        ChunkEntry(plan.index, plan.data_start, plan.data_end, raw, blob_size, blob)
-        for plan, (raw, blob, blob_size) in zip(plans, digests, strict=True)
-    )
-
-
 def source_prefix(manifest: Manifest) -> bytes:
     """The first data_start bytes of the source: 8-byte LE header length + header."""
     return struct.pack("<Q", len(manifest.header_bytes)) + manifest.header_bytes
-
-
-def blob_prefixes(manifest: Manifest) -> tuple[bytes, ...]:
-    """Each shard's blob header, rebuilt from the manifest alone."""
-    header = _source_header(manifest)
-    by_name = {tensor.name: tensor for tensor in header.tensors}
-    return tuple(
-        blob_prefix([by_name[name] for name in shard.tensors]) for shard in manifest.shards
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class BlobSpan:
-    """What sending one shard's blob from its source takes, and nothing more: its digest and
-    size, its own header (prefix) and the byte range of the source after it. A transfer task
-    reads this for its shard alone, not the whole manifest (megabytes for thousands of
-    tensors), so its memory follows its shard, not the checkpoint."""
-
-    index: int
-    digest: str
-    size: int
-    prefix: bytes
-    offset: int  # in the source file
-    length: int
-    # An encoded chunk (coordinator/dataplane/codec.py): the blob is the encoding of the
-    # source range, not prefix + range, kept at this path of the source's host once the
-    # store encoded it ("": not kept, encode it again). None: the blob is prefix + range.
-    spool: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "index": self.index,
-                "digest": self.digest,
-                "size": self.size,
-                "prefix": base64.b64encode(self.prefix).decode("ascii"),
-                "offset": self.offset,
-                "length": self.length,
-            }
-            | ({} if self.spool is None else {"spool": self.spool}),
-            separators=(",", ":"),
-        )
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> BlobSpan:
-        try:
-            document = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            _fail(f"a blob span is not JSON ({error})")
-        given = document.keys() if isinstance(document, dict) else set()
-        fields = _fields(
-            document,
-            {"index", "digest", "size", "prefix", "offset", "length"} | ({"spool"} & given),
-            "a span",
-        )
-        spool = fields.get("spool")
-        if spool is not None and not isinstance(spool, str):
-            _fail(f"a blob span's spool is {spool!r}, not a path")
-        try:
-            prefix = base64.b64decode(fields["prefix"], validate=True)
-        except (binascii.Error, TypeError, ValueError):
-            _fail("a blob span's prefix is not base64")
-        span = cls(
-            index=_count(fields, "index", "a span"),
-            digest=_sha256(fields, "digest", "a span"),
-            size=_count(fields, "size", "a span"),
-            prefix=prefix,
-            offset=_count(fields, "offset", "a span", LENGTH_PREFIX_BYTES),
-            length=_count(fields, "length", "a span"),
-            spool=spool,
-        )
-        if span.spool is None and span.size != len(span.prefix) + span.length:
-            _fail(f"blob span {span.index}: size {span.size} is not its prefix plus its range")
-        return span
-
-
-def blob_spans(manifest: Manifest, prefixes: Sequence[bytes] | None = None) -> tuple[BlobSpan, ...]:
-    """Every shard's span; `prefixes` when the caller has them (rebuilt from the manifest's
-    header otherwise)."""
-    prefixes = blob_prefixes(manifest) if prefixes is None else prefixes
-    return tuple(
-        BlobSpan(
-            index=shard.index,
-            digest=shard.blob_sha256,
-            size=shard.blob_size,
-            prefix=prefix,
-            offset=manifest.data_start + shard.data_start,
-            length=shard.data_end - shard.data_start,
-        )
-        for shard, prefix in zip(manifest.shards, prefixes, strict=True)
-    )
 
 
 @dataclass(frozen=True)
@@ -750,20 +355,25 @@ class VersionBlobs:
         was checked whole when it was recorded)."""
         try:
             document = json.loads(data)
-        except _NOT_JSON as error:
-            _fail(f"not JSON ({error})")
-        fields = _fields(document, _manifest_fields(document), "manifest", _OPTIONAL_FIELDS)
+        except NOT_JSON as error:
+            fail(f"not JSON ({error})")
+        fields = checked_fields(document, _manifest_fields(document), "manifest", _OPTIONAL_FIELDS)
         entries = fields.get("chunks", fields.get("shards"))
         kind = "chunk" if "chunks" in fields else "shard"
         if not isinstance(fields["name"], str) or not isinstance(entries, list):
-            _fail(f"its name or {kind}s have the wrong type")
+            fail(f"its name or {kind}s have the wrong type")
         blobs = []
         for entry in entries:
             if not isinstance(entry, dict):
-                _fail(f"a {kind} is not a JSON object")
+                fail(f"a {kind} is not a JSON object")
             what = f"{kind} {len(blobs)}"
-            blobs.append((_sha256(entry, "blob_sha256", what), _count(entry, "blob_size", what)))
-        return cls(fields["name"], _count(fields, "replicas", "manifest", 1), tuple(blobs))
+            blobs.append(
+                (
+                    checked_sha256(entry, "blob_sha256", what),
+                    checked_count(entry, "blob_size", what),
+                )
+            )
+        return cls(fields["name"], checked_count(fields, "replicas", "manifest", 1), tuple(blobs))
 
 
 def _source_header(manifest: Manifest) -> CheckpointHeader:
@@ -785,11 +395,6 @@ _MANIFEST_FIELDS = {
 }
 # absent from manifests that do not record them
 _OPTIONAL_FIELDS = frozenset({"seq", "marks"})
-# What json.loads raises on text that is not JSON smoltorrent could have written, besides
-# JSONDecodeError (a ValueError too): a number of over 4,300 digits (ValueError), nesting
-# deeper than the stack (RecursionError). A node's copy is input like any other: every one
-# of these is a ManifestError, so a rebuild or a crosscheck skips that copy and goes on.
-_NOT_JSON = (ValueError, UnicodeDecodeError, RecursionError)
 # A version label, as `smoltorrent tag` takes it (and a node's copy of the marks must hold)
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _CHUNK_FIELDS = {"data_start", "data_end", "raw_sha256", "blob_size", "blob_sha256"}
@@ -811,187 +416,39 @@ def _manifest_fields(document: Any) -> set[str]:
     return _MANIFEST_FIELDS | {"chunks" if chunked else "shards"}
 
 
-def _fail(problem: str) -> NoReturn:
-    raise ManifestError(
-        f"invalid manifest: {problem}. It is corrupt or was not written by smoltorrent; "
-        "read the copy another node keeps, or store the checkpoint again."
-    )
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            _fail(f"a JSON object repeats the key {key!r}")
-        result[key] = value
-    return result
-
-
-def _fields(
-    document: Any, expected: set[str], what: str, optional: frozenset[str] = frozenset()
-) -> dict[str, Any]:
-    if not isinstance(document, dict):
-        _fail(f"{what} is not a JSON object")
-    if missing := expected - document.keys():
-        _fail(f"{what} lacks {', '.join(sorted(missing))}")
-    if unknown := document.keys() - expected - optional:
-        _fail(f"{what} has unknown fields {', '.join(sorted(unknown))}")
-    return document
-
-
-def _count(
-    document: dict[str, Any], key: str, what: str, minimum: int = 0, maximum: int | None = None
-) -> int:
-    value = document[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        _fail(f"{what} {key} is {_shown(value)}, not an integer >= {minimum}")
-    if maximum is not None and value > maximum:
-        _fail(f"{what} {key} is {_shown(value)}, over {maximum}")
-    return value
-
-
-def _shown(value: Any) -> str:
-    """A value for an error message, cut short: a hostile one may be thousands of digits."""
-    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else "huge"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _sha256(document: dict[str, Any], key: str, what: str) -> str:
-    value = document[key]
-    if not isinstance(value, str) or not _SHA256_HEX.fullmatch(value):
-        _fail(f"{what} {key} is {value!r}, not 64 lowercase hex digits")
-    return value
-
-
 def _parse_marks(marks: Any) -> dict[str, Any]:
     """A node's copy's pin and labels: {"seq", "pinned", "labels"}."""
     if not isinstance(marks, dict) or set(marks) != {"seq", "pinned", "labels"}:
-        _fail(f"marks is {_shown(marks)}, not {{seq, pinned, labels}}")
+        fail(f"marks is {shown(marks)}, not {{seq, pinned, labels}}")
     labels = marks["labels"]
     if not isinstance(marks["pinned"], bool) or not isinstance(labels, list):
-        _fail(f"marks {_shown(marks)} have the wrong types")
+        fail(f"marks {shown(marks)} have the wrong types")
     if not all(isinstance(label, str) and LABEL.fullmatch(label) for label in labels):
-        _fail(f"marks labels {_shown(labels)} are not each a label `smoltorrent tag` takes")
-    seq = _count(marks, "seq", "marks", 1, defaults.MAX_SEQ)
+        fail(f"marks labels {shown(labels)} are not each a label `smoltorrent tag` takes")
+    seq = checked_count(marks, "seq", "marks", 1, defaults.MAX_SEQ)
     return {"marks_seq": seq, "pinned": marks["pinned"], "labels": tuple(labels)}
 
 
 _LATEST_CREATED_AT = 2**40  # unix seconds (year ~36,800): past it, not a time we wrote
 
 
-_CHUNKS_OPENING = '{"chunks":['  # to_json's first key, sorted, is a chunked manifest's list
-
-
-def _canonical_document(data: bytes | str) -> dict[str, Any] | None:
-    """The JSON document of a chunked manifest written as to_json writes it, its chunks
-    read straight into a ChunkTable (in the document's "chunks") and the rest decoded as
-    JSON; None when the text is not in that form, or not JSON after its chunks, for the
-    whole text's decode to say what is wrong as it always did."""
-    opening = _CHUNKS_OPENING.encode("ascii") if isinstance(data, bytes) else _CHUNKS_OPENING
-    if not data.startswith(opening):
-        return None
-    read = ChunkTable.from_canonical_json(data, len(opening) - 1)
-    if read is None:
-        return None
-    table, end = read
-    document: dict[str, Any] = {"chunks": table}
-    try:
-        if isinstance(data, bytes):  # a node's copy: what follows the list, as text
-            data, end = data[end:].decode(), 0
-        return document if _decode_fields(data, end, document) else None
-    except (*_NOT_JSON, ManifestError):
-        return None
-
-
-def _decode_fields(data: str, position: int, document: dict[str, Any]) -> bool:
-    """The fields of a manifest's object from `position` (just past its chunk list) to its
-    end into `document`, each value decoded in place, without copying the text after the
-    chunks (the header's base64 is most of it); False if the object does not go on as
-    to_json writes it (`,"key":value` up to the closing brace that ends the text)."""
-    scan = _field_scanner()
-    try:
-        while data[position] == ",":
-            if data[position + 1] != '"':
-                return False
-            key, position = scan(data, position + 1)
-            if data[position] != ":" or key in document:
-                return False
-            document[key], position = scan(data, position + 1)
-    except (IndexError, StopIteration):
-        return False
-    return position == len(data) - 1 and data[position] == "}"
-
-
-_scanner: list = []  # the one JSON value scanner of _decode_fields, made at its first use
-
-
-def _field_scanner():
-    if not _scanner:
-        decoder = json.JSONDecoder(object_pairs_hook=_reject_duplicate_keys)
-        _scanner.append(decoder.scan_once)
-    return _scanner[0]
-
-
 def _parse_manifest(held: list[bytes | str]) -> Manifest:
     """Manifest.from_json_taken."""
     data = held.pop()
-    document = _canonical_document(data)
+    document = canonical_document(data)
     try:
         if document is None:  # not to_json's form: any JSON form, checked field by field
-            document = json.loads(data, object_pairs_hook=_reject_duplicate_keys)
-    except _NOT_JSON as error:
-        _fail(f"not JSON ({error})")
+            document = json.loads(data, object_pairs_hook=reject_duplicate_keys)
+    except NOT_JSON as error:
+        fail(f"not JSON ({error})")
     del data
     return _manifest_of(document)
-
-
-# The most text one chunk's object (with the comma or bracket after it) takes in to_json's
-# form: a piece of the text that ends in less than this may cut one short.
-_CHUNK_TEXT_MOST = (
-    len('{"blob_sha256":"","blob_size":,"data_end":,"data_start":,"raw_sha256":""}')
-    + 4 * _DIGEST_BYTES
-    + 3 * 18
-    + 1
-)
-
-
-def _document_from_pieces(pieces: Iterator[str]) -> dict[str, Any] | None:
-    """_canonical_document of the text the pieces make, read a piece at a time."""
-    buffer, position = "", len(_CHUNKS_OPENING)
-    while len(buffer) <= position:
-        more = next(pieces, None)
-        if more is None:
-            return None
-        buffer += more
-    if not buffer.startswith(_CHUNKS_OPENING):
-        return None
-    columns = _Columns()
-    closed = buffer[position] == "]"
-    position += closed
-    while not closed:
-        found = _CHUNK_TEXT.match(buffer, position)
-        if found is None:
-            more = None if len(buffer) - position >= _CHUNK_TEXT_MOST else next(pieces, None)
-            if more is None:
-                return None
-            buffer, position = buffer[position:] + more, 0
-            continue
-        position, closed = found.end(), columns.add_match(found) == "]"
-    rest = buffer[position:]
-    del buffer
-    for more in pieces:
-        rest += more  # grown in place: no list of the pieces beside their join
-    document: dict[str, Any] = {"chunks": columns.table()}
-    try:
-        return document if _decode_fields(rest, 0, document) else None
-    except (*_NOT_JSON, ManifestError):
-        return None
 
 
 def _manifest_of(document: Any) -> Manifest:
     """The manifest a decoded JSON document holds, every field checked."""
     if not isinstance(document, dict):
-        _fail("the top level is not a JSON object")
+        fail("the top level is not a JSON object")
     schema = document.get("schema_version")
     if type(schema) is not int or schema not in READABLE_SCHEMAS:
         newer = isinstance(schema, int) and schema > SCHEMA_VERSION
@@ -1000,38 +457,38 @@ def _manifest_of(document: Any) -> Manifest:
             + ", ".join(map(str, READABLE_SCHEMAS))
             + ("; upgrade smoltorrent to read it." if newer else "; the manifest is not ours.")
         )
-    fields = _fields(document, _manifest_fields(document), "manifest", _OPTIONAL_FIELDS)
+    fields = checked_fields(document, _manifest_fields(document), "manifest", _OPTIONAL_FIELDS)
     name = fields["name"]
     if not isinstance(name, str) or not name:
-        _fail(f"name is {name!r}, not a non-empty string")
+        fail(f"name is {name!r}, not a non-empty string")
     try:
         header_bytes = base64.b64decode(fields["header_bytes"], validate=True)
     except (binascii.Error, TypeError, ValueError):
-        _fail("header_bytes is not base64")
+        fail("header_bytes is not base64")
     created_at = fields["created_at"]
     if (
         not isinstance(created_at, int | float)
         or isinstance(created_at, bool)
         or not 0 <= created_at <= _LATEST_CREATED_AT  # also no float could hold it
     ):
-        _fail(f"created_at is {_shown(created_at)}, not unix seconds")
+        fail(f"created_at is {shown(created_at)}, not unix seconds")
     kind = "chunks" if "chunks" in fields else "shards"
     if not isinstance(fields[kind], list | ChunkTable):
-        _fail(f"{kind} is not a list")
+        fail(f"{kind} is not a list")
     chunks = fields.get("chunks", [])
     if not isinstance(chunks, ChunkTable):
         chunks = _chunk_table(_parse_chunk(c, i) for i, c in _consumed(chunks))
     manifest = Manifest(
         name=name,
-        version_id=_sha256(fields, "version_id", "manifest"),
-        source_size=_count(fields, "source_size", "manifest", LENGTH_PREFIX_BYTES),
+        version_id=checked_sha256(fields, "version_id", "manifest"),
+        source_size=checked_count(fields, "source_size", "manifest", LENGTH_PREFIX_BYTES),
         header_bytes=header_bytes,
-        replicas=_count(fields, "replicas", "manifest", 1),
+        replicas=checked_count(fields, "replicas", "manifest", 1),
         shards=tuple(_parse_shard(shard, schema) for shard in fields.get("shards", ())),
         created_at=float(created_at),
         schema_version=schema,
         chunks=chunks,
-        seq=_count(fields, "seq", "manifest", 0, defaults.MAX_SEQ) if "seq" in fields else 0,
+        seq=checked_count(fields, "seq", "manifest", 0, defaults.MAX_SEQ) if "seq" in fields else 0,
         **(_parse_marks(fields["marks"]) if "marks" in fields else {}),
     )
     # The JSON document goes before the header is parsed to check the entries against it:
@@ -1048,7 +505,7 @@ def _chunk_table(entries: Iterable[ChunkEntry]) -> ChunkTable:
     try:
         return ChunkTable.of(entries)
     except OverflowError:
-        _fail("a chunk's range or size is past 2**63 bytes")
+        fail("a chunk's range or size is past 2**63 bytes")
 
 
 def _consumed(items: list[Any]) -> Iterator[tuple[int, Any]]:
@@ -1062,14 +519,14 @@ def _consumed(items: list[Any]) -> Iterator[tuple[int, Any]]:
 
 def _parse_chunk(document: Any, index: int) -> ChunkEntry:
     what = f"chunk {index}"
-    fields = _fields(document, _CHUNK_FIELDS, f"a {what}")
+    fields = checked_fields(document, _CHUNK_FIELDS, f"a {what}")
     return ChunkEntry(
         index=index,
-        data_start=_count(fields, "data_start", what),
-        data_end=_count(fields, "data_end", what),
-        raw_sha256=_sha256(fields, "raw_sha256", what),
-        blob_size=_count(fields, "blob_size", what, 1),
-        blob_sha256=_sha256(fields, "blob_sha256", what),
+        data_start=checked_count(fields, "data_start", what),
+        data_end=checked_count(fields, "data_end", what),
+        raw_sha256=checked_sha256(fields, "raw_sha256", what),
+        blob_size=checked_count(fields, "blob_size", what, 1),
+        blob_sha256=checked_sha256(fields, "blob_sha256", what),
     )
 
 
@@ -1083,40 +540,40 @@ def _check_chunks(manifest: Manifest) -> None:
             source=f"manifest of {manifest.name}",
         )
     except CheckpointFormatError as error:
-        _fail(f"its source header does not hold up: {error}")
+        fail(f"its source header does not hold up: {error}")
     covered = 0
     for index, (start, end) in enumerate(manifest.chunks.ranges()):
         if start != covered or end <= start:
-            _fail(f"chunk {index} covers {start}-{end}; the chunks before it end at {covered}")
+            fail(f"chunk {index} covers {start}-{end}; the chunks before it end at {covered}")
         covered = end
     if covered != data_size:
-        _fail(f"its chunks cover {covered} bytes of a {data_size}-byte data section")
+        fail(f"its chunks cover {covered} bytes of a {data_size}-byte data section")
 
 
 def _parse_shard(document: Any, schema: int) -> ShardEntry:
     # Schema 2 shards may carry per-tensor digests (absent when converted from schema 1).
     given = document.keys() if isinstance(document, dict) and schema >= 2 else set()
-    fields = _fields(document, _SHARD_FIELDS | ({"tensor_sha256"} & given), "a shard")
-    index = _count(fields, "index", "a shard")
+    fields = checked_fields(document, _SHARD_FIELDS | ({"tensor_sha256"} & given), "a shard")
+    index = checked_count(fields, "index", "a shard")
     what = f"shard {index}"
     tensors = fields["tensors"]
     if not isinstance(tensors, list) or not tensors or not all(isinstance(t, str) for t in tensors):
-        _fail(f"{what} tensors is {tensors!r}, not a non-empty list of names")
+        fail(f"{what} tensors is {tensors!r}, not a non-empty list of names")
     per_tensor = fields.get("tensor_sha256")
     if "tensor_sha256" in fields and (
         not isinstance(per_tensor, list)
         or len(per_tensor) != len(tensors)
-        or not all(isinstance(d, str) and _SHA256_HEX.fullmatch(d) for d in per_tensor)
+        or not all(isinstance(d, str) and SHA256_HEX.fullmatch(d) for d in per_tensor)
     ):
-        _fail(f"{what} tensor_sha256 is not one SHA-256 (64 lowercase hex) per tensor")
+        fail(f"{what} tensor_sha256 is not one SHA-256 (64 lowercase hex) per tensor")
     return ShardEntry(
         index=index,
-        data_start=_count(fields, "data_start", what),
-        data_end=_count(fields, "data_end", what),
+        data_start=checked_count(fields, "data_start", what),
+        data_end=checked_count(fields, "data_end", what),
         tensors=tuple(tensors),
-        blob_size=_count(fields, "blob_size", what),
-        blob_sha256=_sha256(fields, "blob_sha256", what),
-        blob_data_offset=_count(fields, "blob_data_offset", what, LENGTH_PREFIX_BYTES),
+        blob_size=checked_count(fields, "blob_size", what),
+        blob_sha256=checked_sha256(fields, "blob_sha256", what),
+        blob_data_offset=checked_count(fields, "blob_data_offset", what, LENGTH_PREFIX_BYTES),
         tensor_sha256=None if per_tensor is None else tuple(per_tensor),
     )
 
@@ -1126,18 +583,18 @@ def _check_against_header(manifest: Manifest) -> None:
     try:
         header = _source_header(manifest)
     except CheckpointFormatError as error:
-        _fail(f"its source header does not hold up: {error}")
+        fail(f"its source header does not hold up: {error}")
     tensors = iter(header.tensors)
     for position, shard in enumerate(manifest.shards):
         what = f"shard {shard.index}"
         if shard.index != position:
-            _fail(f"{what} is listed at position {position}")
+            fail(f"{what} is listed at position {position}")
         if shard.blob_size != shard.blob_data_offset + shard.data_end - shard.data_start:
-            _fail(f"{what} blob_size {shard.blob_size} does not match its header and range")
+            fail(f"{what} blob_size {shard.blob_size} does not match its header and range")
         members = [next(tensors, None) for _ in shard.tensors]
         if [tensor and tensor.name for tensor in members] != list(shard.tensors):
-            _fail(f"{what} tensors do not follow the source header's data order")
+            fail(f"{what} tensors do not follow the source header's data order")
         if (shard.data_start, shard.data_end) != (members[0].start, members[-1].end):
-            _fail(f"{what} range {shard.data_start}-{shard.data_end} does not match its tensors")
+            fail(f"{what} range {shard.data_start}-{shard.data_end} does not match its tensors")
     if leftover := [tensor.name for tensor in tensors]:
-        _fail(f"no shard holds the tensors {', '.join(leftover[:3])}")
+        fail(f"no shard holds the tensors {', '.join(leftover[:3])}")

@@ -23,7 +23,7 @@ from itertools import islice
 import redis
 
 from coordinator.dataplane.codec import RAW_ENCODING
-from coordinator.plan.manifest import ChunkEntry
+from coordinator.plan.manifest_entries import ChunkEntry
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
 from smoltorrent import defaults

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis
 
 from coordinator.plan.directory import check_file_name
-from coordinator.plan.manifest import check_version_key
+from coordinator.plan.version_ids import check_version_key
 from coordinator.state import redis_keys as K
 from coordinator.state.scripts import load
 from smoltorrent.errors import NotFoundError

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 from coordinator.dataplane.node_client import NodeAddress, NodeClient
 from coordinator.plan.directory import RECORD_FILE, record_of
-from coordinator.plan.manifest import Manifest, storage_key
+from coordinator.plan.manifest import Manifest
 from coordinator.plan.safetensors_header import CheckpointHeader, parse_header
+from coordinator.plan.version_ids import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state.directories import Directories, DirectoryVersion, Member
 from coordinator.state.metadata import Metadata

@@ -94,7 +94,7 @@ MANIFEST = PREFIX + "version:{vkey}:manifest"
 MANIFEST_STAGED = PREFIX + "staged:manifest:{vkey}:{token}"
 # hash shard index -> JSON list of target node ids (the placement plan)
 PLAN = PREFIX + "version:{vkey}:plan"
-# hash shard index -> its blob span JSON (coordinator/plan/manifest.py): what a transfer of
+# hash shard index -> its blob span JSON (coordinator/plan/blob_spans.py): what a transfer of
 # that shard reads instead of the whole manifest; kept while the version is pending (TTL,
 # dropped at commit), rebuilt from the manifest when absent
 SPANS = PREFIX + "version:{vkey}:spans"

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import redis
 
 from coordinator.dataplane.chunk_source import chunk_span
-from coordinator.plan.manifest import BlobSpan, blob_spans
+from coordinator.plan.blob_spans import BlobSpan, blob_spans
 from coordinator.state import redis_keys as K
 from coordinator.state.clock import redis_clock
 from coordinator.state.scripts import load

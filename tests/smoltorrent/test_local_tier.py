@@ -9,7 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from smoltorrent import local_tier
 from tests.smoltorrent.conftest import ApiSession
 

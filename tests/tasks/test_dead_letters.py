@@ -16,7 +16,7 @@ from billiard.exceptions import TimeLimitExceeded
 import tasks.dead_letters
 import tasks.enqueue
 from coordinator.local.synthetic import synthetic_manifest
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
 from smoltorrent.errors import NodeUnavailableError

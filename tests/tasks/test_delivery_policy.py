@@ -14,7 +14,7 @@ import kombu
 
 from coordinator import config
 from coordinator.dataplane.chunk_engine import prepare_chunked_store
-from coordinator.plan.manifest import BlobSpan
+from coordinator.plan.blob_spans import BlobSpan
 from coordinator.state import redis_keys as K
 from tests.tasks.conftest import wait_until
 from tests.tasks.test_chunked_store import model, write

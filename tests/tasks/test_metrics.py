@@ -14,7 +14,7 @@ import pytest
 from coordinator.dataplane.node_client import NodeAddress
 from coordinator.local.prometheus import LocalPrometheus, dashboard_panels, prometheus_binary
 from coordinator.local.synthetic import synthetic_manifest, write_checkpoint
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
 from tests.nodeproc import start_node

@@ -13,7 +13,7 @@ import tasks.remove
 from coordinator.dataplane.node_client import NodeClient
 from coordinator.dataplane.store_engine import prepare_store, send_shard, write_manifest
 from coordinator.local.synthetic import synthetic_manifest, write_checkpoint
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
 from tests.nodeproc import start_node

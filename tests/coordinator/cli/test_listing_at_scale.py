@@ -14,7 +14,7 @@ from bench.scale_metadata import CountedMetadata
 from coordinator.cli import reports
 from coordinator.dataplane.node_client import NodeAddress
 from coordinator.local.synthetic import synthetic_manifest
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.dataplane.chunk_source import release, spool_dir
-from coordinator.plan.manifest import BlobSpan, storage_key
+from coordinator.plan.blob_spans import BlobSpan
+from coordinator.plan.version_ids import storage_key
 from smoltorrent.errors import UnsafeNameError
 
 

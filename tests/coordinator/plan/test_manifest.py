@@ -12,65 +12,13 @@ import re
 import pytest
 
 from coordinator.plan.chunks import plan_chunks
-from coordinator.plan.manifest import (
-    SCHEMA_VERSION,
-    BlobSpan,
-    ChunkEntry,
-    ChunkTable,
-    Manifest,
-    VersionBlobs,
-    blob_prefixes,
-    blob_spans,
-    check_version_key,
-    chunk_entries,
-    chunked_version_id,
-    shard_entries,
-    source_prefix,
-    version_id_for,
-)
-from coordinator.plan.planner import plan_shards
+from coordinator.plan.manifest import SCHEMA_VERSION, Manifest, VersionBlobs, source_prefix
+from coordinator.plan.manifest_entries import ChunkEntry, ChunkTable, chunk_entries
 from coordinator.plan.safetensors_header import read_header
-from smoltorrent.errors import ManifestError, UnsafeNameError
-from tests.checkpoints import write_llm_like, write_raw
-
-
-def store_in_memory(path, name: str = "grpo/run1/step_100.safetensors", shards: int = 4):
-    """Plan and cut `path` the way a store does; returns the manifest and its blobs."""
-    header, source = read_header(path), path.read_bytes()
-    plans = plan_shards(header, shards)
-    blobs = [
-        plan.prefix
-        + source[header.data_start + plan.data_start : header.data_start + plan.data_end]
-        for plan in plans
-    ]
-    digests = [hashlib.sha256(blob).hexdigest() for blob in blobs]
-    by_name = {t.name: t for t in header.tensors}
-    tensor_digests = [
-        [
-            hashlib.sha256(
-                source[header.data_start + by_name[n].start : header.data_start + by_name[n].end]
-            ).hexdigest()
-            for n in plan.tensors
-        ]
-        for plan in plans
-    ]
-    manifest = Manifest(
-        name=name,
-        version_id=version_id_for(header.header_bytes, digests),
-        source_size=header.file_size,
-        header_bytes=header.header_bytes,
-        replicas=2,
-        shards=shard_entries(plans, digests, tensor_digests),
-        created_at=1_700_000_000.25,
-    )
-    return manifest, blobs, plans
-
-
-@pytest.fixture(scope="module")
-def stored(tmp_path_factory):
-    path = tmp_path_factory.mktemp("manifest") / "step_100.safetensors"
-    write_llm_like(path)
-    return path, *store_in_memory(path)
+from coordinator.plan.version_ids import chunked_version_id
+from smoltorrent.errors import ManifestError
+from tests.checkpoints import write_raw
+from tests.coordinator.plan.in_memory import store_in_memory
 
 
 def test_round_trip_is_exact_and_canonical(stored):
@@ -110,40 +58,6 @@ def test_manifest_and_blobs_rebuild_the_source_byte_for_byte(stored):
         assert shard.blob_sha256 == hashlib.sha256(blob).hexdigest()
 
 
-def test_blob_prefixes_are_rebuilt_from_the_manifest_alone(stored):
-    _, manifest, _, plans = stored
-    assert blob_prefixes(manifest) == tuple(plan.prefix for plan in plans)
-
-
-def test_a_blob_span_is_what_a_transfer_sends_and_survives_json(stored):
-    """A span alone (prefix + its range of the source) is the blob, byte for byte."""
-    path, manifest, blobs, plans = stored
-    source = path.read_bytes()
-    spans = blob_spans(manifest)
-    assert spans == blob_spans(manifest, [plan.prefix for plan in plans])
-    for span, blob in zip(spans, blobs, strict=True):
-        assert span.prefix + source[span.offset : span.offset + span.length] == blob
-        assert (span.size, span.digest) == (len(blob), hashlib.sha256(blob).hexdigest())
-        assert BlobSpan.from_json(span.to_json()) == span
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        {"size": 1},  # not its prefix plus its range
-        {"digest": "AB" * 32},
-        {"prefix": "not base64!"},
-        {"offset": -1},
-        {"extra": 1},
-    ],
-)
-def test_a_malformed_blob_span_is_refused(stored, change):
-    _, manifest, _, _ = stored
-    document = {**json.loads(blob_spans(manifest)[0].to_json()), **change}
-    with pytest.raises(ManifestError):
-        BlobSpan.from_json(json.dumps(document))
-
-
 def test_a_sweep_reads_a_manifests_blobs_alone_and_still_refuses_garbage(stored):
     _, manifest, _, _ = stored
     got = VersionBlobs.from_json(manifest.to_json())
@@ -166,35 +80,6 @@ def test_checkpoint_without_tensors_round_trips(tmp_path):
     assert manifest.shards == () and blobs == []
     assert Manifest.from_json(manifest.to_json()) == manifest
     assert source_prefix(manifest) == path.read_bytes()
-
-
-def test_version_id_is_content_only_and_framed():
-    digests = [hashlib.sha256(bytes([i])).hexdigest() for i in range(3)]
-    version = version_id_for(b"{}", digests)
-    assert len(version) == 64 and version == version_id_for(b"{}", list(digests))
-    assert version != version_id_for(b"{}", digests[::-1])
-    assert version != version_id_for(b"{} ", digests)
-    assert version != version_id_for(b"{}", digests[:2])
-    with pytest.raises(ValueError, match="64 lowercase hex"):
-        version_id_for(b"{}", ["ABC"])
-
-
-def test_storage_key_differs_per_name_for_the_same_content(tmp_path, stored):
-    path, manifest, _, _ = stored
-    copy, _, _ = store_in_memory(path, name="grpo/run1/latest.safetensors")
-    assert copy.version_id == manifest.version_id
-    assert copy.storage_key() != manifest.storage_key()
-    assert len(manifest.storage_key()) == 32 and int(manifest.storage_key(), 16) >= 0
-
-
-@pytest.mark.parametrize(
-    "vkey", ["/home/u", "..", "../" + "0" * 29, "0" * 31, "0" * 33, "A" * 32, "0" * 31 + "/", 7]
-)
-def test_only_a_storage_key_passes_for_a_version_key(vkey, stored):
-    _, manifest, _, _ = stored
-    assert check_version_key(manifest.storage_key()) == manifest.storage_key()
-    with pytest.raises(UnsafeNameError, match="32 lowercase hex digits"):
-        check_version_key(vkey)
 
 
 def edited(manifest: Manifest, edit) -> bytes:
@@ -286,12 +171,6 @@ def test_unknown_schema_is_rejected(stored, schema, words):
     _, manifest, _, _ = stored
     with pytest.raises(ManifestError, match=words):
         Manifest.from_json(edited(manifest, setter("schema_version", schema)))
-
-
-def test_shard_entries_need_one_digest_per_plan(stored):
-    _, _, _, plans = stored
-    with pytest.raises(ValueError, match="4 shard plans but 3 blob digests"):
-        shard_entries(plans, ["0" * 64] * 3)
 
 
 def test_schema_1_manifests_are_still_read_and_keep_their_bytes(stored):
@@ -435,12 +314,6 @@ def test_a_bad_chunk_list_is_rejected(chunked, edit, words):
     _, manifest = chunked
     with pytest.raises(ManifestError, match=words):
         Manifest.from_json(edited(manifest, edit))
-
-
-def test_a_chunked_version_id_is_apart_from_a_shard_version_id():
-    digests = ["ab" * 32, "cd" * 32]
-    assert chunked_version_id(b"{}", digests) != version_id_for(b"{}", digests)
-    assert chunked_version_id(b"{}", digests) == chunked_version_id(b"{}", list(digests))
 
 
 def test_a_manifest_holds_shards_or_chunks_as_its_schema_says(stored, chunked):
@@ -616,15 +489,6 @@ def test_a_manifests_chunks_are_a_few_buffers_not_objects_per_chunk():
     )
     with pytest.raises(IndexError):
         parsed.chunks[2000]
-
-
-def test_a_chunk_table_takes_entries_only_at_their_own_position_with_real_digests():
-    entry = ChunkEntry(0, 0, 1, "a" * 64, 2, "b" * 64)
-    assert ChunkTable.of([entry])[0] == entry
-    with pytest.raises(ValueError, match="chunk 1 is listed at position 0"):
-        ChunkTable.of([dataclasses.replace(entry, index=1)])
-    with pytest.raises(ValueError, match="64 lowercase hex"):
-        ChunkTable.of([dataclasses.replace(entry, raw_sha256="A" * 64)])
 
 
 @pytest.mark.parametrize("piece", [1, 7, 100, 4096, 10**6])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from coordinator.dataplane import codec
-from coordinator.plan.manifest import ChunkEntry
+from coordinator.plan.manifest_entries import ChunkEntry
 from coordinator.state import redis_keys as K
 from smoltorrent import defaults
 

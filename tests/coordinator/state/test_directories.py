@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state.directories import Directories, DirectoryVersion, Member
 from smoltorrent.errors import UnsafeNameError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinator.local.synthetic import synthetic_manifest
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state import repairs, scripts, trim_marks
 from smoltorrent import defaults

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from coordinator.local.synthetic import synthetic_manifest
-from coordinator.plan.manifest import storage_key
+from coordinator.plan.version_ids import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state import repairs, scripts, trim_marks
 from coordinator.state.directories import Directories, DirectoryVersion, Member

@@ -8,7 +8,8 @@ import pytest
 
 from bench.scale_metadata import CountedMetadata
 from coordinator.local.synthetic import synthetic_manifest
-from coordinator.plan.manifest import VersionBlobs, storage_key
+from coordinator.plan.manifest import VersionBlobs
+from coordinator.plan.version_ids import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state.repair_plan import wanted_blobs
 from coordinator.state.versions import COMMITTED

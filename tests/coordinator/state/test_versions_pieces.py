@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from coordinator.plan.manifest import Manifest, storage_key
+from coordinator.plan.manifest import Manifest
+from coordinator.plan.version_ids import storage_key
 from coordinator.state import redis_keys as K
 from coordinator.state.versions import COMMITTED, PENDING, REMOVING, Versions
 from smoltorrent import defaults
