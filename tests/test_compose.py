@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli.main import build_parser
+from coordinator.cli.parser import build_parser
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra: bootstrap.sh test")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli.main import build_parser
+from coordinator.cli.parser import build_parser
 from smoltorrent import defaults
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ def test_a_cli_command_does_not_import_the_node_server() -> None:
     # Every command parses `serve`'s options; only `serve` needs the server itself (and
     # http.server for its metrics), which would add its import time to every store.
     code = (
-        "import sys; from coordinator.cli.main import build_parser;"
+        "import sys, coordinator.cli.main; from coordinator.cli.parser import build_parser;"
         " build_parser().parse_args(['ls', '--json']);"
         " print('worker_server.server' in sys.modules, 'worker_server.options' in sys.modules)"
     )
@@ -33,7 +33,8 @@ def test_every_command_dispatches_to_a_function_of_its_module() -> None:
     # A command added to the parser but not to COMMAND_MODULES would fail only when run.
     import importlib
 
-    from coordinator.cli.main import COMMAND_MODULES, build_parser
+    from coordinator.cli.main import COMMAND_MODULES
+    from coordinator.cli.parser import build_parser
 
     choices = next(a.choices for a in build_parser()._actions if a.dest == "command")
     assert set(choices) - set(COMMAND_MODULES) == {"serve", "demo"}

@@ -7,7 +7,7 @@ import argparse
 import re
 from pathlib import Path
 
-from coordinator.cli.main import build_parser
+from coordinator.cli.parser import build_parser
 
 CLI_MD = Path(__file__).resolve().parents[3] / "docs" / "cli.md"
 # Flags every listing takes, as the page says once at its top.
