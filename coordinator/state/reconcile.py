@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.state.metadata import Metadata
-from coordinator.state.requests import IN_PROCESS_GATHER, QUEUED, RUNNING
+from coordinator.state.requests import IN_PROCESS, QUEUED, RUNNING
 from coordinator.state.versions import PENDING, REMOVING
 
 
 def _open_requests(md: Metadata) -> list[tuple[str, dict[str, str]]]:
     """The open requests a task runs: the ones the sweep may send again."""
     found = md.requests.open_requests()
-    return [(rid, r) for rid, r in found if r.get("kind") != IN_PROCESS_GATHER]
+    return [(rid, r) for rid, r in found if r.get("kind") not in IN_PROCESS]
 
 
 @dataclass

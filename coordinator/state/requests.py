@@ -28,6 +28,10 @@ QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
 # worker; tasks/requests.py): no task stands behind it, so the reconcile sweep never
 # sends one for it.
 IN_PROCESS_GATHER = "gather-in-process"
+# The kind of a store that the process asking for it runs itself (a rank's writer on a
+# host no worker serves; tasks/requests.py): the store task's own code, in that process.
+IN_PROCESS_STORE = "store-in-process"
+IN_PROCESS = (IN_PROCESS_GATHER, IN_PROCESS_STORE)  # no task stands behind either
 
 
 @dataclass(frozen=True)

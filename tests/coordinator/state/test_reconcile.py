@@ -13,7 +13,7 @@ from coordinator.local.synthetic import write_checkpoint
 from coordinator.state.embedded_redis import start_redis, url_for
 from coordinator.state.metadata import Metadata
 from coordinator.state.reconcile import Held, plan, plan_reconnected
-from coordinator.state.requests import IN_PROCESS_GATHER
+from coordinator.state.requests import IN_PROCESS_GATHER, IN_PROCESS_STORE
 from coordinator.state.versions import ABORTED
 from smoltorrent import defaults
 
@@ -73,12 +73,16 @@ def test_open_requests_go_again_unless_their_task_is_held(md, tmp_path):
     assert [rid for rid, _ in actions.requests] == ["q1"]
 
 
-def test_a_gather_its_own_process_runs_is_never_sent_to_a_worker(md):
-    """A reader's gather (tasks/requests.py) is open while its process runs it; a worker
-    starting on that host, or one whose broker connection came back, sends nothing for it
-    (it would write the file a second time, or refuse the path)."""
+def test_a_gather_or_store_its_own_process_runs_is_never_sent_to_a_worker(md):
+    """A reader's gather, or a store a rank on a host with no worker runs (tasks/
+    requests.py), is open while its process runs it; a worker starting on that host, or
+    one whose broker connection came back, sends nothing for it (it would write the file
+    a second time, or refuse the path; store the same file twice at once)."""
     md.requests.open_request("r-here", IN_PROCESS_GATHER, "h1", {"vkey": "v", "out": "/srv/x"})
     md.requests.start_request("r-here", "process:h1:4242")
+    store = {"path": "/srv/p", "name": "p", "replicas": 2, "shards": None}
+    md.requests.open_request("s-here", IN_PROCESS_STORE, "h1", store)
+    md.requests.start_request("s-here", "boot-of-the-rank", "boot-of-the-rank:4243")
     md.requests.open_request("r-task", "gather", "h1", {"vkey": "v", "out": "/srv/y"})
     started = plan(md, 0.0, grace=0, stale_after=None, deadline=1e9, started_host="h1")
     assert [rid for rid, _ in started.requests] == ["r-task"]
