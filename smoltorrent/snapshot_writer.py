@@ -234,6 +234,9 @@ class Writer:
                         record["replicas"],
                         complete=True,
                         bwlimit=record.get("bwlimit"),
+                        # A rank's part on a host no worker serves: this writer stores
+                        # it (its step's other ranks wait on it). A save() waits for one.
+                        in_process=step is not None,
                     ).task_id
                     # A writer adopting the save follows this request instead of a new one.
                     durable.replace_file(sidecar, request.encode())

@@ -16,6 +16,8 @@ Each setting answers a known pitfall (see DESIGN.md, Celery):
 
 from __future__ import annotations
 
+import time
+
 from celery import Celery, Task
 
 from beat.schedule import SCHEDULE
@@ -36,6 +38,16 @@ class SmoltorrentTask(Task):
     # clock reaches the sender's ETA (tasks/countdown.py): a clock stepped back held a
     # retry for as long as the step.
     Strategy = "tasks.countdown:strategy"
+
+    def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, **o):
+        """A task run here by eager apply (a store in the process that asked for it,
+        tasks/enqueue.py running_here) waits out its retry's countdown before Celery runs
+        it again, as a worker would: Celery's eager apply runs it again at once, so a node
+        down for a few seconds would use up every retry in those seconds."""
+        limit = o.get("max_retries", self.max_retries)
+        if self.request.is_eager and countdown and (limit is None or self.request.retries < limit):
+            time.sleep(countdown)  # autoretry_for's backoff comes as a countdown too
+        return super().retry(args, kwargs, exc, throw, eta, countdown, **o)
 
 
 app = Celery(

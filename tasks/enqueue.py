@@ -2,12 +2,19 @@
 its deterministic id and its time limits.
 
 Tasks import this module and never each other, so no two task modules form a circle.
+
+A store run by the process that asked for it (a rank on a host no worker serves,
+tasks/requests.py) runs within running_here(): the transfers, chains and commit it sends
+run in that process, by Celery's eager apply of the same tasks, instead of going to a
+queue no worker of its host would ever read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 
 from redis.exceptions import RedisError
 
@@ -20,6 +27,30 @@ from tasks.app import app
 from tasks.chain_batches import ChainEntry, batches, chain_message, chain_task_id
 from tasks.context import bwlimit_arg, metadata, new_request_id
 from tasks.readable import transfer_repr
+
+# Set while a store runs in the process that asked for it (running_here).
+_HERE: ContextVar[bool] = ContextVar("smoltorrent_run_here", default=False)
+
+
+@contextlib.contextmanager
+def running_here() -> Iterator[None]:
+    """Within it (this thread), a store's transfers, chains and commit run here as they
+    are sent, each to its end, retries included (tasks/app.py waits out their countdown),
+    a failure dead-lettered as on a worker."""
+    token = _HERE.set(True)
+    try:
+        yield
+    finally:
+        _HERE.reset(token)
+
+
+def _send(name: str, *, task_id: str, queue: str, args=(), kwargs=None, **options) -> None:
+    """Send a task to its queue, or within running_here() run it here and now (its
+    queue's worker would read the same file, on this host, with the same code)."""
+    if _HERE.get():
+        app.tasks[name].apply(args=args, kwargs=kwargs, task_id=task_id)
+        return
+    app.send_task(name, args=args, kwargs=kwargs, task_id=task_id, queue=queue, **options)
 
 
 def transfer_time_limit(blob_size: int) -> int:
@@ -79,7 +110,7 @@ def send_transfers(
             argsrepr, kwargsrepr = transfer_repr(
                 manifest.name, index, replica, node_id, shard.blob_size
             )
-            app.send_task(
+            _send(
                 "smoltorrent.transfer",
                 kwargs={
                     "vkey": vkey,
@@ -122,7 +153,7 @@ def send_chain(vkey: str, manifest: Manifest, entries: Sequence[ChainEntry], hos
     re-send of the same set is the same task. Its time limit covers all their bytes."""
     blob_bytes = sum(manifest.entries[e.shard].blob_size for e in entries)
     limit = chain_time_limit(transfer_time_limit(blob_bytes))
-    app.send_task(
+    _send(
         "smoltorrent.chain",
         kwargs={"vkey": vkey, "name": manifest.name, **chain_message(entries)},
         task_id=chain_task_id(vkey, entries),
@@ -133,7 +164,7 @@ def send_chain(vkey: str, manifest: Manifest, entries: Sequence[ChainEntry], hos
 
 
 def send_commit(vkey: str, name: str | None = None) -> None:
-    app.send_task(
+    _send(
         "smoltorrent.commit",
         args=(vkey,),
         queue=config.CONTROL_QUEUE,

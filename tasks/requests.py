@@ -29,7 +29,7 @@ from coordinator.plan.version_ids import check_name
 from coordinator.state import process_gathers, wakeups
 from coordinator.state import redis_keys as K
 from coordinator.state.metadata import Metadata
-from coordinator.state.requests import DONE, FAILED, IN_PROCESS_GATHER
+from coordinator.state.requests import DONE, FAILED, IN_PROCESS_GATHER, IN_PROCESS_STORE
 from coordinator.state.versions import ABORTED, COMMITTED, REMOVED, REMOVING
 from smoltorrent import defaults
 from smoltorrent.errors import (
@@ -177,6 +177,7 @@ def submit_store(
     *,
     complete: bool = False,
     bwlimit: int | None = None,
+    in_process: bool = False,
 ) -> StoreRequest:
     """Queue a store of the checkpoint at `path` (on this host) as a version of `name`
     (default: the file name). A bad checkpoint fails here, before anything is queued.
@@ -185,7 +186,11 @@ def submit_store(
 
     complete=True: the caller wrote the file whole and renamed it into place and nobody
     writes it again (the API's staged files), so the store need not wait
-    STABLE_AFTER_S for it to settle: its mtime is moved back by that much."""
+    STABLE_AFTER_S for it to settle: its mtime is moved back by that much.
+
+    in_process=True (a caller that waits for the store, with wait_store): when no worker
+    serves this host, the store is recorded for this process to run, and wait_store runs
+    it here through the store task's own code (a rank on a host with no worker)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise SmoltorrentError(f"{path}: no such file")
@@ -196,8 +201,14 @@ def submit_store(
         os.utime(path, (settled, settled))
     if replicas < 1:
         raise SmoltorrentError("--replicas must be at least 1")
-    connected_metadata()
+    md = connected_metadata()
     host = config.host_id()
+    if in_process and not ride_out(
+        lambda: md.nodes.worker_boot(host) or md.nodes.worker_is_starting(host),
+        f"checking whether a worker serves {host}",
+        recorded=False,
+    ):
+        return _record_here(path, name, replicas, shards, host, bwlimit)
     require_worker(host)
     # The request is recorded (its sequence number orders the name's versions) before its
     # task is queued: from here on no crash loses it, and a queue that cannot be reached
@@ -228,6 +239,23 @@ def submit_store(
             f" reconcile sweep sends it if this did not): follow it with"
             f" `smoltorrent wait {request_id}`"
         ) from None
+    return StoreRequest(task_id=request_id, name=name, path=path)
+
+
+def _record_here(
+    path: str, name: str, replicas: int, shards: int | None, host: str, bwlimit: int | None
+) -> StoreRequest:
+    """A store this process runs (wait_store), recorded first under a kind the reconcile
+    sweep never sends to a worker; its sequence number orders the name's versions."""
+    request_id = new_request_id()
+    bwlimit = config.bwlimit() if bwlimit is None else bwlimit
+    args = {"path": path, "name": name, "replicas": replicas, "shards": shards}
+    args |= bwlimit_arg(bwlimit)
+    ride_out(
+        lambda: metadata().requests.open_request(request_id, IN_PROCESS_STORE, host, args),
+        f"recording the store of {name} (request {request_id})",
+        recorded=False,
+    )
     return StoreRequest(task_id=request_id, name=name, path=path)
 
 
@@ -265,14 +293,23 @@ def _unreachable() -> tuple[type[BaseException], ...]:
 
 
 def wait_store(
-    request: StoreRequest, on_progress: Callable[[StoreProgress], None] | None = None
+    request: StoreRequest,
+    on_progress: Callable[[StoreProgress], None] | None = None,
+    *,
+    run_here: bool = True,
 ) -> dict:
     """Follow a store to its commit: {"vkey", "state", "new", "hashed_bytes", "raw_bytes",
     "wire_bytes", "ratio"} (raw: the checkpoint bytes its transfers sent from this host, as
     they are in the file; wire: what the link carried for them); SmoltorrentError when it
-    is abandoned, stuck on dead letters, or its task failed."""
+    is abandoned, stuck on dead letters, or its task failed. A store recorded for its
+    caller to run (submit_store(in_process=True)) and not yet done is run here first,
+    unless run_here=False (who only follows it: another process runs it)."""
     md = metadata()
     what = f"waiting for the store of {request.name} (request {request.task_id})"
+    if run_here:
+        record = ride_out(lambda: md.requests.request(request.task_id), what)
+        if record.get("kind") == IN_PROCESS_STORE and record["state"] not in (DONE, FAILED):
+            _store_here(request, record)
     while True:
         record = ride_out(lambda: md.requests.request(request.task_id), what)
         if record["state"] in (DONE, FAILED):
@@ -290,6 +327,37 @@ def wait_store(
         "hashed_bytes": int(record.get("hashed_bytes", 0)),
         **WireBytes(raw, wire).to_dict(),
     }
+
+
+def _store_here(request: StoreRequest, record: dict[str, str]) -> None:
+    """Run a store recorded for this process through the store task's own code, here: its
+    plan, the transfers and chains from this host's file to the nodes, and the commit
+    (tasks/enqueue.py running_here), each task's retries and dead letters as on a worker.
+    A run that ends without closing its request (Redis lost meanwhile) raises what cut
+    it off; the caller's next wait_store runs it again (the task resumes a request)."""
+    # The task modules, and the dead-letter receiver a failed task reports to.
+    import tasks.chain  # noqa: F401
+    import tasks.commit  # noqa: F401
+    import tasks.dead_letters  # noqa: F401
+    import tasks.transfer  # noqa: F401
+    from tasks.enqueue import running_here
+    from tasks.store import store
+
+    args = json.loads(record["args"])
+    kwargs = {"request_id": request.task_id} | bwlimit_arg(args.get("bwlimit"))
+    with running_here():
+        result = store.apply(
+            args=(args["path"], args["name"], args["replicas"], args["shards"]),
+            kwargs=kwargs,
+            task_id=request.task_id,
+        )
+    if result.failed():
+        state = ride_out(
+            lambda: metadata().requests.request(request.task_id)["state"],
+            f"reading the store of {request.name} (request {request.task_id})",
+        )
+        if state not in (DONE, FAILED):
+            raise result.result
 
 
 def _wait_commit(
@@ -571,9 +639,9 @@ def follow(rid: str) -> tuple[StoreRequest | GatherRequest, dict]:
     what = f"following request {rid}"
     record = ride_out(lambda: md.requests.request(rid), what)
     args = json.loads(record["args"])
-    if record["kind"] == "store":
+    if record["kind"] in ("store", IN_PROCESS_STORE):
         request = StoreRequest(rid, args["name"], args["path"])
-        return request, wait_store(request)
+        return request, wait_store(request, run_here=False)  # its own process runs it
     if record["kind"] not in ("gather", IN_PROCESS_GATHER):
         raise SmoltorrentError(f"request {rid} is a {record['kind']}, not a store or a gather")
     version = ride_out(lambda: md.versions.version(args["vkey"]), what)
