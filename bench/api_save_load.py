@@ -55,6 +55,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/api_save_load.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.local_cluster import registered_cluster  # noqa: E402
 from coordinator.local.cluster import LocalCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,22 +412,11 @@ def main() -> int:
         fs = subprocess.run(
             ["df", "--output=fstype", tmp], capture_output=True, text=True
         ).stdout.split()[-1]
-        cluster = LocalCluster(Path(tmp) / "cluster", nodes=args.nodes, host_id="bench")
-        try:
-            cluster.start()
-            subprocess.run(
-                [sys.executable, "-m", "coordinator.cli", "nodes", "add"]
-                + [str(n.address) for n in cluster.node_procs],
-                env=cluster.env(),
-                check=True,
-                capture_output=True,
-            )
+        with registered_cluster(Path(tmp) / "cluster", args.nodes, host_id="bench") as cluster:
             for gib in sizes:
                 result = run_size(cluster, gib, args.repeat, Path(tmp) / "files")
                 print(table(result) + "\n", flush=True)
                 results.append(result)
-        finally:
-            cluster.stop()
     record = {
         "commit": commit,
         "machine": {

@@ -50,7 +50,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/save_cpu.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.local.cluster import LocalCluster  # noqa: E402
+from bench.local_cluster import registered_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -242,52 +242,43 @@ def main() -> int:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="smoltorrent-save-cpu-", dir=args.scratch) as tmp:
-        cluster = LocalCluster(
+    with (
+        tempfile.TemporaryDirectory(prefix="smoltorrent-save-cpu-", dir=args.scratch) as tmp,
+        registered_cluster(
             Path(tmp) / "cluster",
-            nodes=args.nodes,
+            args.nodes,
             host_id="bench",
             extra_env={"SMOLTORRENT_ENCODE": args.encode},
             # Nodes are elsewhere on a real cluster: here they take only what the training
             # box leaves (nice 19), so they slow its steps as little as they can on 2 cores.
             node_launcher=("nice", "-n", str(args.nodes_nice)) if args.nodes_nice else (),
+        ) as cluster,
+    ):
+        assert cluster.worker is not None
+        groups = {
+            "worker": cluster.worker.pid,  # its own session: its group is its pid
+            "nodes": [n.pid for n in cluster.node_procs],
+            "redis": [cluster.redis_pid],
+        }
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                TRAINING_SCRIPT,
+                str(args.mib),
+                str(args.saves),
+                str(args.baseline),
+                str(args.quiet),
+                "1" if args.profile else "0",
+                json.dumps(groups),
+                str(args.threads),
+            ],
+            env=dict(cluster.env(), PYTHONPATH=str(ROOT)),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=3600,
         )
-        try:
-            cluster.start()
-            subprocess.run(
-                [sys.executable, "-m", "coordinator.cli", "nodes", "add"]
-                + [str(n.address) for n in cluster.node_procs],
-                env=cluster.env(),
-                check=True,
-                capture_output=True,
-            )
-            assert cluster.worker is not None
-            groups = {
-                "worker": cluster.worker.pid,  # its own session: its group is its pid
-                "nodes": [n.pid for n in cluster.node_procs],
-                "redis": [cluster.redis_pid],
-            }
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    TRAINING_SCRIPT,
-                    str(args.mib),
-                    str(args.saves),
-                    str(args.baseline),
-                    str(args.quiet),
-                    "1" if args.profile else "0",
-                    json.dumps(groups),
-                    str(args.threads),
-                ],
-                env=dict(cluster.env(), PYTHONPATH=str(ROOT)),
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                text=True,
-                timeout=3600,
-            )
-        finally:
-            cluster.stop()
     if proc.returncode != 0:
         raise SystemExit(f"the training process failed (exit {proc.returncode})")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
