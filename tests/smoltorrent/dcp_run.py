@@ -12,9 +12,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
-def model(seed: int) -> torch.nn.Module:
+def model(seed: int, width: int = 16, depth: int = 0) -> torch.nn.Module:
+    """8 inputs, 4 outputs, `depth` hidden width x width layers between (the tests: none;
+    bench/dcp_side_by_side.py: a state of ~1 GB)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    hidden = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.ReLU(), *hidden, torch.nn.Linear(width, 4)
+    )
 
 
 def trained(net: torch.nn.Module, seed: int) -> torch.optim.Optimizer:
@@ -57,15 +62,15 @@ def bits(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: repr(tree)}
 
 
-def sharded_model(seed: int) -> torch.nn.Module:
-    """model(seed) fully_shard'ed (FSDP2) over every rank of the process group, layer by
-    layer, then whole."""
+def sharded_model(seed: int, width: int = 16, depth: int = 0) -> torch.nn.Module:
+    """model(seed, width, depth) fully_shard'ed (FSDP2) over every rank of the process
+    group, layer by layer, then whole."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    net = model(seed)
+    net = model(seed, width, depth)
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
