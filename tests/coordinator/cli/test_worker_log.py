@@ -4,7 +4,9 @@ outside a task), and a planned retry (a store waiting for its file to settle) is
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 from coordinator.local.cluster import LocalCluster
@@ -21,7 +23,12 @@ def test_the_worker_logs_its_events_at_info_by_default(tmp_path: Path):
         cluster.worker = cluster._spawn_cli("worker")  # no --loglevel: its default
         cluster.wait_for_worker()
         src = tmp_path / "fresh.safetensors"
-        write_checkpoint(src, 60_000, hidden=16)  # just written: the store waits for it
+        write_checkpoint(src, 60_000, hidden=16)
+        # Dated 5 s ahead, it is still being written when the task first looks, however
+        # slowly the CLI starts: dated now, a loaded box found it settled and there was no
+        # retry to log (CI at 4 tests at a time, 2026-12-06), as test_event_log once did.
+        ahead = time.time() + 5
+        os.utime(src, (ahead, ahead))
         stored = run("store", str(src), "--replicas", "1", env=cluster.env())
         assert stored.returncode == 0, stored.stderr
         cluster.stop_worker()  # a warm shutdown: every line it had is written
