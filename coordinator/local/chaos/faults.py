@@ -72,7 +72,12 @@ def faketime_lib(lib_dir: str = "/usr/lib") -> str:
 
 FAKETIME_LIB = faketime_lib()
 SKEW_S = 300  # seconds the skewed worker's clock is off, either way: minutes, as without NTP
-NODE_FS_BYTES = 256 * 1024 * 1024  # each node's tmpfs for full-node: a run stores some MB
+NODE_FS_BYTES = 256 * 1024 * 1024  # each node's tmpfs for full-node, at least: a short run uses MBs
+# ...and more for a long run: every store's content is unique and every version is kept, so a
+# node's disk only grows. Seed 38's 30-minute run (2026-12-06) filled 256 MiB per node in
+# ~12 min (~21 MiB a minute each on 4 nodes, ~28 with one lost), then every store failed for
+# space and repair had nowhere to go; 64 MiB a minute leaves twice that.
+NODE_FS_BYTES_PER_MINUTE = 64 * 1024 * 1024
 FLAP_HALF_PERIOD_S = 0.2  # a flapping link is out this long, then in as long: 2.5 flaps a second
 # Namespaces of a run are named NETNS_TAG<pid>-...: the next run removes those of a run that
 # was killed before it could (netns.remove_stale).

@@ -29,6 +29,7 @@ from coordinator.local.chaos.faults import (
     FLAP_HALF_PERIOD_S,
     NETNS_TAG,
     NODE_FS_BYTES,
+    NODE_FS_BYTES_PER_MINUTE,
     R_WAIT_S,
     STATUS_TIMEOUT_S,
     Fault,
@@ -366,13 +367,14 @@ class Nemesis:
         node.start()
 
     def mount_node_disks(self) -> list[Path]:
-        """A tmpfs of NODE_FS_BYTES for each node's data directory, so full-node fills a
-        disk of the node's own and nothing else."""
+        """A tmpfs for each node's data directory, so full-node fills a disk of the node's
+        own and nothing else: NODE_FS_BYTES, or NODE_FS_BYTES_PER_MINUTE of the run's
+        length if more, so that only full-node fills it."""
+        size = f"size={max(NODE_FS_BYTES, int(self.seconds / 60 * NODE_FS_BYTES_PER_MINUTE))}"
         mounts = []
         for i in range(self.nodes):
             data = self.root / "cluster" / f"node{i}"  # LocalCluster's layout
             data.mkdir(parents=True, exist_ok=True)
-            size = f"size={NODE_FS_BYTES}"
             subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(data)], check=True)
             mounts.append(data)
         return mounts
