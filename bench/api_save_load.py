@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ if __package__ in (None, ""):  # run as `python bench/api_save_load.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.local_cluster import registered_cluster  # noqa: E402
+from bench.report import head_commit, machine, write_json  # noqa: E402
 from coordinator.local.cluster import LocalCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -404,39 +404,23 @@ def main() -> int:
     )
     args = parser.parse_args()
     sizes = [float(x) for x in args.sizes.split(",")]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
     results = []
     with tempfile.TemporaryDirectory(prefix="smoltorrent-api-bench-", dir=args.scratch) as tmp:
-        fs = subprocess.run(
-            ["df", "--output=fstype", tmp], capture_output=True, text=True
-        ).stdout.split()[-1]
+        measured_on = machine(tmp)
         with registered_cluster(Path(tmp) / "cluster", args.nodes, host_id="bench") as cluster:
             for gib in sizes:
                 result = run_size(cluster, gib, args.repeat, Path(tmp) / "files")
                 print(table(result) + "\n", flush=True)
                 results.append(result)
     record = {
-        "commit": commit,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "filesystem": fs,
-            "torch": _version("torch"),
-        },
+        "commit": head_commit(),
+        "machine": measured_on,
         "args": vars(args),
         "results": results,
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_json(args.json, record)
     return 0
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
 
 
 if __name__ == "__main__":

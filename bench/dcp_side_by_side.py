@@ -58,7 +58,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,7 @@ if __package__ in (None, ""):  # run as `python bench/dcp_side_by_side.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.local_cluster import registered_cluster  # noqa: E402
+from bench.report import head_commit, machine, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -437,17 +437,12 @@ def main() -> int:
     if args.ranks_out:
         run_ranks(args)
         return 0
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
     started = time.time()
     with (
         tempfile.TemporaryDirectory(prefix="smoltorrent-dcp-bench-", dir=args.scratch) as tmp,
         registered_cluster(Path(tmp) / "cluster", args.nodes, host_id="bench") as cluster,
     ):
-        fs = subprocess.run(
-            ["df", "--output=fstype", tmp], capture_output=True, text=True
-        ).stdout.split()[-1]
+        measured_on = machine(tmp)
         out = Path(tmp) / "ranks.json"
         proc = subprocess.run(
             [
@@ -480,28 +475,17 @@ def main() -> int:
     print(table(result))
     print(f"committed shards short of R=2 after the run: {result['under_replicated_shards_after']}")
     record = {
-        "commit": commit,
+        "commit": head_commit(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
         "seconds": time.time() - started,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "filesystem": fs,
-            "torch": _version("torch"),
-        },
+        "machine": measured_on,
         "args": {k: v for k, v in vars(args).items() if k not in ("ranks_out", "dir")},
         "load_average_after": os.getloadavg(),
         "result": result,
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_json(args.json, record)
     return 0
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import statistics
 import subprocess
 import time
+from importlib.metadata import version
+from pathlib import Path
 
 # The targets the figures are judged against (see bench/RESULTS.md).
 MAX_RATIO_TO_RAW = 1.5  # store/gather wall time over the raw sendfile reference
@@ -131,6 +135,30 @@ def summarize(rows: list[dict], args, command: str) -> dict:
         },
         "checks": _checks(sizes),
     }
+
+
+def machine(scratch: str | os.PathLike) -> dict:
+    """What a torch bench's record says of the machine: cores, platform, the file system its
+    scratch directory is on (its figures depend on it), torch's version."""
+    df = subprocess.run(["df", "--output=fstype", scratch], capture_output=True, text=True)
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "filesystem": df.stdout.split()[-1],
+        "torch": version("torch"),
+    }
+
+
+def write_json(path: str | os.PathLike, record: dict) -> None:
+    """A bench's record as the results under bench/results/ are kept: sorted, indented."""
+    Path(path).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def head_commit() -> str:
+    """The short commit measured."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root, "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip()
 
 
 def _code_version() -> str:
