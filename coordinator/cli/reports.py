@@ -7,6 +7,7 @@ from collections import Counter
 
 from coordinator import config
 from coordinator.plan.directory import RECORD_FILE
+from coordinator.plan.file_pack import PACK_FILE
 from coordinator.plan.safetensors_header import LENGTH_PREFIX_BYTES, parse_header
 from coordinator.state import repairs, scrub_reports
 from coordinator.state.directories import Directories
@@ -15,12 +16,15 @@ from coordinator.state.metadata import Metadata
 from coordinator.state.versions import COMMITTED
 from smoltorrent.errors import NotFoundError
 
+_INTERNAL = (RECORD_FILE, PACK_FILE)  # a directory checkpoint's members no user wrote
+
 
 def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
     """Every version of every checkpoint, or of `name` only (NotFoundError if unknown), or,
     with `name` ending in "/" or naming a directory checkpoint, of every name under that
-    prefix. A directory's own record
-    (NAME/.directory.safetensors, internal) is listed only when named."""
+    prefix. A directory checkpoint's internal members, its record
+    (NAME/.directory.safetensors) and the pack of its other files (NAME/.files.safetensors,
+    stored with --all-files), are listed only when named."""
     if name is not None and not name.endswith("/") and not md.versions.has_name(name):
         if not Directories(md.r).is_directory(name):
             raise NotFoundError(f"no checkpoint named {name}; `smoltorrent ls` lists them.")
@@ -33,7 +37,8 @@ def checkpoints(md: Metadata, name: str | None = None) -> list[dict]:
         rows = [
             row
             for row, _, _ in _versions(md)
-            if row["name"].startswith(name or "") and row["name"].rpartition("/")[2] != RECORD_FILE
+            if row["name"].startswith(name or "")
+            and row["name"].rpartition("/")[2] not in _INTERNAL
         ]
     labels = md.versions.labels([row["vkey"] for row in rows])  # one more round trip
     for row in rows:

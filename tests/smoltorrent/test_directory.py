@@ -256,6 +256,28 @@ def test_every_file_of_a_directory_comes_back_byte_for_byte_with_all_files(make_
     assert (again["version_id"], again["new_files"]) == (stored["version_id"], [])
 
 
+def test_ls_lists_a_directorys_files_but_not_its_pack_of_other_files(make_cluster, tmp_path):
+    """A directory stored with --all-files (a Trainer's checkpoint-N): `ls`, `ls PREFIX/`
+    and `ls NAME`, as a table and as --json alike, list its safetensors files; its pack of
+    other files (NAME/.files.safetensors) is internal, as its record is, and is listed
+    only when named exactly."""
+    c = make_cluster(2)
+    src = tmp_path / "checkpoint-3"
+    write_hf_dir(src, parts=2)
+    (src / "optimizer.pt").write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
+    name = "hf/run/checkpoint-3"
+    stored = c.cli_json("store", str(src), "--name", name, "--all-files")
+    files = {f"{name}/{f}" for f in stored["files"] if f.endswith("-of-00002.safetensors")}
+    assert len(files) == 2
+    for where in ([], ["hf/run/"], [name]):
+        assert {r["name"] for r in c.cli_json("ls", *where)} == files
+        table = c.cli("ls", *where).stdout  # a pipe: every row whole, never cut
+        assert sum(f in table for f in files) == 2
+        assert ".files.safetensors" not in table and ".directory.safetensors" not in table
+    pack = c.cli_json("ls", f"{name}/.files.safetensors")
+    assert [r["state"] for r in pack] == ["committed"]
+
+
 def hostile_pack(path: Path, names: list[str]) -> None:
     """A pack as smoltorrent writes one, listing `names` (its paths planted)."""
     data = b"owned\n"
