@@ -67,11 +67,13 @@ def store_directory(
     on_file: Callable[[str], None] | None = None,
     *,
     all_files: bool = False,
+    give_up_unserved: bool = False,
 ) -> StoredDirectory:
     """Store the directory at `path` as one version of `name` (default: its base name).
     all_files: every other file in it (and its folders) too, byte for byte, in one more
     member, NAME/.files.safetensors (coordinator/plan/file_pack.py); else only the
-    .safetensors files and the index are stored."""
+    .safetensors files and the index are stored. give_up_unserved: as wait_store takes
+    it (a training step's store)."""
     plan = plan_directory(path, all_files=all_files)
     name = name or os.path.basename(plan.root.rstrip(os.sep))
     members = [*plan.files, *([PACK_FILE] if plan.other_files else [])]
@@ -88,7 +90,7 @@ def store_directory(
         if pack is not None:
             request = submit_store(pack, member_name(name, PACK_FILE), replicas, complete=True)
             requests.append((PACK_FILE, request))
-        return _commit(plan, name, replicas, seq, requests, on_file)
+        return _commit(plan, name, replicas, seq, requests, on_file, give_up_unserved)
 
 
 @contextmanager
@@ -116,6 +118,7 @@ def _commit(
     seq: int,
     requests: list[tuple[str, StoreRequest]],
     on_file: Callable[[str], None] | None,
+    give_up_unserved: bool = False,
 ) -> StoredDirectory:
     """Wait for every member's store, then store the directory's record and make its
     version current (unless a store accepted later is)."""
@@ -123,7 +126,7 @@ def _commit(
     members: dict[str, Member] = {}
     new_files = []
     for file, request in requests:
-        out = wait_store(request)
+        out = wait_store(request, give_up_unserved=give_up_unserved)
         v = md.versions.version(out["vkey"])
         members[file] = Member(request.name, out["vkey"], v["version_id"], int(v["size"]))
         if out["new"]:
@@ -135,7 +138,7 @@ def _commit(
     )
     version = DirectoryVersion(
         name=name,
-        version_id=_store_record(record, replicas),
+        version_id=_store_record(record, replicas, give_up_unserved),
         files=members,
         index_name=plan.index_name,
         index=plan.index_bytes,
@@ -145,7 +148,7 @@ def _commit(
     return StoredDirectory(version, new_files, plan)
 
 
-def _store_record(record: DirectoryRecord, replicas: int) -> str:
+def _store_record(record: DirectoryRecord, replicas: int, give_up_unserved: bool) -> str:
     """Store the directory's record as NAME/.directory.safetensors; its version id."""
     staging = config.home() / "staging"
     staging.mkdir(parents=True, exist_ok=True)
@@ -154,7 +157,7 @@ def _store_record(record: DirectoryRecord, replicas: int) -> str:
         with os.fdopen(fd, "wb") as f:
             f.write(record_bytes(record))
         request = submit_store(path, member_name(record.name, RECORD_FILE), replicas, complete=True)
-        out = wait_store(request)
+        out = wait_store(request, give_up_unserved=give_up_unserved)
         return connected_metadata().versions.version(out["vkey"])["version_id"]
     finally:
         os.unlink(path)

@@ -297,28 +297,42 @@ def wait_store(
     on_progress: Callable[[StoreProgress], None] | None = None,
     *,
     run_here: bool = True,
+    give_up_unserved: bool = False,
 ) -> dict:
     """Follow a store to its commit: {"vkey", "state", "new", "hashed_bytes", "raw_bytes",
     "wire_bytes", "ratio"} (raw: the checkpoint bytes its transfers sent from this host, as
     they are in the file; wire: what the link carried for them); SmoltorrentError when it
     is abandoned, stuck on dead letters, or its task failed. A store recorded for its
     caller to run (submit_store(in_process=True)) and not yet done is run here first,
-    unless run_here=False (who only follows it: another process runs it)."""
+    unless run_here=False (who only follows it: another process runs it).
+
+    give_up_unserved=True (a training step, which must not wait for a worker to come
+    back): OutcomeUnknownError once no worker serves the host the store runs on. Else
+    the wait lasts until a worker started again resumes the store, as the CLI's does."""
     md = metadata()
     what = f"waiting for the store of {request.name} (request {request.task_id})"
-    if run_here:
-        record = ride_out(lambda: md.requests.request(request.task_id), what)
-        if record.get("kind") == IN_PROCESS_STORE and record["state"] not in (DONE, FAILED):
-            _store_here(request, record)
+    record = ride_out(lambda: md.requests.request(request.task_id), what)
+    in_process = record.get("kind") == IN_PROCESS_STORE
+    if run_here and in_process and record["state"] not in (DONE, FAILED):
+        _store_here(request, record)
+    unserved = None
+    if give_up_unserved and not in_process:
+        host = record["host"]
+
+        def unserved() -> None:
+            ride_out(lambda: _require_served(md, request, host), what)
+
     while True:
         record = ride_out(lambda: md.requests.request(request.task_id), what)
         if record["state"] in (DONE, FAILED):
             break
+        if unserved:
+            unserved()
         _pause(K.REQUEST_WAKE.format(rid=request.task_id))
     if record["state"] == FAILED:
         raise SmoltorrentError(f"store of {request.name} failed: {record.get('error')}")
     vkey = record["vkey"]
-    state = ride_out(lambda: _wait_commit(md, vkey, request, on_progress), what)
+    state = ride_out(lambda: _wait_commit(md, vkey, request, on_progress, unserved), what)
     raw, wire = ride_out(lambda: md.transfers.wire(vkey), what)
     return {
         "vkey": vkey,
@@ -360,11 +374,25 @@ def _store_here(request: StoreRequest, record: dict[str, str]) -> None:
             raise result.result
 
 
+def _require_served(md: Metadata, request: StoreRequest, host: str) -> None:
+    """OutcomeUnknownError when no worker serves `host`: none heard from within
+    WORKER_ALIVE_TTL_S (killed, or its machine lost), and none starting. Its store's
+    request stays recorded: the worker resumes it when it starts (the reconcile sweep)."""
+    if md.nodes.worker_boot(host) is None and not md.nodes.worker_is_starting(host):
+        raise OutcomeUnknownError(
+            f"no worker serves {host} any more (none heard from for"
+            f" {defaults.WORKER_ALIVE_TTL_S} s): the store of {request.name} is recorded and"
+            " goes on once one starts (`smoltorrent worker`); follow it with"
+            f" `smoltorrent wait {request.task_id}`"
+        )
+
+
 def _wait_commit(
     md: Metadata,
     vkey: str,
     request: StoreRequest,
     on_progress: Callable[[StoreProgress], None] | None,
+    unserved: Callable[[], None] | None = None,
 ) -> str:
     name = request.name
     manifest = md.versions.manifest(vkey)
@@ -434,6 +462,8 @@ def _wait_commit(
                 f" `smoltorrent wait {request.task_id}`, or send it now with"
                 f" `smoltorrent dlq replay commit-{vkey}`."
             )
+        if unserved:  # the transfers and the commit run on that host's worker too
+            unserved()
         _pause(K.VERSION_WAKE.format(vkey=vkey))  # the commit pushes it
 
 

@@ -18,8 +18,12 @@ read back itself; smoltorrent never unpickles them.
 
 on_save returns once the checkpoint is committed at its replicas, so the Trainer's
 rotation (save_total_limit) never deletes a directory still being stored. A store that
-fails is logged with the command that stores it by hand, and training goes on: the
-Trainer's own copy is still on disk (invariant 12).
+fails (Redis or the worker away, no node to take it) never raises into the training
+step, nor waits for a worker to come back: it is logged as a warning, with the command
+that stores it by hand, and training goes on from the Trainer's own copy on disk
+(invariant 12). It is tried again once a later checkpoint is stored (the cluster answers
+again) and when training ends, if its directory is still there; one still not stored
+then is named in a last warning.
 
 `restore(output_dir, name)` gathers the newest stored checkpoint (the highest N) into
 OUTPUT_DIR/checkpoint-N, where `resume_from_checkpoint=True` looks for it.
@@ -53,8 +57,8 @@ class Callback(TrainerCallback):
 
     name: the run's name on the cluster (default: the output directory's base name; give
     one when several runs share a cluster). replicas: copies of each chunk.
-    stored: the checkpoint names stored so far; failed: (name, error) of those that were
-    not (the Trainer's directory is still on disk)."""
+    stored: the checkpoint names stored so far; failed: (name, error) of those not
+    stored (yet: one is tried again while its directory is on disk)."""
 
     def __init__(self, name: str | None = None, *, replicas: int = defaults.DEFAULT_REPLICAS):
         if name is not None and (not isinstance(name, str) or not name.strip("/")):
@@ -63,31 +67,69 @@ class Callback(TrainerCallback):
         self.replicas = replicas
         self.stored: list[str] = []
         self.failed: list[tuple[str, str]] = []
+        self._paths: dict[str, str] = {}  # checkpoint name -> its directory, until stored
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:  # one rank stores; the others wrote the same
             return
         path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.global_step}")
-        name = f"{self.name or default_name(args.output_dir)}/{os.path.basename(path)}"
+        name = f"{self._run(args)}/{os.path.basename(path)}"
+        if not self._store(path, name):
+            return
+        # The cluster answers again: the checkpoints it could not take before, oldest first.
+        for earlier, earlier_path in list(self._paths.items()):
+            if os.path.isdir(earlier_path):
+                self._store(earlier_path, earlier)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        for name, path in list(self._paths.items()):
+            if os.path.isdir(path):
+                self._store(path, name)
+        for name, error in self.failed:
+            path = self._paths[name]
+            log.warning(
+                "smoltorrent: training ended with %s not stored (%s)%s",
+                name,
+                error,
+                f"; `smoltorrent store {path} --name {name} --all-files` stores it"
+                if os.path.isdir(path)
+                else f"; its directory {path} was deleted (save_total_limit)",
+            )
+
+    def _run(self, args) -> str:
+        return self.name or default_name(args.output_dir)
+
+    def _store(self, path: str, name: str) -> bool:
+        """Store one checkpoint directory; whether it was. A failure is logged and kept in
+        `failed`, never raised: the step goes on."""
+        self.failed = [f for f in self.failed if f[0] != name]
+        self._paths[name] = path
         started = time.monotonic()
         try:
             from tasks.directory_requests import store_directory
 
-            store_directory(path, name, self.replicas, all_files=True)
+            # give_up_unserved: a worker gone meanwhile is not waited for (the store it
+            # holds stays recorded and goes on when it is back; this one is tried again).
+            store_directory(path, name, self.replicas, all_files=True, give_up_unserved=True)
         except Exception as exc:  # never into the training step: its copy is on disk
             self.failed.append((name, str(exc)))
             log.warning(
-                "smoltorrent: %s was not stored (%s); it is still at %s: `smoltorrent store"
-                " %s --name %s --all-files` stores it",
+                "smoltorrent: %s was not stored (%s); it is still at %s, tried again once a"
+                " later checkpoint is stored and when training ends (`smoltorrent store %s"
+                " --name %s --all-files` stores it by hand)",
                 name,
                 exc,
                 path,
                 path,
                 name,
             )
-            return
+            return False
+        del self._paths[name]
         self.stored.append(name)
         log.info("smoltorrent: stored %s in %.1f s", name, time.monotonic() - started)
+        return True
 
 
 def checkpoints(name: str) -> list[tuple[int, str]]:

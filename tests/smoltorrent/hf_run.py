@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,21 @@ class StopAfterSave(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+class Pauses(TrainerCallback):
+    """At the end of each step in `steps` (before that step's checkpoint is saved), writes
+    DIRECTORY/at-N and waits for the test to write DIRECTORY/go-N: the test does what it
+    must (kills Redis, the worker) at that point of the run, not at a time."""
+
+    def __init__(self, directory: str | os.PathLike[str], steps: list[int]) -> None:
+        self.directory, self.steps = Path(directory), set(steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.steps:
+            (self.directory / f"at-{state.global_step}").touch()
+            while not (self.directory / f"go-{state.global_step}").exists():
+                time.sleep(0.05)
 
 
 class Steps(TrainerCallback):

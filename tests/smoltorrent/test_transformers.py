@@ -4,7 +4,13 @@ training script runs)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
 from tests.smoltorrent.conftest import ROOT, run_api
+from tests.tasks.conftest import wait_until
 
 
 def test_a_trainer_resumed_from_the_cluster_ends_as_an_uninterrupted_run(make_cluster, tmp_path):
@@ -89,3 +95,76 @@ print(json.dumps({"checkpoint": checkpoint, "step": trainer.state.global_step,
     second = run_api(c, f"import os\nos.chdir({str(tmp_path / 'second')!r})\n" + example + check)
     assert second["checkpoint"] == "out/checkpoint-10" and second["step"] == 20
     assert second["stored"] == ["tiny-run/checkpoint-20"]  # steps 1-10 were not trained again
+
+
+def start_run(cluster, script: str, tmp_path) -> subprocess.Popen:
+    """A training script against the cluster, in a process of its own, started and not
+    waited for (the test acts on the cluster while it runs); stdout and stderr in files."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=cluster.env(),
+        cwd=ROOT,
+        stdout=(tmp_path / "run.out").open("w"),
+        stderr=(tmp_path / "run.err").open("w"),
+        text=True,
+    )
+
+
+def test_a_store_that_fails_never_stops_training_and_is_stored_once_the_cluster_answers(
+    make_cluster, tmp_path
+):
+    """9 steps, a checkpoint every 3. redis-server is SIGKILLed before checkpoint-3 is
+    saved and started again after step 4; the host's worker is SIGKILLed before
+    checkpoint-6 and started again after step 7. Training runs its 9 steps and ends well;
+    each store that failed is a warning naming it; checkpoint-3 and checkpoint-6, still
+    on disk, are stored after checkpoint-9 is: the cluster holds all three. The worker
+    killed with checkpoint-6's store queued is not waited for: its alive key expires and
+    the callback gives up on it (it waited for a worker to come back)."""
+    c = make_cluster(2)
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    run = start_run(
+        c,
+        f"""
+        import json
+        from tests.smoltorrent.hf_run import Pauses, trainer
+        from smoltorrent.integrations.transformers import Callback, checkpoints
+
+        callback = Callback("run1")
+        t = trainer({str(tmp_path / "out")!r}, [Pauses({str(pauses)!r}, [3, 4, 6, 7]),
+                    callback], max_steps=9)
+        t.train()
+        print(json.dumps({{"step": t.state.global_step, "stored": callback.stored,
+                          "failed": callback.failed, "cluster": checkpoints("run1")}}))
+        """,
+        tmp_path,
+    )
+    try:
+        for step, act in [
+            (3, c.kill_redis),
+            (4, c.start_redis),
+            (6, c.kill_worker),
+            (7, c.start_worker),
+        ]:
+            wait_until(
+                lambda s=step: (pauses / f"at-{s}").exists() or run.poll() is not None,
+                timeout=120,
+                what=f"the run to reach step {step}",
+            )
+            assert run.poll() is None, (tmp_path / "run.err").read_text()
+            act()
+            (pauses / f"go-{step}").touch()
+        assert run.wait(timeout=240) == 0, (tmp_path / "run.err").read_text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    err = (tmp_path / "run.err").read_text()
+    got = json.loads((tmp_path / "run.out").read_text().strip().splitlines()[-1])
+    assert got["step"] == 9
+    assert "run1/checkpoint-3 was not stored (cannot reach Redis" in err
+    assert "run1/checkpoint-6 was not stored (no worker serves test0 any more" in err
+    assert got["stored"] == ["run1/checkpoint-9", "run1/checkpoint-3", "run1/checkpoint-6"]
+    assert got["failed"] == []
+    assert got["cluster"] == [[9, "run1/checkpoint-9"], [6, "run1/checkpoint-6"],
+                              [3, "run1/checkpoint-3"]]  # fmt: skip
