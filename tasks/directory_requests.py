@@ -37,12 +37,14 @@ from coordinator.plan.directory import (
 from coordinator.plan.file_pack import PACK_FILE
 from coordinator.plan.version_ids import check_name
 from coordinator.state.directories import Directories, DirectoryVersion, Member
+from coordinator.state.versions import REMOVED
 from smoltorrent import defaults, durable
 from smoltorrent.errors import SmoltorrentError
 from tasks.requests import (
     StoreRequest,
     connected_metadata,
     submit_gather,
+    submit_remove,
     submit_store,
     wait_gather,
     wait_store,
@@ -168,6 +170,23 @@ def directory_checkpoints(name: str) -> list[str]:
     its record."""
     members = Directories(connected_metadata().r).member_names(name)
     return sorted(members | {member_name(name, RECORD_FILE)})
+
+
+def remove_directory(name: str) -> bool:
+    """Remove directory `name` whole, every version of its files and its records, and
+    forget it, without waiting for its blobs to go (retention from a training step):
+    each version is marked removing at once, so no gather takes it and the reconcile
+    sweep finishes a remove that dies. False, and nothing removed, when one of its
+    versions is pinned (as `rm` refuses it)."""
+    md = connected_metadata()
+    vkeys = [v for n in directory_checkpoints(name) for v in md.versions.versions(n)]
+    if any(pin for pin, _ in md.versions.labels(vkeys).values()):
+        return False
+    for vkey in vkeys:
+        if md.versions.state(vkey) not in (None, REMOVED):
+            submit_remove(vkey)
+    forget_directory(name)  # last: a crash before leaves it listed, removed on the next pass
+    return True
 
 
 def forget_directory(name: str) -> None:

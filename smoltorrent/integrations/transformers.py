@@ -25,6 +25,12 @@ that stores it by hand, and training goes on from the Trainer's own copy on disk
 again) and when training ends, if its directory is still there; one still not stored
 then is named in a last warning.
 
+Once a checkpoint is stored, those of the run past the `keep_last` newest (by default
+the Trainer's save_total_limit: the cluster keeps what the output directory keeps) are
+removed from the cluster whole, as `smoltorrent rm` removes a directory checkpoint; the
+best one (load_best_model_at_end) stays, as the Trainer keeps it, and so does one with a
+pinned version.
+
 `restore(output_dir, name)` gathers the newest stored checkpoint (the highest N) into
 OUTPUT_DIR/checkpoint-N, where `resume_from_checkpoint=True` looks for it.
 """
@@ -56,15 +62,26 @@ class Callback(TrainerCallback):
     """Store each checkpoint-N directory the Trainer writes as NAME/checkpoint-N.
 
     name: the run's name on the cluster (default: the output directory's base name; give
-    one when several runs share a cluster). replicas: copies of each chunk.
+    one when several runs share a cluster). replicas: copies of each chunk. keep_last:
+    how many of the run's checkpoints the cluster keeps (None: as many as the Trainer's
+    save_total_limit keeps on disk, all when it has none).
     stored: the checkpoint names stored so far; failed: (name, error) of those not
     stored (yet: one is tried again while its directory is on disk)."""
 
-    def __init__(self, name: str | None = None, *, replicas: int = defaults.DEFAULT_REPLICAS):
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        replicas: int = defaults.DEFAULT_REPLICAS,
+        keep_last: int | None = None,
+    ):
         if name is not None and (not isinstance(name, str) or not name.strip("/")):
             raise SmoltorrentError(f"a run's name is a non-empty name, not {name!r}")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise SmoltorrentError(f"keep_last keeps at least 1 checkpoint, not {keep_last!r}")
         self.name = None if name is None else name.strip("/")
         self.replicas = replicas
+        self.keep_last = keep_last
         self.stored: list[str] = []
         self.failed: list[tuple[str, str]] = []
         self._paths: dict[str, str] = {}  # checkpoint name -> its directory, until stored
@@ -80,6 +97,7 @@ class Callback(TrainerCallback):
         for earlier, earlier_path in list(self._paths.items()):
             if os.path.isdir(earlier_path):
                 self._store(earlier_path, earlier)
+        self._prune(args, state)
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -130,6 +148,37 @@ class Callback(TrainerCallback):
         self.stored.append(name)
         log.info("smoltorrent: stored %s in %.1f s", name, time.monotonic() - started)
         return True
+
+    def _prune(self, args, state) -> None:
+        """Remove the run's stored checkpoints past the newest `keep_last` (the Trainer's
+        save_total_limit by default) by the Trainer's own rule (rotate_checkpoints): the
+        newest and the best stay, the oldest others go; never raises into the step."""
+        keep = self.keep_last or args.save_total_limit
+        if not keep or keep < 1:
+            return
+        from tasks.directory_requests import remove_directory
+
+        run = self._run(args)
+        try:
+            oldest_first = [name for _, name in reversed(checkpoints(run))]
+            if not oldest_first:
+                return
+            protected = {oldest_first[-1]}
+            if state.best_model_checkpoint:
+                protected.add(f"{run}/{os.path.basename(state.best_model_checkpoint)}")
+            remaining = len(oldest_first)
+            for name in oldest_first:
+                if remaining <= max(keep, len(protected)):
+                    break
+                if name in protected:
+                    continue
+                remaining -= 1
+                if remove_directory(name):
+                    log.info("smoltorrent: removed %s (the run keeps %d)", name, keep)
+                else:
+                    log.info("smoltorrent: %s has a pinned version; kept", name)
+        except Exception as exc:  # retention is not worth a step: done after the next
+            log.warning("smoltorrent: old checkpoints of %s not removed (%s)", run, exc)
 
 
 def checkpoints(name: str) -> list[tuple[int, str]]:

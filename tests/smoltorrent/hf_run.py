@@ -24,13 +24,20 @@ def data(rows: int = 32, length: int = 16) -> list[dict]:
     return [{"input_ids": r, "labels": r} for r in ids]
 
 
-def trainer(output_dir: Path, callbacks=(), max_steps: int = 6, save_steps: int = 3) -> Trainer:
+def trainer(
+    output_dir: Path,
+    callbacks=(),
+    max_steps: int = 6,
+    save_steps: int = 3,
+    save_total_limit: int | None = None,
+) -> Trainer:
     set_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     args = TrainingArguments(
         str(output_dir),
         max_steps=max_steps,
         save_steps=save_steps,
+        save_total_limit=save_total_limit,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
         seed=0,

@@ -168,3 +168,35 @@ def test_a_store_that_fails_never_stops_training_and_is_stored_once_the_cluster_
     assert got["failed"] == []
     assert got["cluster"] == [[9, "run1/checkpoint-9"], [6, "run1/checkpoint-6"],
                               [3, "run1/checkpoint-3"]]  # fmt: skip
+
+
+def test_the_cluster_keeps_the_checkpoints_the_trainers_save_total_limit_keeps(
+    make_cluster, tmp_path
+):
+    """save_total_limit=2: the Trainer deletes its checkpoint-3 once checkpoint-9 is
+    written, and the callback removes run1/checkpoint-3 from the cluster once
+    checkpoint-9 is stored; keep_last=1 keeps one whatever the Trainer keeps. What
+    remains restores, and the removed directory's files are gone from `ls`."""
+    c = make_cluster(2)
+    got = run_api(
+        c,
+        f"""
+        import json, os
+        from tests.smoltorrent.hf_run import trainer
+        from smoltorrent.integrations.transformers import Callback, checkpoints
+
+        tmp = {str(tmp_path)!r}
+        trainer(f"{{tmp}}/out", [Callback("run1")], max_steps=9, save_total_limit=2).train()
+        trainer(f"{{tmp}}/two", [Callback("run2", keep_last=1)], max_steps=6).train()
+        print(json.dumps({{"local": sorted(os.listdir(f"{{tmp}}/out")),
+                          "run1": checkpoints("run1"), "run2": checkpoints("run2")}}))
+        """,
+    )
+    assert got["local"] == ["checkpoint-6", "checkpoint-9"]
+    assert got["run1"] == [[9, "run1/checkpoint-9"], [6, "run1/checkpoint-6"]]
+    assert got["run2"] == [[6, "run2/checkpoint-6"]]
+    wait_until(
+        lambda: not any("checkpoint-3" in r["name"] for r in c.cli_json("ls")),
+        what="checkpoint-3's files to be removed",
+    )
+    assert c.cli_json("dlq", "ls") == []
