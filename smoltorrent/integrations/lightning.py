@@ -16,6 +16,10 @@ under key paths in a .safetensors file, everything else as JSON in its header. N
 pickled, and nothing runs on load; a value that is neither a tensor, a container nor a
 plain value (a module or a function in hyper_parameters) is refused (StateDictError).
 
+A save runs in the background, as smoltorrent.save(wait=False) does: save_checkpoint
+returns once the checkpoint is snapshotted and journalled, and the store goes on in the
+save's writer process. wait=True makes each save wait for its commit instead.
+
 Lightning path -> smoltorrent name: PREFIX + "/" + the path relative to `root` (the
 working directory when the plugin was made), with "/" between its parts:
 `checkpoints/last.ckpt` under CheckpointIO("run1") is `run1/checkpoints/last.ckpt`.
@@ -23,7 +27,9 @@ Saving a path again (`last.ckpt`, every epoch) makes a new version of its name; 
 tensors that did not change are not sent again.
 
 At the path itself the plugin writes a pointer: a few lines of JSON naming the name and
-the version id it saved, written once that version is committed. Lightning decides what
+the version id it saved, written once that version is committed (by a thread of the
+plugin's, in the order of the saves; loading or removing a path waits for its pointer,
+and teardown, at the end of fit, for every one). Lightning decides what
 exists by looking at its checkpoint directory, not by asking the plugin: ModelCheckpoint
 lists it for `ckpt_path="last"` (the newest `last*.ckpt` by modification time), checks a
 path before reusing its name, and links `last.ckpt` to the newest checkpoint with
@@ -36,15 +42,22 @@ the cluster holds under a directory, so `ckpt_path="last"` finds them there too.
 from __future__ import annotations
 
 import json
+import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
 
 import smoltorrent
 from smoltorrent import defaults, durable
 from smoltorrent.errors import CheckpointFormatError, SmoltorrentError
+
+if TYPE_CHECKING:
+    from smoltorrent.api import SaveHandle
+
+log = logging.getLogger("smoltorrent")
 
 POINTER_KIND = "smoltorrent lightning checkpoint"  # what a pointer file says it is
 POINTER_FORMAT = 1  # of the pointer's JSON; a reader refuses a newer one
@@ -55,7 +68,9 @@ class CheckpointIO(_LightningCheckpointIO):
 
     prefix: the smoltorrent name every checkpoint path is stored under (a run's name).
     root: the directory paths are taken relative to (default: the working directory now).
-    replicas, staging_dir, bwlimit: as smoltorrent.save and smoltorrent.load take them."""
+    replicas, staging_dir, bwlimit: as smoltorrent.save and smoltorrent.load take them.
+    wait: each save waits for its commit (default: it returns once journalled, as
+    smoltorrent.save(wait=False) does, and its pointer is written at the commit)."""
 
     def __init__(
         self,
@@ -65,6 +80,7 @@ class CheckpointIO(_LightningCheckpointIO):
         replicas: int = defaults.DEFAULT_REPLICAS,
         staging_dir: str | os.PathLike[str] | None = None,
         bwlimit: int | None = None,
+        wait: bool = False,
     ) -> None:
         if not isinstance(prefix, str) or not prefix.strip("/"):
             raise SmoltorrentError(f"a prefix is a non-empty name (a run's), not {prefix!r}")
@@ -73,6 +89,10 @@ class CheckpointIO(_LightningCheckpointIO):
         self.replicas = replicas
         self.staging_dir = staging_dir
         self.bwlimit = bwlimit
+        self.wait = wait
+        self._pointing: dict[Path, Future[None]] = {}  # a path's pointer, until written
+        # One thread: the pointers are written in the order of their saves.
+        self._pointers: ThreadPoolExecutor | None = None
 
     def name_of(self, path: str | os.PathLike[str]) -> str:
         """The smoltorrent name a Lightning path is stored under."""
@@ -93,21 +113,51 @@ class CheckpointIO(_LightningCheckpointIO):
         storage_options: Any | None = None,
     ) -> None:
         """Store `checkpoint` as a version of the path's name; once it is committed, write
-        the path's pointer to that version."""
+        the path's pointer to that version (in the background unless `wait`)."""
         if storage_options is not None:
             raise TypeError(  # as Lightning's TorchCheckpointIO refuses them
                 f"smoltorrent's CheckpointIO takes no storage_options (got {storage_options!r});"
                 " give replicas= or bwlimit= to CheckpointIO(...)"
             )
         name = self.name_of(path)
-        saved = smoltorrent.save(
+        handle = smoltorrent.save(
             checkpoint,
             name,
             replicas=self.replicas,
+            wait=False,
             staging_dir=self.staging_dir,
             bwlimit=self.bwlimit,
         )
-        write_pointer(Path(path), name, saved.version_id)
+        if self.wait:
+            write_pointer(Path(path), name, handle.version_id)
+            return
+        if self._pointers is None:
+            self._pointers = ThreadPoolExecutor(1, thread_name_prefix="smoltorrent-pointers")
+        key = Path(os.path.abspath(path))
+        self._pointing[key] = self._pointers.submit(_point, key, name, handle)
+
+    def _settle(self, path: str | os.PathLike[str] | None = None) -> list[BaseException]:
+        """Wait for the pointer of `path` (every one when None) to be written; what kept
+        any from being written (its save failed)."""
+        keys = list(self._pointing) if path is None else [Path(os.path.abspath(path))]
+        failed = []
+        for key in keys:
+            future = self._pointing.pop(key, None)
+            if future is not None and future.exception() is not None:
+                failed.append(future.exception())
+        return failed
+
+    def teardown(self) -> None:
+        """At the end of fit: every save's pointer written; SmoltorrentError naming the
+        saves that failed (each was logged as it did; training is over)."""
+        failed = self._settle()
+        if self._pointers is not None:
+            self._pointers.shutdown()
+            self._pointers = None
+        if failed:
+            raise SmoltorrentError(
+                f"{len(failed)} checkpoint save(s) failed: " + "; ".join(map(str, failed))
+            )
 
     def load_checkpoint(
         self,
@@ -125,6 +175,7 @@ class CheckpointIO(_LightningCheckpointIO):
                     "smoltorrent's CheckpointIO loads onto one device: map_location is a "
                     f"str or a torch.device, not {map_location!r}"
                 )
+        self._settle(path)
         if os.path.exists(path):
             name, version = read_pointer(Path(path))
         else:
@@ -142,6 +193,7 @@ class CheckpointIO(_LightningCheckpointIO):
         checkpoint (save_last="link"), the versions of its name (pinned ones stay). The
         removal is sent to the cluster's worker, not waited for: ModelCheckpoint removes
         the checkpoint a newer one replaced, in the training step."""
+        self._settle(path)  # a save of it in flight: its pointer, then the removal
         path = Path(path)
         if path.is_symlink():
             path.unlink()
@@ -177,6 +229,16 @@ class CheckpointIO(_LightningCheckpointIO):
                 os.utime(path, (made, made))
             written.append(path)
         return written
+
+
+def _point(path: Path, name: str, handle: SaveHandle) -> None:
+    """Once the save commits, the path's pointer to it; a failed save logged."""
+    try:
+        version_id = handle.version_id
+    except Exception as exc:
+        log.warning("smoltorrent: the save of %s failed (%s); no pointer at %s", name, exc, path)
+        raise
+    write_pointer(path, name, version_id)
 
 
 def write_pointer(path: Path, name: str, version_id: str) -> None:

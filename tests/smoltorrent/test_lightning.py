@@ -4,6 +4,13 @@ uninterrupted run is, and writes no pickle anywhere (a tiny model on CPU, 2 epoc
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 from tests.smoltorrent.conftest import ROOT, run_api
 from tests.tasks.conftest import wait_until
 
@@ -114,3 +121,59 @@ print(json.dumps({"step": trainer.global_step, "from": trainer.ckpt_path}))
     # The second machine had no file: restore() wrote the pointers from the cluster, and
     # ckpt_path="last" resumed from step 3 and trained epoch 2.
     assert runs[1] == {"step": 6, "from": str(tmp_path / "second" / "checkpoints" / "last.ckpt")}
+
+
+def test_a_save_returns_before_its_commit_and_its_pointer_follows_the_commit(
+    make_cluster, tmp_path
+):
+    """The plugin saves in the background, as save(wait=False) does. The worker is
+    SIGSTOPped before the run, so no save can commit: the run still starts epoch 2 (epoch
+    1's save returned, journalled), with no pointer at ck/last.ckpt yet. SIGCONT: fit ends
+    once every pointer is written (teardown waits for them), and they name what was
+    saved: last.ckpt loads back step 6."""
+    c = make_cluster(2)
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = tmp_path / "epoch-2"
+    script = f"""
+        import json, os
+        from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+        from smoltorrent.integrations.lightning import CheckpointIO
+        from tests.smoltorrent.lightning_run import Tiny, trainer
+
+        class Mark(Callback):
+            def on_train_epoch_start(self, trainer, module):
+                if trainer.current_epoch == 1:
+                    with open({str(marker)!r}, "w") as f:
+                        json.dump(os.path.lexists("ck/last.ckpt"), f)
+
+        os.chdir({str(work)!r})
+        every = ModelCheckpoint(dirpath="ck", save_last=True)
+        trainer(2, plugins=[CheckpointIO("bg")], callbacks=[every, Mark()]).fit(Tiny())
+        last = CheckpointIO("bg").load_checkpoint("ck/last.ckpt")
+        print(json.dumps({{"files": sorted(os.listdir("ck")), "step": last["global_step"]}}))
+        """
+    os.killpg(c.worker.pid, signal.SIGSTOP)
+    run = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=c.env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "run.err").open("w"),
+        text=True,
+    )
+    try:
+        wait_until(
+            lambda: marker.exists() or run.poll() is not None,
+            timeout=120,
+            what="the run's second epoch",
+        )
+    finally:
+        os.killpg(c.worker.pid, signal.SIGCONT)
+        if not marker.exists():
+            run.kill()
+    out, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, (tmp_path / "run.err").read_text()
+    assert json.loads(marker.read_text()) is False  # epoch 1's save not committed yet
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"files": ["epoch=1-step=6.ckpt", "last.ckpt"], "step": 6}
