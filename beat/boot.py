@@ -1,5 +1,6 @@
 """The boot sequence, at every worker start, in the original system's order (after
-freeing the sweep locks this host's last boot died holding, beat/sweeps.py):
+freeing the sweep locks this host's last boot died holding, beat/sweeps.py, and the
+repair sessions it died running, which are planned again at once):
 
 1. file_sync: the planned nodes of this host's pending versions say which of the
    blobs still unsettled they already hold (a transfer may have stored its blob
@@ -26,8 +27,10 @@ from celery.signals import worker_ready
 from celery.utils.log import get_task_logger
 
 from beat import reconcile, sweeps
+from beat.repair import send_repairs
 from coordinator import config
 from coordinator.dataplane.chunk_source import clear_spool
+from coordinator.state import repairs
 from coordinator.state.metadata import Metadata
 from coordinator.state.nodes import NodeRecord
 from coordinator.state.versions import PENDING
@@ -94,6 +97,11 @@ def run(host: str) -> dict[str, int]:
     freed = md.sweeps.free_locks_of_dead_boots(sweeps.REGISTERED, host, BOOT_ID)
     if freed:
         log.warning("boot of %s: freed the locks its last boot died holding: %s", host, freed)
+    copies = repairs.free_dead_sessions(md, host, BOOT_ID)
+    if copies:
+        # Their blobs are still below R: plan them now, not at the next repair sweep.
+        log.warning("boot of %s: freed %d repair copies its last boot died sending", host, copies)
+        send_repairs(md)
     registered = md.nodes.nodes()
     # Encoded chunks of versions that committed, aborted or are gone, left by a crash.
     pending = {vkey for vkey, _ in md.listing.versions_in(PENDING)}

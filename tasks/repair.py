@@ -23,7 +23,7 @@ from coordinator.state.repair_plan import TRIM
 from smoltorrent import defaults
 from smoltorrent.errors import NodeError, NodeUnavailableError, ProtocolError
 from tasks.app import app
-from tasks.context import REDIS_TRANSIENT, metadata
+from tasks.context import BOOT_ID, REDIS_TRANSIENT, metadata
 
 log = get_task_logger(__name__)
 
@@ -47,6 +47,7 @@ def repair(
     md = metadata()
     digests = [digest, *(more or [])]
     try:
+        repairs.running(md, digest, target, more or [], config.host_id(), BOOT_ID)
         nodes = md.nodes.nodes()
         if source not in nodes or target not in nodes:
             return "node removed"

@@ -148,6 +148,10 @@ BAD_COPIES = PREFIX + "bad_copies"
 # hash "digest:target" -> JSON {source, size, at, deadline}: repair copies sent and not
 # yet finished (the throttle counts them; a record past its deadline is a dead task's)
 REPAIRS = PREFIX + "repairs"
+# hash "digest:target" (a session's first copy) -> JSON {host, boot, at, target, digests}:
+# the worker (host and boot id) running that repair session, so its next boot frees the
+# session's records if it died mid-copy (coordinator/state/repairs.py)
+REPAIR_RUNNERS = PREFIX + "repairs:runners"
 # lock held while one planner decides and claims repairs (beat/repair.py send_repairs)
 REPAIR_PLAN_LOCK = PREFIX + "repairs:plan_lock"
 # hash digest -> JSON {copies, replicas, reason, names}: blobs below R that no repair can

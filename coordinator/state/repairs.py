@@ -68,10 +68,50 @@ def claim(
     return bool(md.r.hsetnx(K.REPAIRS, _field(digest, target), json.dumps(record)))
 
 
+def running(md: Metadata, digest: str, target: str, more: list[str], host: str, boot: str) -> None:
+    """The repair session of digest and `more` runs in the worker of `host` started as
+    `boot`: if that worker dies, its next boot frees the session (free_dead_sessions)."""
+    runner = {"host": host, "boot": boot, "at": redis_clock(md.r), "digests": [digest, *more]}
+    md.r.hset(K.REPAIR_RUNNERS, _field(digest, target), json.dumps({**runner, "target": target}))
+
+
 def finished(md: Metadata, digest: str, target: str, more: list[str] = ()) -> None:
     """The repair (of digest and `more`, one session's) ended, well or not: its records
     are gone, and its session slot is free."""
-    md.r.hdel(K.REPAIRS, *(_field(d, target) for d in [digest, *more]))
+    with md.r.pipeline() as p:
+        p.hdel(K.REPAIRS, *(_field(d, target) for d in [digest, *more]))
+        p.hdel(K.REPAIR_RUNNERS, _field(digest, target))
+        p.execute()
+
+
+def free_dead_sessions(md: Metadata, host: str, boot: str) -> int:
+    """Free the repair sessions an earlier boot of `host`'s worker was running: it died
+    with them (a SIGKILL, the OOM killer), and their records would hold the throttle and
+    keep their copies from being sent again until their deadlines, minutes away. A record
+    claimed after the session started is another session's and stays. How many copies
+    were freed. (The dead worker's unacked message comes back after the visibility
+    timeout, hours on; a copy is idempotent, so that late run costs only a check.)"""
+    freed = 0
+    for field, raw in md.r.hgetall(K.REPAIR_RUNNERS).items():
+        runner = json.loads(raw)
+        if runner["host"] != host or runner["boot"] == boot:
+            continue
+        fields = [_field(d, runner["target"]) for d in runner["digests"]]
+        records = md.r.hmget(K.REPAIRS, fields)
+        ours = [f for f, r in zip(fields, records, strict=True) if r and _claimed_by(r, runner)]
+        with md.r.pipeline() as p:
+            if ours:
+                p.hdel(K.REPAIRS, *ours)
+            p.hdel(K.REPAIR_RUNNERS, field)
+            p.execute()
+        freed += len(ours)
+    return freed
+
+
+def _claimed_by(record: str, runner: dict) -> bool:
+    """Whether the in-flight record was claimed for the session `runner` ran: before it
+    started (a record claimed later is a new session's, sent once the old one expired)."""
+    return json.loads(record)["at"] <= runner["at"]
 
 
 def in_flight(md: Metadata, now: float | None = None) -> list[InFlight]:

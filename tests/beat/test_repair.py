@@ -594,3 +594,37 @@ def test_a_trim_that_finds_its_kept_copies_rotten_deletes_no_surplus(make_cluste
     # The rotten copies leave the placement (their nodes quarantined them); the clean one
     # stays counted, and repair makes the second copy from it.
     assert c.md.blobs.placement(blob) == {clean_id}
+
+
+def test_a_worker_killed_mid_repair_frees_its_sessions_when_it_starts_again(
+    make_cluster, beat, tmp_path
+):
+    """Invariant 13: the repair sessions a SIGKILLed worker was running are free again at its
+    next boot, which plans the repair on. They held the throttle until their records'
+    deadlines (a session's time limit and the reconcile grace: minutes), and the blobs
+    stayed below R that long (the 30-minute chaos run of 2026-12-06: 457 blobs for 108 s).
+    The repair sweep is an hour apart (longer than default, never shorter): within this
+    test only the boot can carry the repair on."""
+    c = make_cluster(
+        4, **DEAD_SOON, SMOLTORRENT_REPAIR_INTERVAL_S="3600", SMOLTORRENT_REPAIR_BPS="300000"
+    )
+    src = make_blobs_ckpt(tmp_path / "many.safetensors", 8)
+    digests = stored(c, src, "many.safetensors")
+    beat(c)
+    wait_until(lambda: c.md.sweeps.sweep_runs("health"), timeout=60, what="a health sweep")
+    by_id = {n.client().ping(): n for n in c.node_procs}
+    lost = max(by_id, key=lambda i: sum(i in c.md.blobs.placement(d) for d in digests))
+    by_id[lost].kill()
+    survivors = [n for n in c.node_procs if n is not by_id[lost]]
+    # Each session carries ~1 MiB or more at 300 KB/s: seconds, so it is killed mid-copy.
+    wait_until(
+        lambda: c.md.r.hlen(K.REPAIRS) and "smoltorrent.repair[" in c.worker_log(),
+        timeout=90,
+        what="a repair session under way",
+    )
+    time.sleep(1.0)  # the session's task started (received, then run at once: a free slot)
+    dead = [json.loads(r) for r in c.md.r.hgetall(K.REPAIRS).values()]
+    c.kill_worker()
+    c.start_worker()
+    wait_until(lambda: at_r_on(c, digests, survivors), timeout=120, what="R on the survivors")
+    assert c.md.sweeps.redis_time() < min(r["deadline"] for r in dead)
