@@ -141,6 +141,19 @@ def local_tier_bytes() -> int:
     return _int_from_env("SMOLTORRENT_LOCAL_BYTES", defaults.LOCAL_TIER_BYTES, "a number of bytes")
 
 
+def writer_nice() -> int:
+    """The nice value, at least, of a trainer's writer process and of its autogroup
+    (SMOLTORRENT_WRITER_NICE; 0 runs it as its trainer)."""
+    what = f"a nice value from 0 to {defaults.WRITER_NICE_MAX}"
+    value = _int_from_env("SMOLTORRENT_WRITER_NICE", defaults.WRITER_NICE, what)
+    if value > defaults.WRITER_NICE_MAX:
+        raise ConfigError(
+            f"SMOLTORRENT_WRITER_NICE={value} is not {what}: set one such as "
+            f"{defaults.WRITER_NICE}, or unset it for the default ({defaults.WRITER_NICE})"
+        )
+    return value
+
+
 def socket_timeout() -> float:
     """Seconds a worker waits on a silent node (SMOLTORRENT_SOCKET_TIMEOUT_S, the variable
     nodes read too, default SOCKET_TIMEOUT_S): how soon a hung node is replaced."""

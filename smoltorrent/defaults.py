@@ -569,6 +569,19 @@ SAVE_RETRY_S = 2.0
 # handle.result() learns of a longer outage.
 SAVE_PATIENCE_S = 3600.0
 WRITER_IDLE_POLL_S = 0.5  # seconds between a writer's checks that its trainer is done
+# nice value (0 to 19) a trainer's writer process runs at, at least, and on Linux its
+# session's autogroup too: the writer is background work the training step must not wait
+# on. At 10 the kernel weighs it 110 against a nice-0 trainer's 1024 (its nice-to-weight
+# table), so while the trainer keeps every core busy the writer has about a tenth of
+# one, and all of any core the trainer leaves idle: slower, never stopped.
+# SMOLTORRENT_WRITER_NICE overrides it (0: as its trainer). Measured in docs/benchmarks.md.
+WRITER_NICE = 10
+WRITER_NICE_MAX = 19  # the highest nice value, the lowest priority, Linux takes (macOS: 20)
+# tries, and seconds between them, to set the writer's autogroup nice: Linux refuses an
+# unprivileged change within 100 ms (HZ/10) of any other on the machine (EAGAIN), as when
+# every rank of a job starts its writer at its first save
+AUTOGROUP_NICE_TRIES = 20
+AUTOGROUP_NICE_RETRY_S = 0.1
 # snapshot buffers a trainer keeps mapped for its next save once the writer has staged
 # them: one makes a steady save cadence fault no page, at the cost of one state's size of
 # shared memory held between saves

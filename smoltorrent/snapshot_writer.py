@@ -5,13 +5,17 @@ the trainer's CPU and GIL.
 
 The trainer (smoltorrent/api.py) starts one in its own session, so a Ctrl-C or a
 SIGKILL of the trainer does not stop it, and writes the path of each journal record
-(smoltorrent/snapshot.py) to its stdin. For each, in order: the staged .safetensors
-file is written from the shared-memory snapshot by safetensors' serializer, fsync'd
-with its directory entry, and the snapshot deleted; then the store is submitted and
-followed to its commit, one save of a name after another. While no worker, Redis or
-cluster answers, submitting is retried every SAVE_RETRY_S for SAVE_PATIENCE_S. One
-JSON line per save goes back on stdout ({"id", "ok", "version_id", "new", "size"} or
-{"id", "ok": false, "error"}), which the trainer turns into its handle's result.
+(smoltorrent/snapshot.py) to its stdin. It runs below the trainer's priority, at nice
+defaults.WRITER_NICE with its session's autogroup (smoltorrent/priority.py; 0 in
+SMOLTORRENT_WRITER_NICE leaves it at the trainer's), so the steps after a save lose
+less of their cores to it, and a busy trainer makes it slower, never stopped. For each
+journal record, in order: the staged .safetensors file is written from the
+shared-memory snapshot by safetensors' serializer, fsync'd with its directory entry,
+and the snapshot deleted; then the store is submitted and followed to its commit, one
+save of a name after another. While no worker, Redis or cluster answers, submitting is
+retried every SAVE_RETRY_S for SAVE_PATIENCE_S. One JSON line per save goes back on
+stdout ({"id", "ok", "version_id", "new", "size"} or {"id", "ok": false, "error"}),
+which the trainer turns into its handle's result.
 
 At start and with every save it is handed, a writer adopts the journal's orphans (a
 record no live process holds a lock on: its trainer and writer died) and stores them
@@ -39,8 +43,8 @@ from typing import Any
 
 from coordinator import config
 from coordinator.plan.safetensors_header import read_header
-from smoltorrent import defaults, durable, local_tier
-from smoltorrent.errors import MetadataError, ShardedCheckpointError, SmoltorrentError
+from smoltorrent import defaults, durable, local_tier, priority
+from smoltorrent.errors import ConfigError, MetadataError, ShardedCheckpointError, SmoltorrentError
 from smoltorrent.snapshot import journal_dir
 
 log = logging.getLogger("smoltorrent.snapshot_writer")
@@ -392,12 +396,25 @@ def _request_path(record: str) -> str:
     return record.removesuffix(".json") + ".request"
 
 
+def _nice() -> int:
+    """SMOLTORRENT_WRITER_NICE; a bad value is logged, not fatal: a writer that exits at
+    start would be started again by its trainer, save after save."""
+    try:
+        return config.writer_nice()
+    except ConfigError as exc:
+        log.warning("%s; running at nice %d", exc, defaults.WRITER_NICE)
+        return defaults.WRITER_NICE
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s writer[{os.getpid()}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    # Below the trainer before any thread starts (each inherits it): the staged file and
+    # the store's follow-up are background work, and a core they take is a step's.
+    priority.lower(_nice())
     writer = Writer(Path(argv[1]))
     writer.journal.mkdir(parents=True, exist_ok=True)
     threading.Thread(target=writer.read_trainer, daemon=True).start()

@@ -1,11 +1,16 @@
-"""coordinator/config.py: the home directory, read from the environment at each call."""
+"""coordinator/config.py: the home directory, read from the environment at each call;
+the writer's nice value."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 from coordinator import config
+from smoltorrent import defaults
+from smoltorrent.errors import ConfigError
 
 
 def test_home_follows_the_environment(monkeypatch, tmp_path) -> None:
@@ -43,3 +48,16 @@ def test_home_interns_no_new_strings_per_call(monkeypatch, tmp_path) -> None:
         config.cluster_key_file()
     assert not [p for p in interned if p == "churn-home"]
     assert config.home() == Path(tmp_path / "churn-home")
+
+
+def test_writer_nice_is_ten_unless_set_and_refuses_what_is_no_nice_value(monkeypatch) -> None:
+    monkeypatch.delenv("SMOLTORRENT_WRITER_NICE", raising=False)
+    assert config.writer_nice() == defaults.WRITER_NICE
+    monkeypatch.setenv("SMOLTORRENT_WRITER_NICE", "0")
+    assert config.writer_nice() == 0
+    monkeypatch.setenv("SMOLTORRENT_WRITER_NICE", "19")
+    assert config.writer_nice() == 19
+    for bad in ("-5", "20", "low"):
+        monkeypatch.setenv("SMOLTORRENT_WRITER_NICE", bad)
+        with pytest.raises(ConfigError, match="SMOLTORRENT_WRITER_NICE=.* a nice value from 0"):
+            config.writer_nice()
