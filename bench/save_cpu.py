@@ -3,6 +3,7 @@ per smoltorrent.save(wait=False) of a ~150 MB state, and how much longer the tra
 steps right after it take.
 
     .venv/bin/python -m bench.save_cpu [--mib 147] [--saves 5] [--encode auto|zstd|raw]
+                                       [--writer-nice N] [--worker-nice N]
                                        [--profile] [--json OUT]
 
 A local cluster (redis-server, --nodes node processes, a Celery worker; R=2) is started
@@ -30,6 +31,15 @@ The training process's CPU is given twice: its save() call (the snapshot's copy,
 journal record), and all of it over the save beyond its steps' baseline CPU, which also
 counts the step's threads spinning longer when another process holds a core (torch's
 OpenMP threads wait busy). The box's CPU sums the call, the writer and the worker.
+
+The writer runs at nice 10 with its session's autogroup (smoltorrent/priority.py);
+--writer-nice N sets SMOLTORRENT_WRITER_NICE for the training process (0: the writer at
+the trainer's priority, as before it was lowered), so one run is the A side of an A/B and
+another the B side. Per save, staged is the time from the call until the writer said the
+staged file is fsync'd (its snapshot handed back): until then a power cut loses the
+save. The writer's nice value and autogroup's, read from /proc, are in the result.
+--worker-nice N lowers the worker the same way once it runs (every process of its group
+and its session's autogroup), what a training box could do to its own worker.
 
 --profile runs cProfile over the training process's save() calls and prints its top
 functions by own time, so the trainer's share can be read function by function.
@@ -108,6 +118,16 @@ def group_cpu(pgid):
                 total += (int(fields[11]) + int(fields[12])) / TICK
     return total
 
+# When the writer says a save's staged file is fsync'd it hands its snapshot buffer back
+# to the pool: the time of that put is the time the save became durable on disk.
+pool = api._writer(api._staging_dir(None)).pool
+staged_at = []
+put = pool.put
+def timed_put(buffer):
+    staged_at.append(time.perf_counter())
+    put(buffer)
+pool.put = timed_put
+
 def others():
     writer = next(iter(api._writers.values())).proc if api._writers else None
     return {"writer": proc_cpu(writer.pid) if writer else 0.0,
@@ -133,6 +153,7 @@ for i in range(saves + 1):  # the first save starts the writer: a warm-up, not c
                 t.add_(0.001)
     state["step"] = i
     before = others()
+    del staged_at[:]
     c0, t0 = cpu_self(), time.perf_counter()
     if profiler:
         profiler.enable()
@@ -145,7 +166,8 @@ for i in range(saves + 1):  # the first save starts the writer: a warm-up, not c
     stored = time.perf_counter() - t0
     trainer = cpu_self() - c0 - sum(c for _, c in after)  # less the steps' own CPU
     spent = {k: v - before[k] for k, v in others().items()}
-    run = {"stall": stall, "stored": stored, "trainer_call_cpu": call_cpu,
+    run = {"stall": stall, "staged": staged_at[0] - t0 if staged_at else None,
+           "stored": stored, "trainer_call_cpu": call_cpu,
            "trainer_cpu": trainer + sum(c - base_cpu for _, c in after),
            "steps_after": [t for t, _ in after],
            "delta_two_steps": sum(t for t, _ in after) - 2 * base_time, **spent}
@@ -157,7 +179,13 @@ for i in range(saves + 1):  # the first save starts the writer: a warm-up, not c
     for _ in range(quiet):
         step()
 writer = next(iter(api._writers.values())).proc.pid
-out = {"size": size, "tensors": 3 * count, "base_step": base_time, "base_step_cpu": base_cpu,
+stat = open(f"/proc/{writer}/stat").read().rsplit(")", 1)[1].split()
+try:
+    autogroup = open(f"/proc/{writer}/autogroup").read().strip()
+except OSError:
+    autogroup = None
+out = {"writer_nice": int(stat[16]), "writer_autogroup": autogroup,
+       "size": size, "tensors": 3 * count, "base_step": base_time, "base_step_cpu": base_cpu,
        "runs": runs, "pids": {"trainer": os.getpid(), "writer": writer, **groups}}
 if profiler:
     text = io.StringIO()
@@ -168,6 +196,7 @@ print(json.dumps(out))
 
 KEYS = (
     "stall",
+    "staged",
     "stored",
     "trainer_call_cpu",
     "trainer_cpu",
@@ -202,12 +231,14 @@ def table(result: dict) -> str:
         [
             f"{result['size'] / MIB:.0f} MiB state ({result['tensors']} fp32 tensors), "
             f"encode={result['encode']}, {len(result['runs'])} saves, {result['threads']} "
-            f"torch threads; baseline step "
+            f"torch threads; writer at nice {result['writer_nice']} "
+            f"({result['writer_autogroup']}); baseline step "
             f"{result['base_step']:.3f} s; seconds, median (min to max)",
             "",
             "| | per save |",
             "| --- | --- |",
             f"| stall (save() call) | {cell('stall')} |",
+            f"| staged (call to the staged file fsync'd) | {cell('staged')} |",
             f"| stored (call to handle.result()) | {cell('stored')} |",
             f"| training process CPU, the call | {cell('trainer_call_cpu')} |",
             f"| training process CPU beyond its steps' baseline | {cell('trainer_cpu')} |",
@@ -234,11 +265,27 @@ def main() -> int:
     parser.add_argument(
         "--nodes-nice", type=int, default=19, help="the nodes' nice value (0: as the rest)"
     )
+    parser.add_argument(
+        "--writer-nice",
+        type=int,
+        help="SMOLTORRENT_WRITER_NICE for the training process (0: the writer as the "
+        "trainer; default: smoltorrent's)",
+    )
+    parser.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="the worker's nice value and its session autogroup's, set once it runs (0: "
+        "left as started); what a training box could do to its worker",
+    )
     parser.add_argument("--encode", default="auto", choices=("auto", "zstd", "raw"))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", help="write the runs and medians here")
     parser.add_argument("--scratch", help="where the cluster lives (default: TMPDIR)")
     args = parser.parse_args()
+    writer_env = (
+        {} if args.writer_nice is None else {"SMOLTORRENT_WRITER_NICE": str(args.writer_nice)}
+    )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -255,6 +302,11 @@ def main() -> int:
         ) as cluster,
     ):
         assert cluster.worker is not None
+        if args.worker_nice:
+            # Every thread of every process in its group (PRIO_PGRP), and its session's
+            # autogroup: as smoltorrent/priority.py lowers the writer.
+            os.setpriority(os.PRIO_PGRP, cluster.worker.pid, args.worker_nice)
+            Path(f"/proc/{cluster.worker.pid}/autogroup").write_text(str(args.worker_nice))
         groups = {
             "worker": cluster.worker.pid,  # its own session: its group is its pid
             "nodes": [n.pid for n in cluster.node_procs],
@@ -273,7 +325,11 @@ def main() -> int:
                 json.dumps(groups),
                 str(args.threads),
             ],
-            env=dict(cluster.env(), PYTHONPATH=str(ROOT)),
+            env=dict(
+                cluster.env(),
+                PYTHONPATH=str(ROOT),
+                **writer_env,
+            ),
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,
