@@ -59,15 +59,24 @@ class Cluster(LocalCluster):
         return (self.root / "worker.log").read_text(errors="replace")
 
 
+# A predicate that costs more than its wait (one that runs a `smoltorrent` command: an
+# interpreter start, ~0.5 s of CPU) is asked again only after this many times its own cost:
+# polled back to back it kept a core busy for the whole wait, on a suite that is CPU-bound.
+# A cheap predicate (a Redis read) keeps the short interval, so brief states are still seen.
+POLL_COST_FACTOR = 2.0
+
+
 def wait_until(predicate, timeout: float = 60, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while True:
+        asked = time.monotonic()
         value = predicate()
         if value:
             return value
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+        time.sleep(max(interval, POLL_COST_FACTOR * (now - asked)))
 
 
 @pytest.fixture
