@@ -60,6 +60,15 @@ else:
     _OWN_HOME = False  # inherited: an xdist worker's, or the caller's own choice
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under xdist, the slowest tests first, spread over the workers (tests/slow_first.py).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        from tests.slow_first import slow_first, slow_seconds
+
+        items[:] = slow_first(items, workers, slow_seconds())
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not _OWN_HOME or os.environ.get("SMOLTORRENT_REDIS_URL"):
         return
